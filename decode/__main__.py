@@ -1,0 +1,18 @@
+"""`python -m decode ...`: run a drafter through the lossless decoder on an eval set (Hydra entry)."""
+import hydra
+from omegaconf import DictConfig
+
+from decode.config import DecodeConfig, store_schemas
+
+store_schemas("decode_schema", DecodeConfig)
+
+
+@hydra.main(config_path="../conf", config_name="decode", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    from decode.evaluate import run
+
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()

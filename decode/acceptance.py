@@ -1,0 +1,81 @@
+"""Simulated acceptance on held-out conversations (the trainer's periodic eval).
+
+At sampled assistant positions t of a conversation, the drafter sees the true prefix tokens[:t+1]
+(and the target's features of it), drafts k tokens unrolled on its OWN outputs, and the target
+verifies them greedily in one forward, exactly as one round of the real decoder would. From the
+accepted lengths we get the per-position acceptance rate acc_i = P(draft i accepted | drafts
+1..i-1 accepted) and the simulated tau = 1 + sum_k prod_{i<=k} acc_i (tokens per target forward,
+bonus token included, comparable with the decoder's `tau`).
+"""
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from drafters.base import DecodeState, Drafter
+from drafters.sampling import SamplingParams
+
+GREEDY = SamplingParams()
+
+
+@torch.inference_mode()
+def accepted_lengths(target, drafter: Drafter, input_ids: list[int], loss_mask: list[int], k: int,
+                     positions: int) -> list[tuple[int, int]]:
+    """(accepted, proposed) for up to `positions` assistant positions of one conversation."""
+    ids = torch.as_tensor(input_ids, dtype=torch.long, device=target.device)
+    mask = torch.as_tensor(loss_mask)
+    cand = (mask[1:] == 1).nonzero().flatten()  # t such that token t+1 is an assistant token
+    if len(cand) == 0:
+        return []
+    pick = cand[torch.linspace(0, len(cand) - 1, min(positions, len(cand))).long()].unique()
+    last = int(pick.max())
+    # 1. One target forward over the prefix up to the last sampled position: features + cache.
+    cache = DynamicCache(config=target.config)
+    out = target.forward(ids[None, :last + 1], layers=drafter.feature_layers, cache=cache)
+    argmax0 = out.logits[0].argmax(-1)  # (last+1,) target's greedy token after each position
+    feats = out.features[0] if out.features is not None else None  # (last+1, F)
+    results = []
+    for t in pick.flip(0).tolist():  # descending, so cropping the cache never loses what we need
+        # 2. Draft k tokens from the true prefix, unrolled on the drafter's own outputs.
+        drafter.reset()
+        state = DecodeState(tokens=ids[:t + 1], features=None if feats is None else feats[:t])
+        draft = drafter.propose(state, k, GREEDY).tokens.to(target.device)  # (k',)
+        # 3. Verify: the target's argmax after prefix + drafts[:i] for every i, in one forward.
+        cache.crop(-(cache.get_seq_length() - (t + 1)))
+        if len(draft) > 1:
+            logits = target.forward(draft[None, :-1], cache=cache).logits[0]  # (k'-1, V)
+            want = torch.cat([argmax0[t:t + 1], logits.argmax(-1)])  # (k',)
+        else:
+            want = argmax0[t:t + 1]
+        ok = (draft == want[: len(draft)]).long()
+        results.append((int(ok.cumprod(0).sum()), len(draft)))
+    return results
+
+
+def acceptance_summary(pairs: list[tuple[int, int]], k: int) -> dict[str, object]:
+    """Per-position conditional acceptance and the simulated tau from (accepted, proposed) pairs."""
+    acc = []
+    for i in range(1, k + 1):
+        reached = sum(1 for a, n in pairs if a >= i - 1 and n >= i)  # draft i was verified
+        accepted = sum(1 for a, n in pairs if a >= i)
+        acc.append(accepted / reached if reached else 0.0)
+    tau, run = 1.0, 1.0
+    for a in acc:
+        run *= a
+        tau += run
+    mean_acc = sum(a for a, _ in pairs) / len(pairs) if pairs else 0.0
+    return {"acceptance": acc, "sim_tau": tau, "mean_accepted": mean_acc, "positions": len(pairs)}
+
+
+def simulate_acceptance(target, drafter: Drafter, conversations, k: int = 5,
+                        positions: int = 8) -> dict[str, object]:
+    """Run `accepted_lengths` over conversations (rows with input_ids, loss_mask) and summarise."""
+    pairs: list[tuple[int, int]] = []
+    was_training = drafter.training
+    drafter.eval()
+    try:
+        for row in conversations:
+            pairs += accepted_lengths(target, drafter, row["input_ids"], row["loss_mask"], k, positions)
+    finally:
+        drafter.train(was_training)
+    return acceptance_summary(pairs, k)

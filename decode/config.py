@@ -1,0 +1,56 @@
+"""Config schemas of `python -m decode` (Hydra structured configs, stored in the ConfigStore).
+
+conf/decode.yaml picks one YAML per group; every merge is checked against these dataclasses, so a
+misspelt key or a wrong type fails at start with Hydra's message.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from drafters.base import CONFIGS, drafter_class
+from drafters.target import TargetConfig
+
+
+@dataclass
+class EvalConfig:
+    """Which prompts the decoder runs."""
+
+    kind: str = "mtbench"  # mtbench | humaneval | jsonl
+    path: Optional[str] = None  # the JSONL file for kind=jsonl
+    limit: Optional[int] = None  # only the first N prompts (None = all)
+    turns: int = 1  # MT-bench: 1 = first turns only, 2 = both turns
+
+
+@dataclass
+class DecodeConfig:
+    """`python -m decode`: run a drafter through the lossless decoder on an eval set."""
+
+    target: TargetConfig = MISSING
+    drafter: Any = MISSING  # the drafter's own schema (conf/drafter/<name>.yaml)
+    eval: EvalConfig = MISSING
+    ckpt: Optional[str] = None  # trained drafter: a run dir, checkpoint or export folder
+    max_new_tokens: int = 256  # generation budget per prompt (turn)
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # sampling: keep the k most likely tokens (0 = off)
+    top_p: float = 1.0  # sampling: nucleus mass (1.0 = off)
+    k: int = 5  # chain draft length (0 = plain target decoding)
+    tree: bool = False  # verify a draft tree (the drafter's static or dynamic tree) instead of a chain
+    min_confidence: float = 0.0  # adaptive draft length: stop drafting below this draft prob (0 = off)
+    compare_plain: bool = True  # also decode plainly: speedup and a token-identity check (greedy)
+    seed: int = 0  # sampling seed
+    run_dir: str = "runs/decode/${now:%Y-%m-%d_%H-%M-%S}"  # outputs: result JSON, markdown table
+
+
+def store_schemas(primary_name: str | None = None, primary: type | None = None) -> None:
+    """Put the drafter schemas (group `drafter`, as `schema_<name>`) and a primary schema in the
+    ConfigStore. Called by `python -m decode` and `python -m train` before Hydra composes."""
+    cs = ConfigStore.instance()
+    drafter_class("ngram")  # importing drafters/ fills the registry
+    for name, schema in CONFIGS.items():
+        cs.store(group="drafter", name=f"schema_{name}", node=schema)
+    if primary is not None:
+        cs.store(name=primary_name, node=primary)

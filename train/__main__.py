@@ -1,0 +1,23 @@
+"""`python -m train ...`: distil a drafter from a frozen target (Hydra entry point).
+
+The config path is relative to this file, so the job composes from conf/ both from the repo root
+and after `pip install -e .`.
+"""
+import hydra
+from omegaconf import DictConfig
+
+from decode.config import store_schemas
+from train.config import TrainConfig
+
+store_schemas("train_schema", TrainConfig)
+
+
+@hydra.main(config_path="../conf", config_name="train", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    from train.recipe import run
+
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()

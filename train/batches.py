@@ -1,0 +1,62 @@
+"""Deterministic, resumable, rank-sharded batches of tokenised conversations.
+
+The order of an epoch is a permutation seeded by (seed, epoch); a global batch of
+batch_size * world_size conversations is cut from it and each rank takes its own disjoint slice,
+so no conversation is seen twice per epoch across ranks. The position (epoch, cursor) goes into the
+checkpoint, so a resumed run sees exactly the batches an uninterrupted run would.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad a list of {input_ids, loss_mask} rows into (B, T) tensors."""
+    T = max(len(r["input_ids"]) for r in rows)
+    B = len(rows)
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, T), dtype=torch.long)
+    loss_mask = torch.zeros((B, T), dtype=torch.long)
+    for i, r in enumerate(rows):
+        n = len(r["input_ids"])
+        input_ids[i, :n] = torch.as_tensor(r["input_ids"])
+        attention_mask[i, :n] = 1
+        loss_mask[i, :n] = torch.as_tensor(r["loss_mask"])
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
+
+
+class BatchIterator:
+    def __init__(self, dataset, batch_size: int, seed: int, pad_id: int,
+                 rank: int = 0, world_size: int = 1) -> None:
+        if len(dataset) < batch_size * world_size:
+            raise ValueError(f"the training split has {len(dataset)} conversations, fewer than one "
+                             f"global batch ({batch_size} x {world_size} ranks); use more data "
+                             f"(data.max_conversations) or a smaller trainer.batch_size")
+        self.dataset, self.batch_size, self.seed, self.pad_id = dataset, batch_size, seed, pad_id
+        self.rank, self.world_size = rank, world_size
+        self.epoch, self.cursor = 0, 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+        return torch.randperm(len(self.dataset), generator=g).tolist()
+
+    def __iter__(self) -> "BatchIterator":
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        global_bs = self.batch_size * self.world_size
+        if self.cursor + global_bs > len(self._order):  # drop the ragged tail, start a new epoch
+            self.epoch, self.cursor = self.epoch + 1, 0
+            self._order = self._permutation(self.epoch)
+        start = self.cursor + self.rank * self.batch_size
+        idx = self._order[start:start + self.batch_size]
+        self.cursor += global_bs
+        return collate([self.dataset[i] for i in idx], self.pad_id)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "cursor": self.cursor}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.cursor = state["epoch"], state["cursor"]
+        self._order = self._permutation(self.epoch)

@@ -9,9 +9,16 @@ vocabulary when the drafter has one), so nothing of size T x V is ever stored.
 """
 from __future__ import annotations
 
-from typing import Sequence
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
 
 import torch
+from omegaconf import MISSING
+from safetensors.torch import load_file, save_file
 
 
 @torch.inference_mode()
@@ -37,3 +44,176 @@ def target_logits(target, final_hidden: torch.Tensor, d2t: torch.Tensor | None =
     if bias is not None and d2t is not None:
         bias = bias[d2t]
     return torch.nn.functional.linear(final_hidden.to(weight.dtype), weight, bias)
+
+
+# ---------------------------------------------------------------------------------------------
+# Offline capture: `python -m data.capture` writes the features of a split to sharded safetensors
+# files; the trainer reads them back with `OfflineFeatures` (trainer.features=offline).
+# ---------------------------------------------------------------------------------------------
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+
+
+@dataclass
+class CaptureConfig:
+    """`python -m data.capture`: write target features of a data split to disk."""
+
+    target: Any = MISSING  # the target (conf/target/*.yaml)
+    data: Any = MISSING  # the chat data (conf/data/*.yaml)
+    out: str = MISSING  # output folder of the shards (give it to the trainer as trainer.features_dir)
+    layers: list[int] = field(default_factory=lambda: [-1])  # must equal the drafter's feature_layers
+    split: str = "train"  # train | eval
+    shard_size: int = 256  # conversations per shard file
+    batch_size: int = 4  # conversations per target forward
+    limit: Optional[int] = None  # only the first N conversations of the split
+    dtype: str = "float32"  # storage dtype: float32 | bfloat16 (halves the disk)
+
+
+def _manifest(cfg, target, n: int) -> dict:
+    return {"version": FORMAT_VERSION, "target": target.source, "layers": list(cfg.layers),
+            "hidden_size": target.hidden_size, "split": cfg.split, "conversations": n,
+            "shard_size": cfg.shard_size, "dtype": cfg.dtype}
+
+
+def write_shard(path: Path, rows: list[dict], feats: list, finals: list, dtype: torch.dtype) -> None:
+    """One shard: rows concatenated along time, with offsets; written atomically."""
+    lengths = torch.tensor([len(r["input_ids"]) for r in rows])
+    tensors = {"offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
+               "input_ids": torch.cat([torch.as_tensor(r["input_ids"]) for r in rows]),
+               "final": torch.cat(finals).to(dtype).contiguous()}
+    if feats and feats[0] is not None:
+        tensors["features"] = torch.cat(feats).to(dtype).contiguous()
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file(tensors, str(tmp))
+    os.replace(tmp, path)
+
+
+def capture_split(target, rows, cfg, out: Path, progress: bool = True) -> Path:
+    """Capture `rows` (input_ids, loss_mask) in shards under `out`; completed shards are skipped,
+    so an interrupted capture resumes where it stopped."""
+    from tqdm import tqdm
+
+    out.mkdir(parents=True, exist_ok=True)
+    n = len(rows)
+    manifest = _manifest(cfg, target, n)
+    mpath = out / MANIFEST
+    if mpath.is_file():
+        old = json.loads(mpath.read_text())
+        if old != manifest:
+            raise ValueError(f"{out} holds a capture made with other settings ({old}); use another "
+                             f"`out` folder or delete it")
+    else:
+        mpath.write_text(json.dumps(manifest, indent=1))
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
+    shards = range(0, n, cfg.shard_size)
+    for s in tqdm(shards, desc="capture", disable=not progress):
+        path = out / f"shard-{s // cfg.shard_size:05d}.safetensors"
+        if path.is_file():
+            continue
+        chunk = [rows[i] for i in range(s, min(n, s + cfg.shard_size))]
+        feats, finals = [], []
+        for b in range(0, len(chunk), cfg.batch_size):
+            part = chunk[b:b + cfg.batch_size]
+            batch = pad_batch(part, pad_id=0)
+            f, h = capture(target, batch["input_ids"], batch["attention_mask"], cfg.layers)
+            for j, r in enumerate(part):  # drop the padding again
+                T = len(r["input_ids"])
+                feats.append(None if f is None else f[j, :T].cpu())
+                finals.append(h[j, :T].cpu())
+        write_shard(path, chunk, feats, finals, dtype)
+    return out
+
+
+class OfflineFeatures:
+    """Reads a capture back: features and final hidden state of conversation i of the split."""
+
+    def __init__(self, folder: str | Path, layers, target) -> None:
+        self.folder = Path(folder)
+        mpath = self.folder / MANIFEST
+        if not mpath.is_file():
+            raise FileNotFoundError(f"no {MANIFEST} in {self.folder}; run `python -m data.capture "
+                                    f"out={self.folder} ...` first")
+        self.manifest = json.loads(mpath.read_text())
+        if list(layers) != self.manifest["layers"] or target.hidden_size != self.manifest["hidden_size"]:
+            raise ValueError(f"capture {self.folder} has layers {self.manifest['layers']} of hidden "
+                             f"size {self.manifest['hidden_size']}; the drafter needs {list(layers)} "
+                             f"of {target.hidden_size}: capture again with layers={list(layers)}")
+        self._shard_id, self._shard = -1, None
+
+    def __len__(self) -> int:
+        return self.manifest["conversations"]
+
+    def get(self, i: int, input_ids: list[int]) -> tuple[torch.Tensor | None, torch.Tensor]:
+        size = self.manifest["shard_size"]
+        if i // size != self._shard_id:
+            path = self.folder / f"shard-{i // size:05d}.safetensors"
+            if not path.is_file():
+                raise FileNotFoundError(f"{path} is missing: the capture is incomplete; rerun "
+                                        f"`python -m data.capture` with the same settings to finish it")
+            self._shard_id, self._shard = i // size, load_file(str(path))
+        sh, j = self._shard, i % size
+        a, b = int(sh["offsets"][j]), int(sh["offsets"][j + 1])
+        if sh["input_ids"][a:b].tolist() != list(input_ids):
+            raise ValueError(f"capture {self.folder} does not match the data (conversation {i} "
+                             f"differs): the data or tokenizer changed since the capture; capture again")
+        feats = sh["features"][a:b].float() if "features" in sh else None
+        return feats, sh["final"][a:b].float()
+
+    def batch(self, indices: list[int], rows: list[dict], T: int):
+        """Right-padded (B, T, F) features and (B, T, H) final hidden states of a batch."""
+        got = [self.get(i, r["input_ids"]) for i, r in zip(indices, rows)]
+        final = torch.zeros(len(got), T, got[0][1].shape[-1])
+        feats = None if got[0][0] is None else torch.zeros(len(got), T, got[0][0].shape[-1])
+        for j, (f, h) in enumerate(got):
+            final[j, :len(h)] = h
+            if feats is not None:
+                feats[j, :len(f)] = f
+        return feats, final
+
+
+def pad_batch(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad a list of {input_ids, loss_mask} rows into (B, T) tensors."""
+    T = max(len(r["input_ids"]) for r in rows)
+    B = len(rows)
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, T), dtype=torch.long)
+    loss_mask = torch.zeros((B, T), dtype=torch.long)
+    for i, r in enumerate(rows):
+        n = len(r["input_ids"])
+        input_ids[i, :n] = torch.as_tensor(r["input_ids"])
+        attention_mask[i, :n] = 1
+        loss_mask[i, :n] = torch.as_tensor(r["loss_mask"])
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
+
+
+def main() -> None:
+    import hydra
+    from hydra.core.config_store import ConfigStore
+
+    from data.dataset import load_chat_dataset
+    from drafters.target import TargetConfig, load_target
+    from data.dataset import DataConfig
+
+    @dataclass
+    class _Schema(CaptureConfig):
+        target: TargetConfig = MISSING
+        data: DataConfig = MISSING
+
+    ConfigStore.instance().store(name="capture_schema", node=_Schema)
+
+    @hydra.main(config_path="../conf", config_name="capture", version_base="1.3")
+    def _run(cfg) -> None:
+        target = load_target(cfg.target)
+        data = load_chat_dataset(cfg.data, target.tokenizer)
+        rows = data.train if cfg.split == "train" else data.eval
+        if cfg.limit is not None:
+            rows = rows.select(range(min(cfg.limit, len(rows))))
+        out = capture_split(target, rows, cfg, Path(cfg.out),
+                            progress=sys.stderr.isatty() and not os.environ.get("CI"))
+        print(f"captured {len(rows)} conversations of the {cfg.split} split into {out}")
+
+    _run()
+
+
+if __name__ == "__main__":
+    main()

@@ -9,20 +9,7 @@ from __future__ import annotations
 
 import torch
 
-
-def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad a list of {input_ids, loss_mask} rows into (B, T) tensors."""
-    T = max(len(r["input_ids"]) for r in rows)
-    B = len(rows)
-    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((B, T), dtype=torch.long)
-    loss_mask = torch.zeros((B, T), dtype=torch.long)
-    for i, r in enumerate(rows):
-        n = len(r["input_ids"])
-        input_ids[i, :n] = torch.as_tensor(r["input_ids"])
-        attention_mask[i, :n] = 1
-        loss_mask[i, :n] = torch.as_tensor(r["loss_mask"])
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
+from data.capture import pad_batch
 
 
 class BatchIterator:
@@ -52,7 +39,10 @@ class BatchIterator:
         start = self.cursor + self.rank * self.batch_size
         idx = self._order[start:start + self.batch_size]
         self.cursor += global_bs
-        return collate([self.dataset[i] for i in idx], self.pad_id)
+        rows = [self.dataset[i] for i in idx]
+        batch = pad_batch(rows, self.pad_id)
+        batch["index"] = torch.tensor(idx)  # dataset rows, for features captured offline
+        return batch
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "cursor": self.cursor}

@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from data.capture import capture, target_logits
+from data.capture import OfflineFeatures, capture, target_logits
 from data.dataset import load_chat_dataset
 from decode.acceptance import simulate_acceptance
-from drafters.base import TrainBatch, build_drafter, load_drafter
+from drafters.base import TrainBatch, build_drafter, fit_draft_vocab, load_drafter
 from drafters.target import load_target
 from train import checkpoint as ckpt
 from train.backends import build_backend
@@ -53,6 +53,14 @@ def lr_lambda(warmup: int, total: int, floor: float):
     return f
 
 
+def token_counts(ds, vocab_size: int) -> torch.Tensor:
+    """(V,) how often each token occurs as an assistant (loss-masked) token in `ds`."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for row in ds.with_format("torch"):
+        counts += torch.bincount(row["input_ids"][row["loss_mask"].bool()], minlength=vocab_size)
+    return counts
+
+
 class DistillRecipe:
     def __init__(self, cfg: DictConfig) -> None:
         self.cfg = cfg
@@ -75,7 +83,11 @@ class DistillRecipe:
         self.train_ds, self.eval_ds = data.train, data.eval
         log.info("data: %d train / %d eval conversations", len(self.train_ds), len(self.eval_ds))
         # 2. The drafter, its optimizer and schedule.
-        self.drafter = build_drafter(cfg.drafter, self.target, train_data=self.train_ds)
+        self.drafter = build_drafter(cfg.drafter, self.target)
+        if fit_draft_vocab(self.drafter, token_counts(self.train_ds, self.target.vocab_size),
+                           always_include=self.target.eos_token_ids):
+            log.info("draft vocabulary: the %d most frequent assistant tokens of the training data",
+                     len(self.drafter.d2t))
         self.drafter.to(self.backend.device)
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
         if not self.params:
@@ -85,6 +97,17 @@ class DistillRecipe:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(tcfg.warmup_steps, tcfg.max_steps, tcfg.min_lr_ratio))
         self.model = self.backend.prepare(self.drafter, self.optimizer)
+        self.offline = None
+        if tcfg.features == "offline":
+            if not tcfg.features_dir:
+                raise ValueError("trainer.features=offline needs trainer.features_dir (the `out` of "
+                                 "`python -m data.capture`)")
+            self.offline = OfflineFeatures(tcfg.features_dir, self.drafter.feature_layers, self.target)
+            if len(self.offline) != len(self.train_ds):
+                raise ValueError(f"capture {tcfg.features_dir} holds {len(self.offline)} conversations, "
+                                 f"the train split {len(self.train_ds)}: capture the same data")
+        elif tcfg.features != "online":
+            raise ValueError(f"trainer.features must be online or offline, not {tcfg.features!r}")
         pad = self.target.tokenizer.pad_token_id
         self.batches = BatchIterator(self.train_ds, tcfg.batch_size, cfg.seed,
                                      pad if pad is not None else 0,
@@ -126,8 +149,13 @@ class DistillRecipe:
     def make_batch(self, raw: dict[str, torch.Tensor]) -> TrainBatch:
         """Run the frozen target on a batch (online capture) and package it for the drafter."""
         dev = self.backend.device
-        feats, final = capture(self.target, raw["input_ids"], raw["attention_mask"],
-                               self.drafter.feature_layers)
+        if self.offline is not None:
+            idx = raw["index"].tolist()
+            feats, final = self.offline.batch(idx, [self.train_ds[i] for i in idx],
+                                              raw["input_ids"].shape[1])
+        else:
+            feats, final = capture(self.target, raw["input_ids"], raw["attention_mask"],
+                                   self.drafter.feature_layers)
         d2t = getattr(self.drafter, "d2t", None)
         logits = target_logits(self.target, final, d2t)  # (B, T, Vd) restricted when pruned
         return TrainBatch(input_ids=raw["input_ids"].to(dev),
@@ -156,7 +184,7 @@ class DistillRecipe:
                                     f"trainer.precision=fp32, then resume=true.")
             self.backend.backward(loss / tcfg.grad_accum, sync=micro == tcfg.grad_accum - 1)
             for name, v in {"loss": loss, **parts}.items():
-                totals[name] = totals.get(name, 0.0) + float(v) / tcfg.grad_accum
+                totals[name] = totals.get(name, 0.0) + float(v.detach()) / tcfg.grad_accum
         grad_norm = self.backend.step(self.optimizer, self.params, tcfg.grad_clip)
         self.scheduler.step()
         self.step += 1

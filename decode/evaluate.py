@@ -1,0 +1,157 @@
+"""Run a drafter through the lossless decoder on an eval set and write the results.
+
+Used by `python -m decode` and by the trainer's final eval. With compare_plain=True every prompt is
+also decoded plainly by the target, interleaved prompt by prompt (plain, speculative, plain, ...)
+so load from other processes hits both alike; the speedup is measured in the same run and, for
+greedy decoding, every speculative output is checked token-for-token against the plain one.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from data.prompts import load_prompts
+from decode.metrics import RunMetrics
+from decode.spec import generate
+from drafters.base import Drafter
+from drafters.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+def quiet() -> bool:
+    """No progress bars when not on a terminal or in CI."""
+    return bool(os.environ.get("CI")) or not sys.stderr.isatty()
+
+
+def render(target, turns: list[str], answers: list[list[int]]) -> torch.Tensor:
+    """Chat-template prompt ids for the next turn, given the model's own earlier answers."""
+    messages = []
+    for i, turn in enumerate(turns):
+        messages.append({"role": "user", "content": turn})
+        if i < len(answers):
+            text = target.tokenizer.decode(answers[i], skip_special_tokens=True)
+            messages.append({"role": "assistant", "content": text})
+    enc = target.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                               return_tensors="pt")
+    return enc["input_ids"][0]
+
+
+def evaluate_drafter(target, drafter: Drafter | None, *, eval_kind: str = "mtbench",
+                     path: str | None = None, limit: int | None = None, turns: int = 1,
+                     max_new_tokens: int = 256, k: int = 5, tree: bool = False,
+                     sampling: SamplingParams | None = None, min_confidence: float = 0.0,
+                     compare_plain: bool = True, seed: int = 0,
+                     out_dir: Path | None = None) -> dict:
+    """Decode every prompt (and turn) speculatively, and plainly when compare_plain; return
+    {"summary", "markdown", "prompts"} and write result.json + result.md into out_dir."""
+    sampling = sampling or SamplingParams()
+    prompts = load_prompts(eval_kind, path=path, limit=limit, turns=turns)
+    spec_results, plain_results, rows = [], [], []
+    mismatches = 0
+    gen = torch.Generator(device=target.device).manual_seed(seed)
+    for p in tqdm(prompts, desc=f"decode {eval_kind}", disable=quiet()):
+        answers: list[list[int]] = []
+        for turn in range(len(p.turns)):
+            ids = render(target, p.turns[:turn + 1], answers)
+            budget = min(max_new_tokens, target.max_length - len(ids))
+            kwargs = dict(max_new_tokens=budget, sampling=sampling)
+            plain = generate(target, None, ids, **kwargs, generator=gen) if compare_plain else None
+            spec = generate(target, drafter, ids, k=k, tree=tree, min_confidence=min_confidence,
+                            generator=gen, **kwargs)
+            same = None
+            if plain is not None and sampling.greedy:
+                same = torch.equal(plain.tokens, spec.tokens)
+                mismatches += not same
+            spec_results.append(spec)
+            if plain is not None:
+                plain_results.append(plain)
+            out = spec.tokens.tolist()
+            answers.append(out)
+            rows.append({"id": p.id, "turn": turn + 1, "category": p.category,
+                         "prompt_tokens": len(ids), "generated_ids": out,
+                         "text": target.tokenizer.decode(out, skip_special_tokens=False),
+                         "new_tokens": len(out), "target_forwards": spec.target_forwards,
+                         "accepted": spec.accepted, "drafted": spec.drafted,
+                         "stop_reason": spec.stop_reason, "identical_to_plain": same})
+    spec_m = RunMetrics.from_results(spec_results)
+    summary = {"eval": eval_kind, "prompts": len(prompts), "generations": len(rows),
+               "drafter": drafter.name if drafter is not None else "none", "k": k, "tree": tree,
+               "temperature": sampling.temperature, "max_new_tokens": max_new_tokens,
+               **{f"spec_{n}": v for n, v in asdict(spec_m).items()}}
+    summary["tau"] = spec_m.tau
+    summary["tau_draft"] = spec_m.tau_draft
+    if plain_results:
+        plain_m = RunMetrics.from_results(plain_results)
+        summary["plain_tokens_per_s"] = plain_m.tokens_per_s
+        summary["speedup"] = spec_m.tokens_per_s / plain_m.tokens_per_s if plain_m.tokens_per_s else 0.0
+        summary["plain_target_forwards"] = plain_m.target_forwards
+        if sampling.greedy:
+            summary["outputs_identical_to_plain"] = mismatches == 0
+            summary["mismatched_generations"] = mismatches
+    markdown = results_markdown(summary, spec_m)
+    if out_dir is not None:
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "result.json").write_text(json.dumps({"summary": summary, "prompts": rows},
+                                                         indent=1))
+        (out_dir / "result.md").write_text(markdown + "\n")
+    if mismatches:
+        log.error("%d greedy generations differ from plain decoding: the decoder is not lossless "
+                  "here; see identical_to_plain in result.json", mismatches)
+    return {"summary": summary, "markdown": markdown, "prompts": rows}
+
+
+def results_markdown(summary: dict, m: RunMetrics) -> str:
+    lines = [f"### {summary['drafter']} on {summary['eval']} ({summary['generations']} generations, "
+             f"k={summary['k']}{', tree' if summary['tree'] else ''}, "
+             f"T={summary['temperature']})", "",
+             m.to_markdown(), ""]
+    if "speedup" in summary:
+        lines += ["| plain tokens/s | speculative tokens/s | speedup | outputs identical |",
+                  "|---:|---:|---:|:---:|",
+                  f"| {summary['plain_tokens_per_s']:.1f} | {m.tokens_per_s:.1f} | "
+                  f"{summary['speedup']:.2f}x | {summary.get('outputs_identical_to_plain', 'n/a')} |"]
+    return "\n".join(lines)
+
+
+def load_decode_drafter(cfg: DictConfig, target) -> Drafter | None:
+    """The drafter of a decode job: a trained one from `ckpt`, else built from the drafter config."""
+    from drafters.base import build_drafter, load_drafter
+
+    if cfg.ckpt:
+        folder = Path(cfg.ckpt)
+        for cand in (folder, folder / "best"):
+            if (cand / "drafter.json").is_file():
+                return load_drafter(cand, target)
+        raise FileNotFoundError(f"ckpt={cfg.ckpt} holds no drafter.json (nor best/drafter.json); "
+                                f"give a training run dir, a checkpoint folder or an export folder")
+    return build_drafter(cfg.drafter, target)
+
+
+def run(cfg: DictConfig) -> None:
+    from drafters.target import load_target
+
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    target = load_target(cfg.target)
+    drafter = load_decode_drafter(cfg, target)
+    if drafter is not None:
+        drafter.to(target.device).eval()
+    sampling = SamplingParams(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+    result = evaluate_drafter(target, drafter, eval_kind=cfg.eval.kind, path=cfg.eval.path,
+                              limit=cfg.eval.limit, turns=cfg.eval.turns,
+                              max_new_tokens=cfg.max_new_tokens, k=cfg.k, tree=cfg.tree,
+                              sampling=sampling, min_confidence=cfg.min_confidence,
+                              compare_plain=cfg.compare_plain, seed=cfg.seed, out_dir=run_dir)
+    print(result["markdown"], flush=True)
+    print(f"results: {run_dir / 'result.json'}", flush=True)

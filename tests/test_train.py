@@ -1,0 +1,179 @@
+"""The distillation recipe on a tiny target: loss goes down, resume is exact, crashes are safe,
+online and offline capture give the same batches, greedy decoding with the trained drafter stays
+the target's."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+import train.__main__  # noqa: F401  (stores the schemas)
+from data.capture import CaptureConfig, OfflineFeatures, capture, capture_split, pad_batch
+from decode.spec import generate
+from drafters.base import load_drafter
+from train import checkpoint as ckpt
+from train import recipe as recipe_mod
+from train.recipe import DistillRecipe, NonFiniteLoss
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+
+
+@pytest.fixture(scope="module")
+def chat_file(tmp_path_factory) -> Path:
+    """48 small conversations with learnable structure."""
+    path = tmp_path_factory.mktemp("data") / "chats.jsonl"
+    with open(path, "w") as f:
+        for i in range(48):
+            seq = " ".join(WORDS[(i + j) % len(WORDS)] for j in range(12))
+            f.write(json.dumps({"id": f"c{i}", "conversations": [
+                {"from": "human", "value": f"Continue the list from {WORDS[i % len(WORDS)]}."},
+                {"from": "gpt", "value": seq}]}) + "\n")
+    return path
+
+
+def make_cfg(tmp_path, chat_file, *overrides):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="train", overrides=[
+            "target=tiny", "data=jsonl", f"data.path={chat_file}", "data.max_length=128",
+            "data.eval_fraction=0.1", f"data.cache_dir={tmp_path / 'cache'}", "trainer=smoke",
+            "trainer.final_eval=null", f"run_dir={tmp_path / 'run'}", "logger=jsonl",
+            "drafter=eagle", "drafter.draft_vocab_size=512", *overrides])
+
+
+def run(cfg) -> DistillRecipe:
+    r = DistillRecipe(cfg)
+    r.setup()
+    r.train()
+    r.cleanup()
+    return r
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def test_training_lowers_the_loss(tmp_path, chat_file):
+    cfg = make_cfg(tmp_path, chat_file, "trainer.max_steps=40", "trainer.lr=3e-3",
+                   "trainer.eval_every=0", "trainer.save_every=0", "trainer.log_every=1")
+    r = run(cfg)
+    got = losses(Path(cfg.run_dir))
+    first = sum(got[s] for s in range(1, 6)) / 5
+    last = sum(got[s] for s in range(36, 41)) / 5
+    assert last < 0.7 * first, (first, last)
+    assert (Path(cfg.run_dir) / "config.yaml").is_file()
+    assert r.last_eval["positions"] > 0 and 1.0 <= r.last_eval["sim_tau"] <= 1 + cfg.trainer.eval_k
+    # the target is never saved with the drafter
+    saved = ckpt.latest_checkpoint(Path(cfg.run_dir))
+    from safetensors.torch import load_file
+    names = load_file(str(saved / "drafter.safetensors")).keys()
+    assert not any("embed_tokens" in n or n.startswith("model.") for n in names)
+
+
+def test_resume_gives_the_uninterrupted_losses(tmp_path, chat_file):
+    full = make_cfg(tmp_path / "a", chat_file, "trainer.max_steps=6", "trainer.save_every=3",
+                    "trainer.log_every=1", "trainer.eval_every=0")
+    run(full)
+    # the same job, stopped after its step-3 checkpoint (as a crash would stop it)
+    part = make_cfg(tmp_path / "b", chat_file, "trainer.max_steps=6", "trainer.save_every=3",
+                    "trainer.log_every=1", "trainer.eval_every=0")
+    stopped = DistillRecipe(part)
+    stopped.setup()
+    for _ in range(3):
+        stopped.train_step()
+    stopped.save_checkpoint()
+    stopped.train_step()  # lost work: after the checkpoint
+    stopped.cleanup()
+    resumed = make_cfg(tmp_path / "b", chat_file, "trainer.max_steps=6", "trainer.save_every=3",
+                       "trainer.log_every=1", "trainer.eval_every=0", "resume=true")
+    r = run(resumed)
+    assert r.step == 6
+    a, b = losses(Path(full.run_dir)), losses(Path(resumed.run_dir))
+    for s in (4, 5, 6):
+        assert b[s] == pytest.approx(a[s], rel=1e-5, abs=1e-6), (s, a, b)
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, chat_file, monkeypatch):
+    cfg = make_cfg(tmp_path, chat_file, "trainer.max_steps=6", "trainer.save_every=2",
+                   "trainer.eval_every=0")
+    real = recipe_mod.distill_loss
+    calls = {"n": 0}
+
+    def poisoned(*a, **k):
+        loss, parts = real(*a, **k)
+        calls["n"] += 1
+        return (loss * float("nan"), parts) if calls["n"] == 3 else (loss, parts)
+
+    monkeypatch.setattr(recipe_mod, "distill_loss", poisoned)
+    r = DistillRecipe(cfg)
+    r.setup()
+    with pytest.raises(NonFiniteLoss, match="loss is nan at step 2"):
+        r.train()
+    last = ckpt.latest_checkpoint(Path(cfg.run_dir))
+    assert last is not None and last.name == "step-0000002"
+    assert load_drafter(last, r.target) is not None
+
+
+def test_crash_mid_checkpoint_leaves_previous_intact(tmp_path, chat_file, monkeypatch):
+    cfg = make_cfg(tmp_path, chat_file, "trainer.max_steps=4", "trainer.save_every=2",
+                   "trainer.eval_every=0")
+    r = DistillRecipe(cfg)
+    r.setup()
+    r.train_step(), r.train_step()
+    r.save_checkpoint()
+
+    def crash(*a, **k):
+        raise OSError("disk died mid-write")
+
+    monkeypatch.setattr(ckpt.torch, "save", crash)
+    r.train_step(), r.train_step()
+    with pytest.raises(OSError, match="disk died"):
+        r.save_checkpoint()
+    assert [p.name for p in ckpt.complete_checkpoints(Path(cfg.run_dir))] == ["step-0000002"]
+
+
+def test_online_and_offline_capture_give_the_same_batches(tmp_path, chat_file):
+    cfg = make_cfg(tmp_path, chat_file, "trainer.max_steps=1")
+    r = DistillRecipe(cfg)
+    r.setup()
+    rows = r.train_ds
+    out = capture_split(r.target, rows, CaptureConfig(layers=list(r.drafter.feature_layers),
+                                                      shard_size=8, batch_size=3),
+                        tmp_path / "feats", progress=False)
+    assert len(list(out.glob("shard-*.safetensors"))) == (len(rows) + 7) // 8
+    raw = next(r.batches)
+    online = r.make_batch(raw)
+    r.offline = OfflineFeatures(out, r.drafter.feature_layers, r.target)
+    offline = r.make_batch(raw)
+    real = raw["attention_mask"].bool()
+    torch.testing.assert_close(offline.features[real], online.features[real], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(offline.target_logits[real], online.target_logits[real],
+                               rtol=1e-4, atol=1e-4)
+    assert torch.equal(offline.loss_mask, online.loss_mask)
+    # a resumed capture skips finished shards and a mismatched one is refused
+    capture_split(r.target, rows, CaptureConfig(layers=list(r.drafter.feature_layers),
+                                                shard_size=8), out, progress=False)
+    with pytest.raises(ValueError, match="other settings"):
+        capture_split(r.target, rows, CaptureConfig(layers=[0], shard_size=8), out, progress=False)
+
+
+def test_greedy_decoding_with_the_trained_drafter_is_the_targets(tmp_path, chat_file):
+    cfg = make_cfg(tmp_path, chat_file, "trainer.max_steps=10", "trainer.lr=3e-3")
+    r = run(cfg)
+    drafter = load_drafter(Path(cfg.run_dir) / "best", r.target).eval()
+    for row in r.eval_ds.select(range(min(3, len(r.eval_ds)))):
+        prompt = row["input_ids"][:20]
+        plain = generate(r.target, None, prompt, max_new_tokens=24)
+        for tree in (False, True):
+            spec = generate(r.target, drafter, prompt, max_new_tokens=24, k=4, tree=tree)
+            assert torch.equal(spec.tokens, plain.tokens)
+
+
+def test_unwritable_run_dir_is_refused_before_training(tmp_path, chat_file):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    cfg = make_cfg(tmp_path, chat_file, f"run_dir={blocker / 'run'}")
+    with pytest.raises((PermissionError, OSError, FileExistsError, NotADirectoryError)):
+        DistillRecipe(cfg).setup()

@@ -1,0 +1,183 @@
+"""Distillation losses: how far a drafter's distribution q is from the frozen target's p.
+
+Every divergence is a pure function (draft_logits (N, Vd), target_logits (N, V), temperature, d2t)
+-> per-row losses (N,), picked by name from DIVERGENCES. `distill_loss` aligns a drafter's
+predictions with the target (DraftPrediction.shift), masks, weights and averages them.
+
+Pruned draft vocabulary (d2t given): the target distribution is restricted to the draft ids and
+renormalised, p' = p|Vd / p(Vd). The drafter cannot put mass outside Vd, so against the full p
+every divergence carries a term it can never reduce; against p' each loss is 0 exactly when
+q = p', which is also the best q for acceptance: with q = p' >= p on Vd, sum min(p, q) = p(Vd),
+the highest acceptance any q restricted to Vd can reach. The eval helpers below, in contrast, use
+the full p: they measure what the decoder will really accept.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from drafters.base import DraftPrediction, TrainBatch
+
+LOG_FLOOR = -1e4  # log-probs are clamped here so 0 * log 0 never turns into NaN
+
+
+def _log_probs(draft_logits: torch.Tensor, target_logits: torch.Tensor, temperature: float,
+               d2t: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (log q, log p'), both (N, Vd) in fp32, p' restricted to the draft vocab and renormalised."""
+    if temperature <= 0:
+        raise ValueError(f"loss temperature must be > 0, got {temperature}")
+    if d2t is not None:
+        target_logits = target_logits.index_select(-1, d2t.to(target_logits.device))  # (N, Vd)
+    if target_logits.shape[-1] != draft_logits.shape[-1]:
+        raise ValueError(f"draft vocab {draft_logits.shape[-1]} != target vocab "
+                         f"{target_logits.shape[-1]}; pass d2t for a pruned draft vocabulary")
+    log_q = F.log_softmax(draft_logits.float() / temperature, dim=-1).clamp_min(LOG_FLOOR)
+    log_p = F.log_softmax(target_logits.float() / temperature, dim=-1).clamp_min(LOG_FLOOR)
+    return log_q, log_p
+
+
+def forward_kl(draft_logits, target_logits, temperature=1.0, d2t=None) -> torch.Tensor:
+    """KL(p || q) = sum p (log p - log q): mass-covering; the classic distillation loss."""
+    log_q, log_p = _log_probs(draft_logits, target_logits, temperature, d2t)
+    return (log_p.exp() * (log_p - log_q)).sum(-1)  # (N,)
+
+
+def reverse_kl(draft_logits, target_logits, temperature=1.0, d2t=None) -> torch.Tensor:
+    """KL(q || p) = sum q (log q - log p): mode-seeking."""
+    log_q, log_p = _log_probs(draft_logits, target_logits, temperature, d2t)
+    return (log_q.exp() * (log_q - log_p)).sum(-1)  # (N,)
+
+
+def jsd(draft_logits, target_logits, temperature=1.0, d2t=None) -> torch.Tensor:
+    """Jensen-Shannon: (KL(p || m) + KL(q || m)) / 2 with m = (p + q) / 2; bounded by log 2."""
+    log_q, log_p = _log_probs(draft_logits, target_logits, temperature, d2t)
+    log_m = torch.logaddexp(log_p, log_q) - torch.log(torch.tensor(2.0))  # (N, Vd)
+    kl_pm = (log_p.exp() * (log_p - log_m)).sum(-1)
+    kl_qm = (log_q.exp() * (log_q - log_m)).sum(-1)
+    return 0.5 * (kl_pm + kl_qm)  # (N,)
+
+
+def tv(draft_logits, target_logits, temperature=1.0, d2t=None) -> torch.Tensor:
+    """Total variation = 1 - sum min(p, q): one minus the speculative acceptance rate of a token."""
+    log_q, log_p = _log_probs(draft_logits, target_logits, temperature, d2t)
+    return 1.0 - torch.minimum(log_p.exp(), log_q.exp()).sum(-1)  # (N,)
+
+
+def hard_ce(draft_logits, target_logits, temperature=1.0, d2t=None) -> torch.Tensor:
+    """Cross-entropy on the target's argmax (within the draft vocab): what greedy decoding accepts."""
+    log_q, log_p = _log_probs(draft_logits, target_logits, temperature, d2t)
+    return -log_q.gather(-1, log_p.argmax(-1, keepdim=True)).squeeze(-1)  # (N,)
+
+
+Divergence = Callable[..., torch.Tensor]
+DIVERGENCES: dict[str, Divergence] = {"forward_kl": forward_kl, "reverse_kl": reverse_kl,
+                                      "jsd": jsd, "tv": tv, "hard_ce": hard_ce}
+
+
+def get_divergence(name: str) -> Divergence:
+    if name not in DIVERGENCES:
+        raise KeyError(f"unknown divergence {name!r}; choose one of {sorted(DIVERGENCES)}")
+    return DIVERGENCES[name]
+
+
+def feature_loss(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """SmoothL1 between predicted and target features (N, F) -> (N,), mean over features."""
+    return F.smooth_l1_loss(pred.float(), target.float(), reduction="none").mean(-1)  # (N,)
+
+
+def aligned(pred: DraftPrediction, batch: TrainBatch):
+    """Rows of one prediction that the loss counts, aligned with the target.
+
+    logits[:, t] predicts token t+1+shift: it meets target_logits[:, t+shift] (and the target
+    feature features[:, t+shift], the one that produced those logits), and counts where token
+    t+1+shift is a real assistant token. Returns (draft logits (M, Vd), target logits (M, V),
+    predicted features (M, F) or None, target features (M, F) or None) over the M counted rows.
+    """
+    s = pred.shift
+    T = batch.input_ids.shape[1]
+    n = max(0, min(pred.logits.shape[1], T - 1 - s))  # anchors t whose token t+1+s exists
+    counted = (batch.loss_mask[:, 1 + s:1 + s + n].bool()
+               & batch.attention_mask[:, 1 + s:1 + s + n].bool())  # (B, n)
+    draft = pred.logits[:, :n][counted]  # (M, Vd)
+    target = batch.target_logits[:, s:s + n][counted]  # (M, V)
+    if pred.features is None or batch.features is None:
+        return draft, target, None, None
+    return draft, target, pred.features[:, :n][counted], batch.features[:, s:s + n][counted]
+
+
+def distill_loss(predictions: list[DraftPrediction], batch: TrainBatch, divergence: str = "forward_kl",
+                 temperature: float = 1.0, feature_weight: float = 0.0,
+                 d2t: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Total loss = sum_j weight_j * (mean divergence_j + feature_weight * mean feature_loss_j),
+    each mean over the positions prediction j counts (loss_mask and attention_mask at the
+    predicted token). Weights are not renormalised (Medusa/EAGLE-3 convention). A batch with no
+    counted position gives 0, still attached to the graph (never NaN).
+
+    Returns (total scalar, components): detached tensors `div/s<shift>`, `feat/s<shift>`,
+    `top1/s<shift>` (draft argmax == target argmax over the draft vocab) and `positions/s<shift>`
+    (call .item() only when logging, to avoid a device sync every step).
+    """
+    div = get_divergence(divergence)
+    total = None
+    parts: dict[str, torch.Tensor] = {}
+    for pred in predictions:
+        draft, target, pf, tf = aligned(pred, batch)
+        count = max(draft.shape[0], 1)
+        term = div(draft, target, temperature, d2t).sum() / count
+        parts[f"div/s{pred.shift}"] = term.detach()
+        if pf is not None and feature_weight > 0:
+            if pf.shape[-1] != tf.shape[-1]:
+                raise ValueError(f"predicted features width {pf.shape[-1]} != target features "
+                                 f"{tf.shape[-1]} (feature_layers mismatch)")
+            feat = feature_loss(pf, tf).sum() / count
+            parts[f"feat/s{pred.shift}"] = feat.detach()
+            term = term + feature_weight * feat
+        if draft.shape[0]:
+            with torch.no_grad():
+                hit = greedy_accept(draft, target, d2t=d2t, restrict=True)
+                parts[f"top1/s{pred.shift}"] = hit.float().mean()
+        parts[f"positions/s{pred.shift}"] = torch.tensor(float(draft.shape[0]))
+        total = pred.weight * term if total is None else total + pred.weight * term
+    if total is None:
+        raise ValueError("distill_loss: no predictions")
+    return total, parts
+
+
+# -- acceptance, for evaluation ------------------------------------------------------------------
+def greedy_accept(draft_logits: torch.Tensor, target_logits: torch.Tensor,
+                  d2t: torch.Tensor | None = None, restrict: bool = False) -> torch.Tensor:
+    """(N,) bool: would greedy decoding accept the draft's argmax? The draft id is mapped to a
+    target id and compared with the target's argmax over the full vocab (restrict=True: over the
+    draft vocab only, the drafter's best achievable)."""
+    d = draft_logits.argmax(-1)  # (N,) draft ids
+    if d2t is None:
+        return d == target_logits.argmax(-1)
+    if restrict:
+        return d == target_logits.index_select(-1, d2t).argmax(-1)
+    return d2t[d] == target_logits.argmax(-1)
+
+
+def expected_accept(draft_logits: torch.Tensor, target_logits: torch.Tensor, temperature: float = 1.0,
+                    d2t: torch.Tensor | None = None) -> torch.Tensor:
+    """(N,) sum_x min(p(x), q(x)): the probability that speculative sampling at this temperature
+    accepts the drafted token, with p over the FULL target vocab (q is 0 outside the draft vocab)."""
+    q = F.softmax(draft_logits.float() / temperature, dim=-1)  # (N, Vd)
+    p = F.softmax(target_logits.float() / temperature, dim=-1)  # (N, V)
+    if d2t is not None:
+        p = p.index_select(-1, d2t)  # mass outside the draft vocab is never accepted
+    return torch.minimum(p, q).sum(-1)  # (N,)
+
+
+def acceptance(predictions: list[DraftPrediction], batch: TrainBatch, temperature: float = 1.0,
+               d2t: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Mean greedy and expected acceptance per shift over the counted positions (eval metrics)."""
+    out = {}
+    for pred in predictions:
+        draft, target, _, _ = aligned(pred, batch)
+        if draft.shape[0] == 0:
+            continue
+        out[f"greedy_accept/s{pred.shift}"] = greedy_accept(draft, target, d2t).float().mean()
+        out[f"expected_accept/s{pred.shift}"] = expected_accept(draft, target, temperature, d2t).mean()
+    return out

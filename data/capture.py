@@ -18,7 +18,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 from omegaconf import MISSING
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 
 @torch.inference_mode()
@@ -63,7 +64,7 @@ class CaptureConfig:
     out: str = MISSING  # output folder of the shards (give it to the trainer as trainer.features_dir)
     layers: list[int] = field(default_factory=lambda: [-1])  # must equal the drafter's feature_layers
     split: str = "train"  # train | eval
-    shard_size: int = 256  # conversations per shard file
+    shard_size: int = 64  # conversations per shard file
     batch_size: int = 4  # conversations per target forward
     limit: Optional[int] = None  # only the first N conversations of the split
     dtype: str = "float32"  # storage dtype: float32 | bfloat16 (halves the disk)
@@ -81,7 +82,7 @@ def write_shard(path: Path, rows: list[dict], feats: list, finals: list, dtype: 
     tensors = {"offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
                "input_ids": torch.cat([torch.as_tensor(r["input_ids"]) for r in rows]),
                "final": torch.cat(finals).to(dtype).contiguous()}
-    if feats and feats[0] is not None:
+    if feats and feats[0] is not None:  # absent when the features are the final hidden state
         tensors["features"] = torch.cat(feats).to(dtype).contiguous()
     tmp = path.with_name(f".{path.name}.tmp")
     save_file(tensors, str(tmp))
@@ -115,7 +116,9 @@ def capture_split(target, rows, cfg, out: Path, progress: bool = True) -> Path:
         for b in range(0, len(chunk), cfg.batch_size):
             part = chunk[b:b + cfg.batch_size]
             batch = pad_batch(part, pad_id=0)
-            f, h = capture(target, batch["input_ids"], batch["attention_mask"], cfg.layers)
+            only_final = list(cfg.layers) == [-1]  # EAGLE-1: the features ARE the final state
+            f, h = capture(target, batch["input_ids"], batch["attention_mask"],
+                           () if only_final else cfg.layers)
             for j, r in enumerate(part):  # drop the padding again
                 T = len(r["input_ids"])
                 feats.append(None if f is None else f[j, :T].cpu())
@@ -138,26 +141,33 @@ class OfflineFeatures:
             raise ValueError(f"capture {self.folder} has layers {self.manifest['layers']} of hidden "
                              f"size {self.manifest['hidden_size']}; the drafter needs {list(layers)} "
                              f"of {target.hidden_size}: capture again with layers={list(layers)}")
-        self._shard_id, self._shard = -1, None
+        self.only_final = self.manifest["layers"] == [-1]
+        self._open: dict[int, Any] = {}  # shard id -> safe_open handle (memory-mapped reads)
 
     def __len__(self) -> int:
         return self.manifest["conversations"]
 
-    def get(self, i: int, input_ids: list[int]) -> tuple[torch.Tensor | None, torch.Tensor]:
-        size = self.manifest["shard_size"]
-        if i // size != self._shard_id:
-            path = self.folder / f"shard-{i // size:05d}.safetensors"
+    def _shard(self, k: int):
+        if k not in self._open:
+            path = self.folder / f"shard-{k:05d}.safetensors"
             if not path.is_file():
                 raise FileNotFoundError(f"{path} is missing: the capture is incomplete; rerun "
                                         f"`python -m data.capture` with the same settings to finish it")
-            self._shard_id, self._shard = i // size, load_file(str(path))
-        sh, j = self._shard, i % size
-        a, b = int(sh["offsets"][j]), int(sh["offsets"][j + 1])
-        if sh["input_ids"][a:b].tolist() != list(input_ids):
+            self._open[k] = safe_open(str(path), framework="pt")
+        return self._open[k]
+
+    def get(self, i: int, input_ids: list[int]) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(features (T, F) or None, final hidden (T, H)) of conversation i, checked against its ids."""
+        size = self.manifest["shard_size"]
+        sh, j = self._shard(i // size), i % size
+        offsets = sh.get_slice("offsets")
+        a, b = int(offsets[j:j + 1][0]), int(offsets[j + 1:j + 2][0])
+        if sh.get_slice("input_ids")[a:b].tolist() != list(input_ids):
             raise ValueError(f"capture {self.folder} does not match the data (conversation {i} "
                              f"differs): the data or tokenizer changed since the capture; capture again")
-        feats = sh["features"][a:b].float() if "features" in sh else None
-        return feats, sh["final"][a:b].float()
+        final = sh.get_slice("final")[a:b].float()
+        feats = final if self.only_final else sh.get_slice("features")[a:b].float()
+        return feats, final
 
     def batch(self, indices: list[int], rows: list[dict], T: int):
         """Right-padded (B, T, F) features and (B, T, H) final hidden states of a batch."""

@@ -90,7 +90,8 @@ class DraftPrediction:
     logits: torch.Tensor  # (B, T, Vd) over the draft vocabulary (Vd = V without a pruned vocab)
     shift: int = 0  # 0 = next token, 1 = the one after (EAGLE step / Medusa head 1), ...
     weight: float = 1.0  # weight of this prediction in the total loss (e.g. Medusa's 0.8^k)
-    # (B, T, F') EAGLE: predicted target feature of position t + 1 + shift, regressed on it
+    # (B, T, F') EAGLE: predicted target feature of position t + shift (the one that produced
+    # target_logits[:, t + shift]), regressed on it
     features: torch.Tensor | None = None
 
 
@@ -127,6 +128,10 @@ class Drafter(nn.Module):
     def forward_train(self, batch: TrainBatch) -> list[DraftPrediction]:
         """Teacher-forced training predictions on a batch (trainable drafters only)."""
         raise NotImplementedError(f"drafter {self.name!r} is not trainable")
+
+    def forward(self, batch: TrainBatch) -> list[DraftPrediction]:
+        """`module(batch)` trains: DDP and DeepSpeed wrappers hook into forward()."""
+        return self.forward_train(batch)
 
     # A pruned draft vocabulary (None = the full target vocabulary). d2t[i] is the target id of draft
     # token i; the loss restricts the target distribution to these ids.
@@ -264,3 +269,16 @@ def load_drafter(folder, target) -> Drafter:
     state = load_file(str(folder / WEIGHTS_FILE), device=str(target.device))
     drafter.load_state_dict(state, strict=True)
     return drafter
+
+
+def fit_draft_vocab(drafter: Drafter, token_counts: torch.Tensor, always_include=()) -> bool:
+    """Give a drafter with a pruned head (`draft_vocab` set) the draft vocab of the most frequent
+    training tokens (drafters.vocab.select_draft_vocab); False (no-op) for a full-vocab drafter.
+    The trainer calls it once before training; a loaded drafter already has its map."""
+    from drafters.vocab import select_draft_vocab
+
+    vocab = getattr(drafter, "draft_vocab", None)
+    if vocab is None:
+        return False
+    drafter.set_draft_vocab(select_draft_vocab(token_counts, vocab.size, always_include))
+    return True

@@ -174,7 +174,7 @@ def packaged_gguf(name: str) -> Path:
     return path
 
 
-def _file_sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
@@ -188,7 +188,7 @@ def _load_gguf_cached(gguf: Path, cfg: TargetConfig) -> tuple[Any, Any, str]:
 
     if not os.access(gguf, os.R_OK):
         raise TargetLoadError(f"GGUF file {gguf} does not exist or is not readable.")
-    key = _file_sha256(gguf)[:32]
+    key = file_sha256(gguf)[:32]
     cached = cache_root(cfg) / "targets" / key
     dtype = DTYPES[cfg.dtype]
     if not (cached / "config.json").is_file():

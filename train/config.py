@@ -28,8 +28,8 @@ class TrainerConfig:
     loss_temperature: float = 1.0  # temperature of the target (and draft) distributions in the loss
     feature_weight: float = 1.0  # weight of the feature regression (EAGLE) next to the divergence
     eval_k: int = 5  # draft length of the evals (simulated and real decoder)
-    features: str = "online"  # online: target forward inside the loop | offline: read data.capture shards
-    features_dir: Optional[str] = None  # the `out` folder of `python -m data.capture` (offline)
+    features: str = "online"  # online: target forward every step | offline: capture once, reuse every epoch
+    features_dir: Optional[str] = None  # offline: a `python -m data.capture` out folder (None = auto, in the cache)
     eval_every: int = 200  # steps between held-out evals (0 = only at the end)
     save_every: int = 200  # steps between checkpoints (0 = only at the end)
     keep_last: int = 2  # rolling checkpoints kept (the best one is always kept)

@@ -32,7 +32,8 @@ def _log_probs(draft_logits: torch.Tensor, target_logits: torch.Tensor, temperat
         target_logits = target_logits.index_select(-1, d2t.to(target_logits.device))  # (N, Vd)
     if target_logits.shape[-1] != draft_logits.shape[-1]:
         raise ValueError(f"draft vocab {draft_logits.shape[-1]} != target vocab "
-                         f"{target_logits.shape[-1]}; pass d2t for a pruned draft vocabulary")
+                         f"{target_logits.shape[-1]}; for a pruned draft vocabulary pass d2t or "
+                         f"target logits already restricted to it")
     log_q = F.log_softmax(draft_logits.float() / temperature, dim=-1).clamp_min(LOG_FLOOR)
     log_p = F.log_softmax(target_logits.float() / temperature, dim=-1).clamp_min(LOG_FLOOR)
     return log_q, log_p
@@ -114,6 +115,9 @@ def distill_loss(predictions: list[DraftPrediction], batch: TrainBatch, divergen
     each mean over the positions prediction j counts (loss_mask and attention_mask at the
     predicted token). Weights are not renormalised (Medusa/EAGLE-3 convention). A batch with no
     counted position gives 0, still attached to the graph (never NaN).
+
+    Pruned draft vocab: either batch.target_logits has all V columns and d2t is given, or it was
+    already restricted to the d2t columns (data.capture.target_logits does that) and d2t is None.
 
     Returns (total scalar, components): detached tensors `div/s<shift>`, `feat/s<shift>`,
     `top1/s<shift>` (draft argmax == target argmax over the draft vocab) and `positions/s<shift>`

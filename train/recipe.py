@@ -11,6 +11,7 @@ The recipe depends only on the drafter interface (drafters/base.py) and the back
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -23,11 +24,12 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from data.capture import OfflineFeatures, capture, target_logits
+from data.capture import CaptureConfig, OfflineFeatures, capture, capture_split, target_logits
 from data.dataset import load_chat_dataset
 from decode.acceptance import simulate_acceptance
 from drafters.base import TrainBatch, build_drafter, fit_draft_vocab, load_drafter
-from drafters.target import load_target
+from decode.evaluate import quiet
+from drafters.target import cache_root, load_target
 from train import checkpoint as ckpt
 from train.backends import build_backend
 from train.batches import BatchIterator
@@ -79,7 +81,7 @@ class DistillRecipe:
         self.loggers = Loggers(list(cfg.logger.kinds), self.run_dir, self.backend.is_main)
         # 1. The frozen target and the chat data rendered with its template.
         self.target = load_target(cfg.target)
-        data = load_chat_dataset(cfg.data, self.target.tokenizer)
+        self.data = data = load_chat_dataset(cfg.data, self.target.tokenizer)
         self.train_ds, self.eval_ds = data.train, data.eval
         log.info("data: %d train / %d eval conversations", len(self.train_ds), len(self.eval_ds))
         # 2. The drafter, its optimizer and schedule.
@@ -99,12 +101,15 @@ class DistillRecipe:
         self.model = self.backend.prepare(self.drafter, self.optimizer)
         self.offline = None
         if tcfg.features == "offline":
-            if not tcfg.features_dir:
-                raise ValueError("trainer.features=offline needs trainer.features_dir (the `out` of "
-                                 "`python -m data.capture`)")
-            self.offline = OfflineFeatures(tcfg.features_dir, self.drafter.feature_layers, self.target)
+            folder = Path(tcfg.features_dir) if tcfg.features_dir else self._capture_dir(data)
+            if self.backend.is_main:  # capture once (resumable; a no-op when complete)
+                capture_split(self.target, self.train_ds,
+                              CaptureConfig(layers=list(self.drafter.feature_layers)), folder,
+                              progress=not quiet())
+            self.backend.barrier()
+            self.offline = OfflineFeatures(folder, self.drafter.feature_layers, self.target)
             if len(self.offline) != len(self.train_ds):
-                raise ValueError(f"capture {tcfg.features_dir} holds {len(self.offline)} conversations, "
+                raise ValueError(f"capture {folder} holds {len(self.offline)} conversations, "
                                  f"the train split {len(self.train_ds)}: capture the same data")
         elif tcfg.features != "online":
             raise ValueError(f"trainer.features must be online or offline, not {tcfg.features!r}")
@@ -117,6 +122,14 @@ class DistillRecipe:
             self._resume()
         n_params = sum(p.numel() for p in self.params)
         log.info("drafter %s: %.2f M trainable parameters", cfg.drafter.name, n_params / 1e6)
+
+    def _capture_dir(self, data) -> Path:
+        """Where features of this (target, data, layers) are captured when no features_dir is
+        given: under the cache root, so a second run on the same data skips the capture."""
+        key = hashlib.sha1(json.dumps([self.target.source.split(" (")[0], data.cache_path.name,
+                                       list(self.drafter.feature_layers), str(self.target.dtype)])
+                           .encode()).hexdigest()[:20]
+        return cache_root(self.cfg.target) / "features" / key
 
     def _prepare_run_dir(self) -> None:
         if self.backend.is_main:

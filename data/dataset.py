@@ -1,0 +1,284 @@
+"""The tokenised chat dataset: read -> normalise -> render + mask -> cache -> train/eval split.
+
+`load_chat_dataset(cfg, tokenizer)` returns `ChatData` whose `.train` / `.eval` are
+`datasets.Dataset`s with columns
+    id         str         conversation id (record `id`, else a content hash)
+    input_ids  list[int32] (T,) T <= max_length, the rendered conversation
+    loss_mask  list[int8]  (T,) 1 on assistant content + end-of-turn tokens (see data/chat.py)
+    length     int32       T
+and `.counts` (what was read, kept and dropped, and why).
+
+First run, in two `datasets` passes that keep memory low (rows stream to Arrow files on disk):
+  1. `Dataset.from_generator` streams normalised conversations out of the file (data/sharegpt.py);
+  2. a batched `map` (num_proc workers) renders, tokenises and masks them (data/chat.py).
+The result is saved with `save_to_disk` into `<cache>/data/<key>`: written to a temporary folder
+first and renamed into place, so a crash never leaves a half-written cache. The key hashes everything
+the rows depend on (tokenizer vocab + special tokens, chat template, max_length, max_conversations,
+the data file's sha256, LOADER_VERSION); a later run with the same key loads it and does no work.
+
+The eval split is chosen by a hash of the conversation id (salted with `seed`), so it is the same
+on every machine and run, never overlaps train, and does not depend on file order or the cache.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import datasets
+
+from data.assets import asset_path
+from data.chat import encode_chats
+from data.sharegpt import Counts, DataFormatError, iter_conversations
+from drafters.target import file_sha256, cache_root
+
+log = logging.getLogger(__name__)
+
+LOADER_VERSION = 1  # bump when a change to data/ changes the rows; old caches are then ignored
+SPLIT_BUCKETS = 10_000  # eval_fraction resolution of the id-hash split
+_MESSAGES = datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")})
+RAW_FEATURES = datasets.Features({"id": datasets.Value("string"), "messages": _MESSAGES})
+FEATURES = datasets.Features({
+    "id": datasets.Value("string"),
+    "input_ids": datasets.List(datasets.Value("int32")),
+    "loss_mask": datasets.List(datasets.Value("int8")),
+    "length": datasets.Value("int32"),
+})
+
+
+@dataclass
+class DataConfig:
+    """Which chat data to train on and how to tokenise it (Hydra schema of the `data` group)."""
+
+    kind: str = "sharegpt"  # "sharegpt" (packaged ShareGPT V3, or `path`) | "file" (needs `path`)
+    path: Optional[str] = None  # .json/.jsonl/.parquet with ShareGPT or OpenAI records; None = packaged
+    max_length: int = 2048  # tokens per conversation; longer ones are cut, all-cut ones dropped
+    eval_fraction: float = 0.02  # share of conversations held out for eval, chosen by id hash
+    max_conversations: Optional[int] = None  # use only the first N kept conversations in file order
+    cache_dir: str = "~/.cache/specdistill"  # tokenised cache root (env SPECDISTILL_CACHE wins)
+    num_proc: int = 1  # processes for tokenisation (the Rust tokenizer already uses every core)
+    seed: int = 0  # salt of the id hash that picks the eval split
+
+
+@dataclass
+class ChatData:
+    train: datasets.Dataset  # columns id, input_ids, loss_mask, length
+    eval: datasets.Dataset  # same columns; disjoint from train
+    counts: Counts  # read / kept / dropped by reason / truncated tail of the source
+    cache_path: Path  # the saved tokenised dataset (train + eval, before the split)
+
+
+# ---------------------------------------------------------------------------------------------
+# Cache key
+# ---------------------------------------------------------------------------------------------
+def data_file(cfg: DataConfig) -> Path:
+    """The file `cfg` reads."""
+    if cfg.kind not in ("sharegpt", "file"):
+        raise ValueError(f"data.kind={cfg.kind!r}: use 'sharegpt' or 'file'.")
+    if cfg.path:
+        return Path(cfg.path).expanduser()
+    if cfg.kind == "file":
+        raise ValueError("data.kind=file needs data.path (a .json, .jsonl or .parquet file).")
+    return asset_path("sharegpt")
+
+
+def cached_file_sha256(path: Path, root: Path) -> str:
+    """sha256 of a data file, remembered by (path, size, mtime) so 125 MB is hashed once."""
+    st = path.stat()
+    stamp = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    memo = root / "filehash" / hashlib.sha1(stamp.encode()).hexdigest()
+    if memo.is_file():
+        return memo.read_text().strip()
+    digest = file_sha256(path)
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    tmp = memo.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(digest)
+    os.replace(tmp, memo)
+    return digest
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Hash of what decides the token ids: vocab, merges, special tokens and the chat template."""
+    h = hashlib.sha256(type(tokenizer).__name__.encode())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:  # vocab, merges, normaliser, pre-tokeniser, added tokens
+        h.update(backend.to_str().encode())
+    else:
+        h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    h.update(json.dumps([str(t) for t in tokenizer.all_special_tokens]).encode())
+    h.update(json.dumps({k: str(v) for k, v in tokenizer.special_tokens_map.items()},
+                        sort_keys=True).encode())
+    h.update(str(tokenizer.chat_template).encode())
+    return h.hexdigest()
+
+
+def cache_key(cfg: DataConfig, tokenizer, file_sha256: str) -> str:
+    parts = {"version": LOADER_VERSION, "tokenizer": tokenizer_fingerprint(tokenizer),
+             "max_length": cfg.max_length, "max_conversations": cfg.max_conversations,
+             "data": file_sha256}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
+
+
+# ---------------------------------------------------------------------------------------------
+# Building the cache
+# ---------------------------------------------------------------------------------------------
+def _conversation_rows(path: str, limit: Optional[int], counts_file: str):
+    """Generator for pass 1: normalised conversations; writes the reader's Counts at the end."""
+    counts = Counts()
+    for conv in iter_conversations(path, counts, limit=limit):
+        yield {"id": conv.id, "messages": conv.messages}
+    Path(counts_file).write_text(json.dumps(counts.to_dict()))
+
+
+def _encode_batch(batch: dict[str, list], tokenizer, max_length: int) -> dict[str, list]:
+    """Pass 2 (batched map): render, tokenise and mask a batch of conversations."""
+    encoded = encode_chats(tokenizer, batch["messages"], max_length)
+    return {"id": batch["id"],
+            "input_ids": [e.input_ids for e in encoded],
+            "loss_mask": [e.loss_mask for e in encoded],
+            "length": [len(e.input_ids) for e in encoded],
+            "drop_reason": [e.drop_reason or "" for e in encoded]}
+
+
+@contextlib.contextmanager
+def _progress_bars():
+    """datasets' tqdm bars on for an interactive terminal, off when logged to a file or in CI."""
+    was_on = datasets.is_progress_bar_enabled()
+    if sys.stderr.isatty() and not os.environ.get("CI"):
+        datasets.enable_progress_bars()
+    else:
+        datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        (datasets.enable_progress_bars if was_on else datasets.disable_progress_bars)()
+
+
+def _build(path: Path, tokenizer, cfg: DataConfig, key: str, out: Path, work: Path) -> Counts:
+    """Tokenise `path` into the dataset folder `out` (+ counts.json), using `work` for scratch."""
+    counts_file = work / "reader_counts.json"
+    with _progress_bars():
+        # 1. stream normalised conversations to an Arrow file
+        try:
+            raw = datasets.Dataset.from_generator(
+                _conversation_rows, features=RAW_FEATURES, cache_dir=str(work / "gen"),
+                fingerprint=f"{key}-raw",
+                gen_kwargs={"path": str(path), "limit": cfg.max_conversations,
+                            "counts_file": str(counts_file)})
+        except datasets.exceptions.DatasetGenerationError as e:
+            if isinstance(e.__cause__, DataFormatError):  # say what is wrong with the file
+                raise e.__cause__ from None
+            raise
+        counts = Counts.from_dict(json.loads(counts_file.read_text()))
+        if counts.kept == 0:
+            raise ValueError(f"{path}: no usable conversation ({counts}).")
+        # 2. render + tokenise + mask, in num_proc workers, order kept
+        enc_features = datasets.Features({**FEATURES, "drop_reason": datasets.Value("string")})
+        encoded = raw.map(
+            _encode_batch, batched=True, batch_size=256, remove_columns=["messages"],
+            fn_kwargs={"tokenizer": tokenizer, "max_length": cfg.max_length},
+            features=enc_features, num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
+            cache_file_name=str(work / "encoded.arrow"), load_from_cache_file=False,
+            new_fingerprint=f"{key}-enc", desc="tokenising chats")
+        # 3. count the drops, keep the rest, save
+        keep = []
+        for i, reason in enumerate(encoded["drop_reason"]):
+            if reason:
+                counts.drop(reason, was_kept=True)
+            else:
+                keep.append(i)
+        if not keep:
+            raise ValueError(f"{path}: every conversation was dropped after tokenisation ({counts}).")
+        encoded.select(keep).remove_columns("drop_reason").save_to_disk(str(out))
+    (out / "counts.json").write_text(json.dumps(counts.to_dict(), indent=1))
+    return counts
+
+
+def _split(ds: datasets.Dataset, eval_fraction: float, seed: int):
+    """(train, eval) by a salted hash of each id: stable, disjoint, independent of order."""
+    threshold = round(eval_fraction * SPLIT_BUCKETS)
+    train_idx, eval_idx = [], []
+    for i, cid in enumerate(ds["id"]):
+        bucket = int(hashlib.sha1(f"{seed}:{cid}".encode()).hexdigest(), 16) % SPLIT_BUCKETS
+        (eval_idx if bucket < threshold else train_idx).append(i)
+    return ds.select(train_idx), ds.select(eval_idx)
+
+
+def load_chat_dataset(cfg: DataConfig, tokenizer) -> ChatData:
+    """Tokenised, masked, split chat data for `tokenizer`'s chat template (cached on disk)."""
+    if cfg.max_length < 1:
+        raise ValueError(f"data.max_length={cfg.max_length}: must be >= 1.")
+    if not 0.0 <= cfg.eval_fraction < 1.0:
+        raise ValueError(f"data.eval_fraction={cfg.eval_fraction}: must be in [0, 1).")
+    if cfg.max_conversations is not None and cfg.max_conversations < 1:
+        raise ValueError(f"data.max_conversations={cfg.max_conversations}: must be >= 1 or null.")
+    path = data_file(cfg)
+    if not path.is_file():
+        raise FileNotFoundError(f"data file {path} does not exist (data.path={cfg.path!r}).")
+    root = cache_root(cfg)
+    key = cache_key(cfg, tokenizer, cached_file_sha256(path, root))
+    dest = root / "data" / key
+    t0 = time.perf_counter()
+    if (dest / "counts.json").is_file():
+        ds = datasets.Dataset.load_from_disk(str(dest))
+        counts = Counts.from_dict(json.loads((dest / "counts.json").read_text()))
+        log.info("loaded from cache %s (%d conversations) in %.2f s", dest, len(ds),
+                 time.perf_counter() - t0)
+    else:
+        log.info("tokenising %s into %s (first use of this data + tokenizer)", path, dest)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=dest.parent))
+        try:
+            counts = _build(path, tokenizer, cfg, key, work / "final", work)
+            try:
+                os.replace(work / "final", dest)  # atomic: the cache appears complete or not at all
+            except OSError:
+                if not (dest / "counts.json").is_file():  # not a lost race with another process
+                    raise
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        ds = datasets.Dataset.load_from_disk(str(dest))
+        log.info("tokenised %d conversations in %.1f s", len(ds), time.perf_counter() - t0)
+    log.info("data %s: %s", path, counts)
+    train, eval_ = _split(ds, cfg.eval_fraction, cfg.seed)
+    return ChatData(train=train, eval=eval_, counts=counts, cache_path=dest)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """`python -m data.dataset`: prepare (or load) the tokenised data and print counts + time."""
+    import argparse
+
+    from drafters.target import TargetConfig, _load_tokenizer
+
+    p = argparse.ArgumentParser(prog="python -m data.dataset", description=main.__doc__)
+    p.add_argument("--tokenizer", default="packaged:smollm2", help="target tokenizer source")
+    p.add_argument("--kind", default="sharegpt")
+    p.add_argument("--path", default=None)
+    p.add_argument("--max-length", type=int, default=2048)
+    p.add_argument("--max-conversations", type=int, default=None)
+    p.add_argument("--num-proc", type=int, default=1)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    tokenizer = _load_tokenizer(args.tokenizer, TargetConfig(path=args.tokenizer))
+    cfg = DataConfig(kind=args.kind, path=args.path, max_length=args.max_length,
+                     max_conversations=args.max_conversations, num_proc=args.num_proc)
+    t0 = time.perf_counter()
+    data = load_chat_dataset(cfg, tokenizer)
+    seconds = time.perf_counter() - t0
+    tokens = sum(data.train["length"]) + sum(data.eval["length"])
+    print(f"{data.counts}\ntrain {len(data.train)}, eval {len(data.eval)} conversations, "
+          f"{tokens} tokens, {seconds:.1f} s ({data.cache_path})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

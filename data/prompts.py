@@ -1,0 +1,103 @@
+"""Evaluation prompt sets for the decoder: MT-bench, HumanEval, or any local JSONL file.
+
+    load_prompts("mtbench")              # 80 questions, first turn only
+    load_prompts("mtbench", turns=2)     # 80 questions, both turns
+    load_prompts("humaneval", limit=20)  # the first 20 of 164 code-completion prompts
+    load_prompts("jsonl", path="my.jsonl")
+
+A `Prompt` holds user turns only; the decoder renders each with the target's chat template and
+generates the assistant replies in between. Order is the file's order; `limit` keeps the first N.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Optional
+
+from data.assets import asset_path
+
+KINDS = ("mtbench", "humaneval", "jsonl")
+
+
+class PromptFormatError(ValueError):
+    """A prompt file line is not usable; the message names the file and line."""
+
+
+@dataclass
+class Prompt:
+    id: str  # MT-bench question_id, HumanEval task_id, or the JSONL `id` (else the line number)
+    category: Optional[str]  # MT-bench category (writing, coding, ...); None when not given
+    turns: list[str]  # user turns, in order (at least one)
+
+
+def _open_text(path: Path) -> IO[str]:
+    if path.suffix == ".gz":
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def _read_jsonl(path: Path) -> list[tuple[int, dict[str, Any]]]:
+    """(line number, object) for each non-blank line; a line that is not a JSON object raises."""
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file {path} does not exist.")
+    rows = []
+    with _open_text(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise PromptFormatError(f"{path}:{lineno}: not valid JSON ({e.msg}).") from e
+            if not isinstance(obj, dict):
+                raise PromptFormatError(f"{path}:{lineno}: expected a JSON object, got "
+                                        f"{type(obj).__name__}.")
+            rows.append((lineno, obj))
+    return rows
+
+
+def _turns(obj: dict[str, Any], where: str) -> list[str]:
+    """The user turns of a record: `turns` (list of str) or `prompt` (str)."""
+    if "turns" in obj:
+        turns = obj["turns"]
+        if not (isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns)):
+            raise PromptFormatError(f"{where}: `turns` must be a non-empty list of strings.")
+        return turns
+    if isinstance(obj.get("prompt"), str):
+        return [obj["prompt"]]
+    raise PromptFormatError(f"{where}: needs a `prompt` (string) or `turns` (list of strings) field.")
+
+
+def load_prompts(kind: str, path: Optional[str] = None, limit: Optional[int] = None,
+                 turns: int = 1) -> list[Prompt]:
+    """Prompts of `kind` (mtbench | humaneval | jsonl), keeping the first `turns` user turns.
+
+    `path` overrides the packaged file (required for jsonl); `limit` keeps the first N prompts.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"unknown prompt set {kind!r}; use one of {KINDS}.")
+    if turns < 1:
+        raise ValueError(f"turns={turns}: keep at least one turn.")
+    if limit is not None and limit < 0:
+        raise ValueError(f"limit={limit}: must be >= 0 or None.")
+    if kind == "jsonl" and not path:
+        raise ValueError("prompt set 'jsonl' needs a path to a JSONL file.")
+    file = Path(path).expanduser() if path else asset_path(kind)
+    prompts = []
+    for lineno, obj in _read_jsonl(file):
+        if limit is not None and len(prompts) >= limit:
+            break
+        where = f"{file}:{lineno}"
+        if kind == "mtbench":
+            pid, category = obj.get("question_id"), obj.get("category")
+        elif kind == "humaneval":
+            pid, category = obj.get("task_id"), None
+        else:
+            pid, category = obj.get("id", lineno), obj.get("category")
+        if pid is None:
+            field = "question_id" if kind == "mtbench" else "task_id"
+            raise PromptFormatError(f"{where}: no `{field}` field.")
+        prompts.append(Prompt(id=str(pid), category=category, turns=_turns(obj, where)[:turns]))
+    return prompts

@@ -1,0 +1,280 @@
+"""Streaming reader of chat records: the packaged ShareGPT file and local .json/.jsonl/.parquet files.
+
+Records come in ShareGPT form `{"id", "conversations": [{"from", "value"}]}` or OpenAI form
+`{"id", "messages": [{"role", "content"}]}`; both become a `Conversation` whose messages are
+`{"role": "system" | "user" | "assistant", "content": str}`, the form `apply_chat_template` takes.
+
+Why streaming: the packaged ShareGPT JSON array is 125 MB and cut off mid-record, so `json.load`
+fails. `iter_json` reads it in 1 M-character chunks and decodes one array element at a time with
+`json.JSONDecoder.raw_decode` on a sliding buffer; only the current record is held as Python
+objects. The undecodable tail is reported in `Counts.truncated_tail_bytes` and logged.
+
+Rules (each dropped conversation counts under exactly one reason, checked in this order):
+  * bad_record   -- wrong types: record not a dict, no `conversations`/`messages` list, a turn not a
+                    dict, role or text not a string; in JSONL also a line that is not valid JSON.
+  * empty        -- no turns, or every turn's text is empty/whitespace.
+  * unknown_role -- a role outside the table below (the whole conversation goes: a conversation
+                    with a turn removed would no longer be what was said).
+  * no_assistant -- no assistant turn with non-empty text: nothing to learn.
+  * too_long / template_error -- counted later, by data.dataset, after rendering and truncation.
+Roles: human/user -> user; gpt/chatgpt/bing/bard/assistant -> assistant; system -> system
+(case-insensitive).
+
+A conversation that starts with assistant turns (ShareGPT split long chats into pieces; 6,358 do)
+is kept: those assistant turns are training targets with whatever context precedes them -- none,
+or the system prompt (the chat template may add its default one). They are real target-style text,
+and dropping them would lose a third of the data. Empty turns stay in place as context.
+
+A whole file that is not JSON, or is empty, raises DataFormatError naming the file; a bad record
+inside a readable file is counted, never fatal.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+log = logging.getLogger(__name__)
+
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
+         "bing": "assistant", "bard": "assistant", "assistant": "assistant", "system": "system"}
+CHUNK_CHARS = 1 << 20  # characters read per chunk of a .json file
+_WS = re.compile(r"[ \t\n\r]*")
+
+
+class DataFormatError(ValueError):
+    """A data file cannot be read at all (empty, not JSON, unknown suffix); names the file."""
+
+
+@dataclass
+class Counts:
+    """What happened to the records of one source. `read` = kept + sum(dropped.values())."""
+
+    read: int = 0  # complete records decoded (or rows/lines seen)
+    kept: int = 0  # conversations passed on (data.dataset moves too_long ones back to dropped)
+    dropped: dict[str, int] = field(default_factory=dict)  # reason -> count
+    truncated_tail_bytes: int = 0  # bytes after the last complete record that did not decode
+
+    def drop(self, reason: str, was_kept: bool = False) -> None:
+        """Count one dropped conversation; `was_kept` when it had been counted as kept."""
+        self.dropped[reason] = self.dropped.get(reason, 0) + 1
+        if was_kept:
+            self.kept -= 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Counts":
+        return cls(**d)
+
+    def __str__(self) -> str:
+        drops = ", ".join(f"{k} {v}" for k, v in sorted(self.dropped.items())) or "none"
+        tail = self.truncated_tail_bytes
+        return (f"read {self.read}, kept {self.kept}, dropped: {drops}"
+                + (f"; truncated tail {tail} bytes" if tail else ""))
+
+
+@dataclass
+class Conversation:
+    id: str  # the record's `id`, else a stable hash of its content
+    messages: list[dict[str, str]]  # [{"role": "system"|"user"|"assistant", "content": str}, ...]
+
+
+# ---------------------------------------------------------------------------------------------
+# Raw records
+# ---------------------------------------------------------------------------------------------
+def iter_json(path: Path, counts: Counts, chunk_chars: int = CHUNK_CHARS) -> Iterator[Any]:
+    """Yield the elements of a JSON array (or whitespace-separated JSON values) one at a time.
+
+    Holds one chunk plus the record being decoded. A tail that does not decode (a cut-off file, or
+    a syntax error mid-file) stops the stream; its size goes to counts.truncated_tail_bytes.
+    """
+    decoder = json.JSONDecoder()
+    with open(path, encoding="utf-8") as f:
+        buf, pos, eof = "", 0, False
+
+        def more() -> bool:  # append a chunk, dropping what is consumed; False at end of file
+            nonlocal buf, pos, eof
+            chunk = f.read(chunk_chars)
+            eof = not chunk
+            buf, pos = buf[pos:] + chunk, 0
+            return not eof
+
+        def skip_ws() -> bool:  # move pos to the next non-blank char; False at end of file
+            nonlocal pos
+            while True:
+                pos = _WS.match(buf, pos).end()
+                if pos < len(buf) or not more():
+                    return pos < len(buf)
+
+        if not skip_ws():
+            raise DataFormatError(f"{path} is empty: expected a JSON array of chat records.")
+        if buf[pos] not in "[{":
+            raise DataFormatError(f"{path} is not JSON (starts with {buf[pos:pos + 20]!r}); expected "
+                                  f"a JSON array of chat records, or JSON Lines in a .jsonl file.")
+        in_array = buf[pos] == "["
+        pos += in_array
+        first = True
+        while skip_ws():
+            if in_array and buf[pos] == "]":
+                pos += 1
+                if skip_ws():  # data after the closing bracket
+                    break
+                return
+            if in_array and not first:
+                if buf[pos] != ",":
+                    break
+                pos += 1
+                if not skip_ws():
+                    break
+            while True:
+                try:
+                    value, end = decoder.raw_decode(buf, pos)
+                except json.JSONDecodeError as e:
+                    # Cut at the buffer's end (or inside a string): read more. Else it is corrupt.
+                    near_end = e.pos >= len(buf) - 64 or e.msg.startswith("Unterminated string")
+                    if near_end and more():
+                        continue
+                    end = None
+                    break
+                if end == len(buf) and more():  # a number could go on in the next chunk
+                    continue
+                break
+            if end is None:
+                break
+            pos, first = end, False
+            counts.read += 1
+            yield value
+        else:  # end of file between two values: complete for JSON Lines, cut off for an array
+            if not in_array:
+                return
+        # Whatever is left did not decode: count its bytes, reading on to the end of the file.
+        tail, pos = len(buf[pos:].encode("utf-8")), len(buf)
+        while more():
+            tail += len(buf.encode("utf-8"))
+            pos = len(buf)
+        counts.truncated_tail_bytes += tail
+        if counts.read == 0:
+            raise DataFormatError(f"{path}: no complete JSON record could be decoded.")
+        log.warning("%s: the JSON is cut off or corrupt after %d complete records; the last %d "
+                    "bytes do not decode and were skipped", path, counts.read, tail)
+
+
+def iter_jsonl(path: Path, counts: Counts) -> Iterator[Any]:
+    """Yield one value per non-blank line; a line that is not JSON counts as bad_record."""
+    bad = 0
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            counts.read += 1
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as e:
+                counts.drop("bad_record")
+                bad += 1
+                if bad <= 5:  # enough to find the problem without flooding the log
+                    log.warning("%s:%d: not valid JSON (%s); record skipped", path, lineno, e)
+                continue
+            yield value
+    if counts.read == 0:
+        raise DataFormatError(f"{path} is empty: expected JSON Lines of chat records.")
+    if bad == counts.read:
+        raise DataFormatError(f"{path}: no line is valid JSON; expected JSON Lines of chat records.")
+
+
+def iter_parquet(path: Path, counts: Counts, batch_rows: int = 512) -> Iterator[Any]:
+    """Yield rows of a parquet file as dicts, a batch at a time."""
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises ArrowInvalid/OSError on a non-parquet file
+        raise DataFormatError(f"{path} is not a readable parquet file: {e}") from e
+    for batch in pf.iter_batches(batch_size=batch_rows):
+        for row in batch.to_pylist():
+            counts.read += 1
+            yield row
+
+
+def iter_records(path: str | Path, counts: Counts) -> Iterator[Any]:
+    """Raw records of a .json / .jsonl / .parquet file (dispatch on the suffix)."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise DataFormatError(f"data file {path} does not exist.")
+    suffix = path.suffix.lower()
+    if suffix == ".json":
+        return iter_json(path, counts)
+    if suffix == ".jsonl":
+        return iter_jsonl(path, counts)
+    if suffix == ".parquet":
+        return iter_parquet(path, counts)
+    raise DataFormatError(f"{path}: unknown data file type {suffix!r}; use .json, .jsonl or .parquet.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Normalisation
+# ---------------------------------------------------------------------------------------------
+def _first(d: dict, key: str, alt: str) -> Any:
+    """d[key], else d[alt]: ShareGPT and OpenAI names (parquet rows may carry both, one None)."""
+    value = d.get(key)
+    return d.get(alt) if value is None else value
+
+
+def normalise(record: Any) -> tuple[Optional[Conversation], Optional[str]]:
+    """(conversation, None) for a usable record, (None, drop reason) otherwise. See module doc."""
+    if not isinstance(record, dict):
+        return None, "bad_record"
+    turns = _first(record, "conversations", "messages")
+    if not isinstance(turns, list):
+        return None, "bad_record"
+    raw: list[tuple[str, str]] = []
+    for t in turns:
+        if not isinstance(t, dict):
+            return None, "bad_record"
+        role, text = _first(t, "from", "role"), _first(t, "value", "content")
+        if not isinstance(role, str) or not isinstance(text, str):
+            return None, "bad_record"
+        raw.append((role, text))
+    if not any(text.strip() for _, text in raw):
+        return None, "empty"
+    roles = [ROLES.get(role.strip().lower()) for role, _ in raw]
+    if None in roles:
+        return None, "unknown_role"
+    messages = [{"role": r, "content": text} for r, (_, text) in zip(roles, raw)]
+    if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
+        return None, "no_assistant"
+    rid = record.get("id")
+    if isinstance(rid, (str, int)) and not isinstance(rid, bool) and str(rid):
+        rid = str(rid)
+    else:  # stable across runs and machines: a hash of the normalised content
+        blob = json.dumps(messages, ensure_ascii=False, sort_keys=True).encode("utf-8")
+        rid = "sha1-" + hashlib.sha1(blob).hexdigest()[:16]
+    return Conversation(id=rid, messages=messages), None
+
+
+def iter_conversations(path: str | Path, counts: Optional[Counts] = None,
+                       limit: Optional[int] = None) -> Iterator[Conversation]:
+    """Normalised conversations of `path` in file order, counting into `counts`.
+
+    `limit` stops after that many kept conversations (the rest of the file is not read).
+    The counts are logged when the stream ends.
+    """
+    counts = Counts() if counts is None else counts
+    if limit is not None and limit <= 0:
+        return
+    for record in iter_records(path, counts):
+        conv, reason = normalise(record)
+        if conv is None:
+            counts.drop(reason)
+            continue
+        counts.kept += 1
+        yield conv
+        if limit is not None and counts.kept >= limit:
+            break
+    log.info("%s: %s", path, counts)

@@ -1,0 +1,313 @@
+"""Trainable drafters on a tiny random Llama target: training shapes, decode-time proposals, the
+drafter's KV cache under accept/reject, pruned vocabularies, save/load, and that training learns.
+
+Tests over "every trainable drafter" are parametrised over the registry, so a new drafter is
+picked up with no edit here."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import drafters  # noqa: F401  (registers every drafter)
+from drafters.base import (CONFIGS, DecodeState, TrainBatch, build_drafter, fit_draft_vocab,
+                           load_drafter, save_drafter, trainable_drafters)
+from drafters.sampling import SamplingParams
+from drafters.target import Target
+from drafters.vocab import (d2t_to_offsets, expand_probs, offsets_to_d2t, select_draft_vocab,
+                            t2d_mask)
+from train.losses import distill_loss
+
+V, H = 128, 32
+TRAINABLE = trainable_drafters()
+GREEDY, SAMPLE = SamplingParams(), SamplingParams(temperature=0.8, top_k=20)
+
+
+@pytest.fixture(scope="module")
+def target() -> Target:
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2))
+    with torch.no_grad():  # peaked next-token distributions, like a trained LM (random init is ~uniform)
+        model.lm_head.weight.mul_(20.0)
+    return Target(model, SimpleNamespace(eos_token_id=2), "tiny")
+
+
+def make_batch(target, drafter, B=2, T=16, seed=0) -> TrainBatch:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (B, T), generator=g)  # (B, T)
+    attn = torch.ones(B, T, dtype=torch.long)
+    if B > 1:
+        attn[-1, T - 4:] = 0  # right padding on the last row
+    out = target.forward(ids, layers=drafter.feature_layers, attention_mask=attn)
+    loss_mask = attn.clone()
+    loss_mask[:, :3] = 0  # a "prompt" that is not trained on
+    return TrainBatch(ids, attn, loss_mask, out.logits, out.features)
+
+
+def decode_state(target, drafter, tokens: torch.Tensor) -> DecodeState:
+    """What the decoder shows: committed tokens and target features of tokens[:-1]."""
+    feats = target.forward(tokens[None, :-1], layers=drafter.feature_layers, logits=False).features
+    return DecodeState(tokens=tokens, features=feats[0])  # (T,), (T-1, F)
+
+
+def pruned(name: str) -> dict:
+    return {"name": name, "draft_vocab_size": 48}
+
+
+def randomise(drafter, seed=1) -> None:
+    """Move every parameter off its init (zero-init Medusa heads would hide alignment bugs)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g))
+
+
+@pytest.mark.parametrize("name", TRAINABLE)
+@pytest.mark.parametrize("prune", [False, True])
+def test_forward_backward_shapes(target, name, prune):
+    d = build_drafter(pruned(name) if prune else {"name": name}, target)
+    batch = make_batch(target, d)
+    preds = d.forward_train(batch)
+    Vd = 48 if prune else V
+    assert preds and all(p.logits.shape == (2, 16, Vd) and p.shift >= 1 for p in preds)
+    loss, parts = distill_loss(preds, batch, "forward_kl", 1.0, 0.1, d2t=d.d2t)
+    loss.backward()
+    grads = [p.grad for p in d.parameters() if p.requires_grad]
+    assert grads and all(g is not None for g in grads)
+    assert not any(p.requires_grad for p in target.model.parameters())
+    assert torch.isfinite(loss) and all(torch.isfinite(v) for v in parts.values())
+
+
+@pytest.mark.parametrize("name", TRAINABLE)
+@pytest.mark.parametrize("prune", [False, True])
+def test_proposals_are_target_ids(target, name, prune):
+    d = build_drafter(pruned(name) if prune else {"name": name}, target)
+    randomise(d)
+    if prune:  # a real map, not the placeholder 0..Vd-1
+        fit_draft_vocab(d, torch.arange(V).flip(0).float(), always_include=[2])
+    st = decode_state(target, d, torch.randint(0, V, (10,), generator=torch.Generator().manual_seed(3)))
+    g = torch.Generator().manual_seed(0)
+    chain = d.propose(st, 3, SAMPLE, g)
+    n = chain.tokens.shape[0]
+    assert 1 <= n <= 3 and chain.tokens.dtype == torch.long and chain.probs.shape == (n, V)
+    assert torch.allclose(chain.probs.sum(-1), torch.ones(n), atol=1e-5)
+    assert bool((chain.probs[torch.arange(n), chain.tokens] > 0).all())
+    greedy = d.propose(st, 3, GREEDY)
+    assert greedy.probs is None and 1 <= greedy.tokens.shape[0] <= 3
+    assert d.propose(st, 3, GREEDY, min_confidence=1.01).tokens.shape == (1,)  # at least one token
+    assert d.propose(st, 0, GREEDY).tokens.shape == (0,)
+    tree = d.propose_tree(st, GREEDY)
+    assert tree.tokens.shape == tree.parents.shape and bool((tree.parents < torch.arange(len(tree.parents))).all())
+    for ids in (chain.tokens, greedy.tokens, tree.tokens):
+        assert bool(((ids >= 0) & (ids < V)).all())
+        if prune:
+            assert bool(d.draft_vocab.t2d[ids].all())  # only draft-vocab tokens are ever proposed
+            assert float(chain.probs[:, ~d.draft_vocab.t2d].abs().sum()) == 0.0
+
+
+@pytest.mark.parametrize("name", TRAINABLE)
+def test_cache_handles_accept_and_reject(target, name):
+    """Proposing after a partial accept (or a full reject) equals proposing from a fresh reset."""
+    cached, fresh = build_drafter({"name": name}, target), build_drafter({"name": name}, target)
+    randomise(cached)
+    fresh.load_state_dict(cached.state_dict())
+    tokens = torch.randint(0, V, (9,), generator=torch.Generator().manual_seed(4))
+    first = cached.propose(decode_state(target, cached, tokens), 4, GREEDY)
+    rounds = [torch.cat([tokens, first.tokens[:2], torch.tensor([7])]),  # 2 accepted + bonus
+              None]  # then: everything rejected, only a bonus token
+    for new in rounds:
+        new = torch.cat([tokens, torch.tensor([5])]) if new is None else new
+        st = decode_state(target, cached, new)
+        fresh.reset()
+        a, b = cached.propose(st, 4, GREEDY), fresh.propose(st, 4, GREEDY)
+        assert torch.equal(a.tokens, b.tokens)
+        ga, gb = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
+        sa, sb = cached.propose(st, 4, SAMPLE, ga), fresh.propose(st, 4, SAMPLE, gb)
+        assert torch.equal(sa.tokens, sb.tokens) and torch.allclose(sa.probs, sb.probs, atol=1e-5)
+        tokens = new
+    # a different prompt without reset() (sharing 5 tokens) must not reuse the stale positions
+    other = torch.cat([tokens[:5], torch.randint(0, V, (6,), generator=torch.Generator().manual_seed(5))])
+    st = decode_state(target, cached, other)
+    fresh.reset()
+    ga, gb = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
+    assert torch.allclose(cached.propose(st, 4, SAMPLE, ga).probs, fresh.propose(st, 4, SAMPLE, gb).probs,
+                          atol=1e-5)
+
+
+def test_eagle_training_matches_decoding(target):
+    """Teacher-forced logits at t == the decode-time logits of the first draft after t; the
+    unrolled step 2 at t == the decode-time second step fed the true token (the TTT mask)."""
+    d = build_drafter({"name": "eagle", "train_unroll": 3}, target)
+    randomise(d)
+    batch = make_batch(target, d, B=1, T=12)
+    preds = d.forward_train(batch)
+    assert [p.shift for p in preds] == [1, 2, 3]
+    ids = batch.input_ids[0]
+    for t in (3, 8):
+        d.reset()
+        h = d._sync(DecodeState(ids[:t + 2], batch.features[0, :t + 1]))  # (1, 1, H)
+        assert torch.allclose(d.head(h)[0, 0], preds[0].logits[0, t], atol=1e-4)
+        for j in (2, 3):  # feed the true next token and the drafter's own feature
+            h = d._layers(d._inputs(ids[t + j].view(1, 1), h), torch.tensor([[t + j - 1]]), None, d._cache)
+            assert torch.allclose(d.head(h)[0, 0], preds[j - 1].logits[0, t], atol=1e-4)
+
+
+def test_eagle_tree_expands_each_node_correctly(target, monkeypatch):
+    """Every expansion's log-probs equal the node's draft distribution recomputed from scratch
+    along its path (checks the tree mask and positions); top_k=1 gives the greedy chain."""
+    import drafters.eagle as eagle_module
+
+    calls = []
+
+    def recording_tree(expand_fn, *args):
+        def expand(tokens, parents, frontier):
+            logp = expand_fn(tokens, parents, frontier)  # (F, Vd)
+            calls.append((tokens.clone(), parents.clone(), frontier.clone(), logp))
+            return logp
+        return eagle_module.dynamic_tree.__wrapped_tree__(expand, *args)
+
+    recording_tree.__wrapped_tree__ = eagle_module.dynamic_tree
+    monkeypatch.setattr(eagle_module, "dynamic_tree", recording_tree)
+    d = build_drafter({"name": "eagle", "tree_top_k": 3, "tree_depth": 4, "tree_total_tokens": 100},
+                      target)
+    randomise(d)
+    tokens = torch.randint(0, V, (8,), generator=torch.Generator().manual_seed(6))
+    st = decode_state(target, d, tokens)
+    tree = d.propose_tree(st, GREEDY)
+    assert len(tree.tokens) == 3 + 9 + 9 + 9  # 3 children of each of the 3 best nodes per level
+    assert len(calls) == 3
+
+    def path_logp(tokens_, parents_, node: int) -> torch.Tensor:
+        path = []
+        while node >= 0:
+            path.append(int(tokens_[node]))
+            node = int(parents_[node])
+        d.reset()
+        h = d._sync(st)
+        for i, tok in enumerate(reversed(path)):
+            h = d._layers(d._inputs(torch.tensor([[tok]]), h), torch.tensor([[len(tokens) - 1 + i]]),
+                          None, d._cache)
+        return d.head(h)[0, 0].log_softmax(-1)
+
+    for toks, pars, frontier, logp in calls:
+        for i, node in enumerate(frontier.tolist()):
+            assert torch.allclose(logp[i], path_logp(toks, pars, node), atol=1e-4)
+    chain = d.propose(st, 4, GREEDY)
+    d.cfg.tree_top_k = 1
+    assert torch.equal(d.propose_tree(st, GREEDY).tokens, chain.tokens)
+
+
+def test_medusa_alignment_and_fresh_heads(target):
+    d = build_drafter({"name": "medusa"}, target)
+    batch = make_batch(target, d)
+    for p in d.forward_train(batch):  # zero-init blocks: every head is the target's LM head
+        assert torch.allclose(p.logits, batch.target_logits, atol=1e-5)
+    assert [(p.shift, p.weight) for p in d.forward_train(batch)] == [(1, 1.0), (2, 0.8),
+                                                                     (3, 0.8 ** 2), (4, 0.8 ** 3)]
+    randomise(d)
+    st = decode_state(target, d, torch.randint(0, V, (7,), generator=torch.Generator().manual_seed(7)))
+    chain = d.propose(st, 10, GREEDY)
+    assert len(chain.tokens) == 4  # capped at num_heads
+    expect = [int(d.head_logits(st.features[-1], k).argmax()) for k in range(4)]
+    assert chain.tokens.tolist() == expect  # head k reads the feature that produced the bonus token
+    feats = st.features.clone()
+    feats[:-1] = 0.0  # only the last feature matters
+    assert torch.equal(d.propose(DecodeState(st.tokens, feats), 4, GREEDY).tokens, chain.tokens)
+    feats[-1] = st.features[-2]
+    assert not torch.equal(d.propose(DecodeState(st.tokens, feats), 4, GREEDY).tokens, chain.tokens)
+    tree = d.propose_tree(st, GREEDY)
+    assert len(tree.tokens) == 26 and int(tree.tokens[0]) == expect[0]
+    small = build_drafter({"name": "medusa", "tree_top_k": 2, "num_heads": 3}, target)
+    assert len(small.tree.parents) == 2 + 4 + 5  # hand-counted default paths with ranks < 2, depth <= 3
+
+
+def test_draft_vocab_maps():
+    counts = torch.tensor([5.0, 1, 5, 0, 3, 3])
+    assert select_draft_vocab(counts, 3).tolist() == [0, 2, 4]  # 4 beats 5 on the 3-3 tie (lower id)
+    assert select_draft_vocab(counts, 3, always_include=[3]).tolist() == [0, 2, 3]
+    d2t = torch.tensor([1, 4, 5])
+    assert t2d_mask(d2t, 6).tolist() == [False, True, False, False, True, True]
+    assert d2t_to_offsets(d2t).tolist() == [1, 3, 3]  # target_id = i + offset[i]
+    assert torch.equal(offsets_to_d2t(d2t_to_offsets(d2t)), d2t)
+    probs = torch.tensor([[0.5, 0.3, 0.2]])
+    assert torch.equal(expand_probs(probs, d2t, 6), torch.tensor([[0.0, 0.5, 0.0, 0.0, 0.3, 0.2]]))
+    with pytest.raises(ValueError):
+        select_draft_vocab(counts, 1, always_include=[0, 1])
+
+
+@pytest.mark.parametrize("name", TRAINABLE)
+def test_pruned_head_starts_from_target_rows(target, name):
+    d = build_drafter(pruned(name), target)
+    counts = torch.zeros(V).index_fill_(0, torch.arange(60, 108), 10.0)
+    assert fit_draft_vocab(d, counts, always_include=[2])
+    assert d.d2t[0] == 2 and d.d2t.shape == (48,) and int(d.draft_vocab.t2d.sum()) == 48
+    assert torch.equal(d.lm_head.weight, target.lm_head().weight[d.d2t])
+    assert not fit_draft_vocab(build_drafter({"name": name}, target), counts)
+
+
+@pytest.mark.parametrize("name", TRAINABLE)
+@pytest.mark.parametrize("prune", [False, True])
+def test_save_load_round_trip(target, name, prune, tmp_path):
+    cfg = pruned(name) if prune else {"name": name}
+    d = build_drafter(cfg, target)
+    randomise(d)
+    if prune:
+        fit_draft_vocab(d, torch.arange(V).float())
+    save_drafter(d, cfg, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter.json", "drafter.safetensors"]
+    loaded = load_drafter(tmp_path, target)
+    batch = make_batch(target, d)
+    for a, b in zip(d.forward_train(batch), loaded.forward_train(batch)):
+        assert torch.equal(a.logits, b.logits)
+    from safetensors.torch import load_file
+    saved = load_file(str(tmp_path / "drafter.safetensors"))
+    assert set(saved) == set(d.state_dict())
+    target_shapes = {tuple(p.shape) for p in target.model.parameters() if p.dim() == 2 and p.shape[0] == V}
+    assert not any(tuple(v.shape) in target_shapes for v in saved.values())  # no embedding / LM head
+    if prune:
+        assert torch.equal(loaded.d2t, d.d2t)
+
+
+def test_init_from_target_layer(target):
+    d = build_drafter({"name": "eagle", "init_from_target_layer": -1}, target)
+    src = target.model.model.layers[-1].state_dict()
+    assert all(torch.equal(v, src[k]) for k, v in d.layers[0].state_dict().items())
+
+
+def test_shipped_yaml_compose_and_build(target):
+    from hydra import compose, initialize_config_dir
+
+    from decode.config import store_schemas
+
+    store_schemas()
+    conf = __import__("pathlib").Path(__file__).resolve().parents[1] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        for name in ("eagle", "medusa"):
+            cfg = compose(overrides=[f"+drafter={name}"]).drafter
+            assert cfg.name == name
+            if cfg.get("draft_vocab_size"):
+                cfg.draft_vocab_size = 48  # the tiny target's vocab is smaller than SmolLM2's
+            assert build_drafter(cfg, target).name == name
+
+
+@pytest.mark.parametrize("name", TRAINABLE)
+def test_training_lowers_loss(target, name):
+    torch.manual_seed(0)
+    cfg = {"name": name}
+    if "train_unroll" in CONFIGS[name].__dataclass_fields__:
+        cfg["train_unroll"] = 2
+    d = build_drafter(cfg, target)
+    batch = make_batch(target, d, B=2, T=24)
+    opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for _ in range(25):
+        loss, _ = distill_loss(d.forward_train(batch), batch, "forward_kl", 1.0, 0.1, d2t=d.d2t)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < 0.7 * losses[0], losses

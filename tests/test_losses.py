@@ -1,0 +1,178 @@
+"""Distillation losses against hand-computed values, draft-vocab restriction, masks and shifts.
+
+The running example: target p = [0.7, 0.2, 0.1], draft q = [0.4, 0.4, 0.2], m = (p + q) / 2 =
+[0.55, 0.3, 0.15].
+  KL(p||q) = 0.7 ln(7/4) + 0.2 ln(1/2) + 0.1 ln(1/2)        = 0.3917311 - 0.2079442 = 0.1837869
+  KL(q||p) = 0.4 ln(4/7) + 0.4 ln 2 + 0.2 ln 2               = -0.2238463 + 0.4158883 = 0.1920420
+  KL(p||m) = 0.7 ln(0.7/0.55) + 0.3 ln(2/3)                   = 0.1688135 - 0.1216395 = 0.0471740
+  KL(q||m) = 0.4 ln(0.4/0.55) + 0.6 ln(4/3)                   = -0.1273815 + 0.1726092 = 0.0452277
+  JSD      = (0.0471740 + 0.0452277) / 2                      = 0.0462009
+  TV       = 1 - (min(.7,.4) + min(.2,.4) + min(.1,.2))       = 1 - 0.7 = 0.3
+  hard CE  = -ln q[argmax p] = -ln 0.4                        = 0.9162907
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from drafters.base import DraftPrediction, TrainBatch
+from train.losses import (DIVERGENCES, distill_loss, expected_accept, feature_loss, greedy_accept,
+                          get_divergence)
+
+P = torch.tensor([[0.7, 0.2, 0.1]])
+Q = torch.tensor([[0.4, 0.4, 0.2]])
+EXPECTED = {"forward_kl": 0.1837869, "reverse_kl": 0.1920420, "jsd": 0.0462009, "tv": 0.3,
+            "hard_ce": 0.9162907}
+
+
+def test_registry_is_complete():
+    assert set(DIVERGENCES) == set(EXPECTED)
+    with pytest.raises(KeyError, match="forward_kl"):
+        get_divergence("kl")
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_hand_computed_values(name):
+    div = get_divergence(name)
+    got = div(Q.log(), P.log(), 1.0)  # (1,)
+    assert got.shape == (1,) and got.item() == pytest.approx(EXPECTED[name], abs=1e-6)
+    # temperature divides both sides' logits: logits 2 ln p at T=2 are the same distributions
+    assert div(2 * Q.log(), 2 * P.log(), 2.0).item() == pytest.approx(EXPECTED[name], abs=1e-6)
+    # identical distributions: zero divergence (hard CE is then the entropy term -ln 0.7)
+    same = div(P.log(), P.log(), 1.0).item()
+    assert same == pytest.approx(-math.log(0.7) if name == "hard_ce" else 0.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_restriction_to_draft_vocab(name):
+    """Full target p = [0.35, 0.1, 0.05, 0.5] on draft ids d2t = [0, 1, 2] renormalises to the
+    running example's [0.7, 0.2, 0.1]; token 3 (p = 0.5) is out of the drafter's reach."""
+    full = torch.tensor([[0.35, 0.1, 0.05, 0.5]]).log()  # (1, V=4)
+    d2t = torch.tensor([0, 1, 2])
+    got = get_divergence(name)(Q.log(), full, 1.0, d2t)
+    assert got.item() == pytest.approx(EXPECTED[name], abs=1e-6)
+    with pytest.raises(ValueError, match="d2t"):
+        get_divergence(name)(Q.log(), full, 1.0)
+
+
+def test_acceptance_helpers_use_the_full_target():
+    full = torch.tensor([[0.35, 0.1, 0.05, 0.5]]).log()
+    d2t = torch.tensor([0, 1, 2])
+    q = torch.tensor([[0.5, 0.3, 0.2]]).log()
+    # sum min(p, q) over the draft ids: 0.35 + 0.1 + 0.05 = 0.5 (p's 0.5 on token 3 is lost)
+    assert expected_accept(q, full, 1.0, d2t).item() == pytest.approx(0.5, abs=1e-6)
+    assert expected_accept(Q.log(), P.log()).item() == pytest.approx(0.7, abs=1e-6)
+    assert not bool(greedy_accept(q, full, d2t))  # target argmax 3 is not a draft token
+    assert bool(greedy_accept(q, full, d2t, restrict=True))  # best within the draft vocab
+    assert bool(greedy_accept(torch.tensor([[0.0, 5.0]]), torch.tensor([[1.0, 2.0, 9.0]]),
+                              torch.tensor([0, 2])))  # draft id 1 -> target id 2
+
+
+def test_feature_loss_hand_value():
+    # SmoothL1 (beta 1): |0.5| < 1 -> 0.5 * 0.5^2 = 0.125; |2| >= 1 -> 2 - 0.5 = 1.5; mean 0.8125
+    got = feature_loss(torch.tensor([[0.0, 0.0]]), torch.tensor([[0.5, -2.0]]))
+    assert got.shape == (1,) and got.item() == pytest.approx(0.8125)
+
+
+def make_batch(B=2, T=6, V=5, seed=0) -> TrainBatch:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    attn = torch.ones(B, T, dtype=torch.long)
+    attn[1, -2:] = 0
+    loss_mask = attn.clone()
+    loss_mask[:, :2] = 0
+    return TrainBatch(ids, attn, loss_mask, torch.randn(B, T, V, generator=g),
+                      torch.randn(B, T, 3, generator=g))
+
+
+def test_distill_loss_is_the_masked_mean():
+    """shift 1: logits[:, t] meets target_logits[:, t+1] where token t+2 is counted."""
+    batch = make_batch()
+    draft = torch.randn(2, 6, 5)
+    total, parts = distill_loss([DraftPrediction(draft, shift=1)], batch, "forward_kl")
+    rows = [(b, t) for b in range(2) for t in range(4)
+            if batch.loss_mask[b, t + 2] and batch.attention_mask[b, t + 2]]
+    assert len(rows) == 4 + 2  # row 0: tokens 2..5; row 1: tokens 2..3 (4, 5 are padding)
+    manual = torch.stack([get_divergence("forward_kl")(draft[b, t][None], batch.target_logits[b, t + 1][None])
+                          for b, t in rows]).mean()
+    assert total.item() == pytest.approx(manual.item(), rel=1e-6)
+    assert parts["positions/s1"].item() == 6
+
+
+def test_masked_positions_do_not_change_the_loss():
+    batch = make_batch()
+    batch.loss_mask[0, 3] = 0  # a user token inside row 0
+    draft = torch.randn(2, 6, 5)
+    base = distill_loss([DraftPrediction(draft.clone(), shift=1)], batch)[0].item()
+    touched = draft.clone()
+    touched[0, 0, 0] += 10.0  # anchor 0 predicts token 2, which is counted: must change
+    assert distill_loss([DraftPrediction(touched, shift=1)], batch)[0].item() > base + 0.01
+    masked = draft.clone()
+    masked[0, 1, 0] += 10.0  # row 0 anchor 1 predicts token 3 (loss_mask 0)
+    masked[1, 2:, 0] += 10.0  # row 1 anchors 2, 3 predict padded tokens 4, 5
+    masked[:, 4:, 1] -= 7.0  # anchors past T-1-shift have no token to predict
+    batch.target_logits[1, 3:, 2] += 3.0  # target rows only met by padded anchors
+    batch.target_logits[:, 0, 3] += 3.0  # target row 0 is only met by shift 0
+    assert distill_loss([DraftPrediction(masked, shift=1)], batch)[0].item() == pytest.approx(base)
+    batch.loss_mask.fill_(1)  # loss_mask set on padding too: attention_mask still excludes it
+    padded = distill_loss([DraftPrediction(draft, shift=1)], batch)[0].item()
+    assert distill_loss([DraftPrediction(masked, shift=1)], batch)[0].item() != pytest.approx(padded)
+    masked[0, 1, 0] -= 10.0  # back to counted rows only differing on padding
+    assert distill_loss([DraftPrediction(masked, shift=1)], batch)[0].item() == pytest.approx(padded)
+
+
+def test_no_counted_position_gives_zero_with_grad():
+    batch = make_batch()
+    batch.loss_mask.zero_()
+    draft = torch.randn(2, 6, 5, requires_grad=True)
+    feats = torch.randn(2, 6, 3, requires_grad=True)
+    total, _ = distill_loss([DraftPrediction(draft, shift=1, features=feats)], batch, "jsd",
+                            feature_weight=1.0)
+    assert total.item() == 0.0 and total.requires_grad
+    total.backward()
+    assert torch.isfinite(draft.grad).all() and float(draft.grad.abs().sum()) == 0.0
+
+
+def test_shift_alignment():
+    """The draft copies the target one step ahead: shift=1 gives zero loss, shift=0 does not."""
+    batch = make_batch(T=8)
+    batch.loss_mask.fill_(1)
+    batch.attention_mask.fill_(1)
+    draft = torch.cat([batch.target_logits[:, 1:], torch.zeros(2, 1, 5)], dim=1)  # (B, T, V)
+    right = distill_loss([DraftPrediction(draft, shift=1)], batch, "forward_kl")[0]
+    wrong = distill_loss([DraftPrediction(draft, shift=0)], batch, "forward_kl")[0]
+    assert right.item() == pytest.approx(0.0, abs=1e-6) and wrong.item() > 0.05
+    # features: predicted feature at anchor t is compared with features[:, t + shift]
+    feats = torch.cat([batch.features[:, 1:], torch.zeros(2, 1, 3)], dim=1)
+    _, parts = distill_loss([DraftPrediction(draft, shift=1, features=feats)], batch,
+                            feature_weight=1.0)
+    assert parts["feat/s1"].item() == pytest.approx(0.0, abs=1e-7)
+
+
+def test_predictions_are_weighted_and_summed():
+    batch = make_batch()
+    a, b = torch.randn(2, 6, 5), torch.randn(2, 6, 5)
+    la = distill_loss([DraftPrediction(a, shift=1)], batch, "tv")[0]
+    lb = distill_loss([DraftPrediction(b, shift=2)], batch, "tv")[0]
+    both = distill_loss([DraftPrediction(a, shift=1), DraftPrediction(b, shift=2, weight=0.8)],
+                        batch, "tv")[0]
+    assert both.item() == pytest.approx(la.item() + 0.8 * lb.item(), rel=1e-6)
+
+
+def test_pruned_vocab_in_distill_loss():
+    """With d2t, draft logits (Vd) are compared with the target restricted to d2t."""
+    batch = make_batch()
+    d2t = torch.tensor([0, 2, 4])
+    draft = batch.target_logits[:, 1:, d2t]  # exact restricted target one step ahead
+    draft = torch.cat([draft, torch.zeros(2, 1, 3)], dim=1)
+    loss = distill_loss([DraftPrediction(draft, shift=1)], batch, "reverse_kl", d2t=d2t)[0]
+    assert loss.item() == pytest.approx(0.0, abs=1e-6)
+    assert distill_loss([DraftPrediction(draft, shift=1)], batch, "reverse_kl",
+                        d2t=torch.tensor([0, 1, 4]))[0].item() > 1e-3
+    # the trainer may hand over target logits already restricted to d2t: same loss, d2t=None
+    other = torch.randn(2, 6, 3)
+    full = distill_loss([DraftPrediction(other, shift=1)], batch, "jsd", d2t=d2t)[0]
+    batch.target_logits = batch.target_logits[..., d2t]
+    assert distill_loss([DraftPrediction(other, shift=1)], batch, "jsd")[0].item() == pytest.approx(full.item())

@@ -10,8 +10,9 @@ vocabulary when the drafter has one), so nothing of size T x V is ever stored.
 from __future__ import annotations
 
 import json
+import logging
 import os
-import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -20,6 +21,10 @@ import torch
 from omegaconf import MISSING
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from data import quiet
+
+log = logging.getLogger(__name__)
 
 
 @torch.inference_mode()
@@ -107,6 +112,7 @@ def capture_split(target, rows, cfg, out: Path, progress: bool = True) -> Path:
         mpath.write_text(json.dumps(manifest, indent=1))
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
     shards = range(0, n, cfg.shard_size)
+    t0 = time.perf_counter()
     for s in tqdm(shards, desc="capture", disable=not progress):
         path = out / f"shard-{s // cfg.shard_size:05d}.safetensors"
         if path.is_file():
@@ -124,6 +130,10 @@ def capture_split(target, rows, cfg, out: Path, progress: bool = True) -> Path:
                 feats.append(None if f is None else f[j, :T].cpu())
                 finals.append(h[j, :T].cpu())
         write_shard(path, chunk, feats, finals, dtype)
+        if not progress:  # a line per shard where there is no progress bar (logs, CI)
+            done = sum(len(r["input_ids"]) for r in chunk)
+            log.info("captured shard %d/%d (%d tokens, %.0f s so far)", s // cfg.shard_size + 1,
+                     len(shards), done, time.perf_counter() - t0)
     return out
 
 
@@ -219,7 +229,7 @@ def main() -> None:
         if cfg.limit is not None:
             rows = rows.select(range(min(cfg.limit, len(rows))))
         out = capture_split(target, rows, cfg, Path(cfg.out),
-                            progress=sys.stderr.isatty() and not os.environ.get("CI"))
+                            progress=not quiet())
         print(f"captured {len(rows)} conversations of the {cfg.split} split into {out}")
 
     _run()

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -18,6 +16,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from data import quiet  # noqa: F401  (re-exported: the one progress-bar switch)
 from data.prompts import load_prompts
 from decode.metrics import RunMetrics
 from decode.spec import generate
@@ -25,11 +24,6 @@ from drafters.base import Drafter
 from drafters.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-def quiet() -> bool:
-    """No progress bars when not on a terminal or in CI."""
-    return bool(os.environ.get("CI")) or not sys.stderr.isatty()
 
 
 def render(target, turns: list[str], answers: list[list[int]]) -> torch.Tensor:

@@ -1,0 +1,93 @@
+"""Aggregate speculative-decoding runs (one GenerationResult per prompt) into the numbers papers
+report: tau (tokens per target forward), acceptance per draft position, speed and time split.
+
+Definitions (a round = one decode target forward after the prefill; n = accepted drafts):
+  * tau        = mean over rounds of n + 1: tokens committed per target forward, bonus included
+                 (plain decoding gives exactly 1.0);
+  * tau_draft  = mean over rounds of n: accepted drafts per round, bonus excluded;
+  * accept_cond[i]   = P(draft i+1 accepted | drafts 1..i accepted and draft i+1 proposed);
+  * accept_uncond[i] = P(draft i+1 accepted | draft i+1 proposed);
+  * accept_hist[n]   = rounds that accepted exactly n drafts.
+Acceptance counts are taken as verified, before a cut at EOS, a stop string or the budget.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from decode.spec import GenerationResult
+
+
+@dataclass
+class RunMetrics:
+    prompts: int = 0  # GenerationResults aggregated
+    new_tokens: int = 0  # generated tokens, all prompts
+    rounds: int = 0  # decode target forwards (prefills excluded)
+    target_forwards: int = 0  # all target forwards (prefills included)
+    tau: float = 0.0  # mean tokens committed per decode round, bonus included
+    tau_draft: float = 0.0  # mean accepted drafts per decode round
+    accept_cond: list[float] = field(default_factory=list)  # per draft position, see module doc
+    accept_uncond: list[float] = field(default_factory=list)  # per draft position
+    accept_hist: list[int] = field(default_factory=list)  # rounds by accepted drafts 0, 1, ...
+    tokens_per_s: float = 0.0  # new_tokens / total wall-clock time
+    time_total: float = 0.0  # seconds, all prompts
+    time_draft: float = 0.0  # seconds inside the drafter
+    time_verify: float = 0.0  # seconds inside target forwards
+    time_other: float = 0.0  # seconds elsewhere (the decoder's own overhead)
+
+    @classmethod
+    def from_results(cls, results: Sequence[GenerationResult]) -> "RunMetrics":
+        """Aggregate the results of one run (one mode, many prompts)."""
+        drafted = [m for r in results for m in r.drafted]
+        accepted = [n for r in results for n in r.accepted]
+        rounds = len(accepted)
+        longest = max(drafted, default=0)
+        proposed = [0] * longest  # rounds where draft i+1 was proposed
+        proposed_reached = [0] * longest  # ... and drafts 1..i were accepted
+        passed = [0] * longest  # rounds where draft i+1 was accepted
+        hist = [0] * (max(accepted, default=0) + 1)
+        for m, n in zip(drafted, accepted):
+            hist[n] += 1
+            for i in range(m):
+                proposed[i] += 1
+                passed[i] += i < n
+                proposed_reached[i] += i <= n
+        t = cls(prompts=len(results), new_tokens=sum(len(r.tokens) for r in results),
+                rounds=rounds, target_forwards=sum(r.target_forwards for r in results),
+                accept_hist=hist if rounds else [])
+        t.tau = (sum(accepted) + rounds) / rounds if rounds else 0.0
+        t.tau_draft = sum(accepted) / rounds if rounds else 0.0
+        t.accept_cond = [passed[i] / proposed_reached[i] if proposed_reached[i] else 0.0
+                         for i in range(longest)]
+        t.accept_uncond = [passed[i] / proposed[i] if proposed[i] else 0.0 for i in range(longest)]
+        t.time_total = sum(r.time_total for r in results)
+        t.time_draft = sum(r.time_draft for r in results)
+        t.time_verify = sum(r.time_verify for r in results)
+        t.time_other = sum(r.time_other for r in results)
+        t.tokens_per_s = t.new_tokens / t.time_total if t.time_total > 0 else 0.0
+        return t
+
+    def to_markdown(self, title: str = "run") -> str:
+        """A two-column markdown table of the headline numbers, then the per-position rates."""
+        tot = self.time_total or 1.0
+        rows = [
+            ("prompts", f"{self.prompts}"), ("new tokens", f"{self.new_tokens}"),
+            ("tokens/s", f"{self.tokens_per_s:.2f}"),
+            ("tau (tokens per target forward)", f"{self.tau:.3f}"),
+            ("tau_draft (accepted drafts per round)", f"{self.tau_draft:.3f}"),
+            ("target forwards (prefills included)", f"{self.target_forwards}"),
+            ("time draft / verify / other (s)",
+             f"{self.time_draft:.2f} / {self.time_verify:.2f} / {self.time_other:.2f} "
+             f"({100 * self.time_draft / tot:.0f}% / {100 * self.time_verify / tot:.0f}% / "
+             f"{100 * self.time_other / tot:.0f}%)"),
+            ("accepted-length histogram (0, 1, ...)", " ".join(str(h) for h in self.accept_hist)),
+        ]
+        out = [f"| {title} | |", "|---|---|"] + [f"| {a} | {b} |" for a, b in rows]
+        if self.accept_cond:
+            out += ["", "| draft position | " + " | ".join(str(i + 1) for i in
+                                                         range(len(self.accept_cond))) + " |",
+                    "|---" * (len(self.accept_cond) + 1) + "|",
+                    "| P(accept \\| previous accepted) | "
+                    + " | ".join(f"{a:.3f}" for a in self.accept_cond) + " |",
+                    "| P(accept) | " + " | ".join(f"{a:.3f}" for a in self.accept_uncond) + " |"]
+        return "\n".join(out)

@@ -119,7 +119,7 @@ def results_markdown(summary: dict, m: RunMetrics) -> str:
 
 def load_decode_drafter(cfg: DictConfig, target) -> Drafter | None:
     """The drafter of a decode job: a trained one from `ckpt`, else built from the drafter config."""
-    from drafters.base import build_drafter, load_drafter
+    from drafters.base import build_drafter, load_drafter, trainable_drafters
 
     if cfg.ckpt:
         folder = Path(cfg.ckpt)
@@ -128,6 +128,10 @@ def load_decode_drafter(cfg: DictConfig, target) -> Drafter | None:
                 return load_drafter(cand, target)
         raise FileNotFoundError(f"ckpt={cfg.ckpt} holds no drafter.json (nor best/drafter.json); "
                                 f"give a training run dir, a checkpoint folder or an export folder")
+    if cfg.drafter.name in trainable_drafters():
+        raise ValueError(f"drafter={cfg.drafter.name} is trained: give its weights with ckpt=<run dir, "
+                         f"checkpoint or export folder> (an untrained {cfg.drafter.name} would only "
+                         f"measure noise)")
     return build_drafter(cfg.drafter, target)
 
 

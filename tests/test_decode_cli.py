@@ -1,0 +1,42 @@
+"""`python -m decode` end to end on the tiny target: result JSON checkable against plain decoding."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from decode.spec import generate
+from drafters.target import load_target
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_decode_cli_writes_checkable_results(tmp_path, tiny_target_cfg):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"id": f"p{i}", "prompt": f"Say {w} {w} {w} {w}."})
+                                 for i, w in enumerate(["one", "two", "three"])) + "\n")
+    run_dir = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-m", "decode", "target=tiny", "drafter=ngram", "eval=jsonl",
+                          f"eval.path={prompts}", "max_new_tokens=12", "k=3", f"run_dir={run_dir}"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "tau" in out.stdout
+    res = json.loads((run_dir / "result.json").read_text())
+    assert res["summary"]["prompts"] == 3 and res["summary"]["outputs_identical_to_plain"] is True
+    assert (run_dir / "result.md").is_file() and (run_dir / "config.yaml").is_file()
+    # anyone can check the saved outputs against plain decoding of the same target
+    target = load_target(tiny_target_cfg)
+    by_id = {json.loads(line)["id"]: json.loads(line)["prompt"] for line in prompts.read_text().splitlines()}
+    for row in res["prompts"]:
+        ids = target.tokenizer.apply_chat_template([{"role": "user", "content": by_id[row["id"]]}],
+                                                   add_generation_prompt=True,
+                                                   return_tensors="pt")["input_ids"][0]
+        plain = generate(target, None, ids, max_new_tokens=12)
+        assert plain.tokens.tolist() == row["generated_ids"]
+        assert row["new_tokens"] == len(row["generated_ids"]) and row["target_forwards"] >= 1
+
+
+def test_decode_cli_refuses_untrained_drafter(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "decode", "target=tiny", "drafter=eagle",
+                          "eval.limit=1", f"run_dir={tmp_path}"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode != 0 and "ckpt=" in out.stderr

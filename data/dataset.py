@@ -36,6 +36,7 @@ from typing import Any, Optional
 
 import datasets
 
+from data import quiet
 from data.assets import asset_path
 from data.chat import encode_chats
 from data.sharegpt import Counts, DataFormatError, iter_conversations
@@ -153,7 +154,7 @@ def _encode_batch(batch: dict[str, list], tokenizer, max_length: int) -> dict[st
 def _progress_bars():
     """datasets' tqdm bars on for an interactive terminal, off when logged to a file or in CI."""
     was_on = datasets.is_progress_bar_enabled()
-    if sys.stderr.isatty() and not os.environ.get("CI"):
+    if not quiet():
         datasets.enable_progress_bars()
     else:
         datasets.disable_progress_bars()

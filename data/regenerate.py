@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -24,6 +22,7 @@ from typing import Any, Optional
 import torch
 from omegaconf import MISSING
 
+from data import quiet
 from data.assets import asset_path
 from data.sharegpt import Conversation, iter_conversations
 
@@ -155,7 +154,7 @@ def main() -> None:
         target = load_target(cfg.target)
         convs = list(iter_conversations(source_path(cfg.data), limit=cfg.limit))
         counts = regenerate(target, convs, cfg, Path(cfg.out),
-                            progress=sys.stderr.isatty() and not os.environ.get("CI"))
+                            progress=not quiet())
         print(f"regenerated into {cfg.out}: {counts}")
 
     _run()

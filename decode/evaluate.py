@@ -126,6 +126,10 @@ def load_decode_drafter(cfg: DictConfig, target) -> Drafter | None:
         for cand in (folder, folder / "best"):
             if (cand / "drafter.json").is_file():
                 return load_drafter(cand, target)
+        if (folder / "config.json").is_file():  # an export folder (any format): drafters/export.py
+            from drafters.export import load_export
+
+            return load_export(folder, target)
         raise FileNotFoundError(f"ckpt={cfg.ckpt} holds no drafter.json (nor best/drafter.json); "
                                 f"give a training run dir, a checkpoint folder or an export folder")
     if cfg.drafter.name in trainable_drafters():

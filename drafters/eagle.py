@@ -15,6 +15,11 @@ same vector, and (2) at decode time a predicted feature is a drop-in replacement
 the next step's input. With an intermediate feature_layer (an un-normed residual stream) a trainable
 RMSNorm, initialised from the target's final norm, sits before the LM head.
 
+Design decision (layer 0's input norm, `input_norm`): on by default (an RMSNorm on fc's output);
+`input_norm=false` drops it as EAGLE-1 and the serving engines' EAGLE loaders do, which together
+with the target's own LM head (draft_vocab_size=None) makes the head exportable to vLLM, SGLang
+and speculators exactly (drafters/export_formats.py).
+
 Embedding: the target's, frozen. LM head: the target's, frozen (draft_vocab_size=None), or a
 trainable Linear(H -> Vd) over a pruned draft vocabulary started from the target's rows (vocab.py).
 Target modules are reached through `self.target` (a plain attribute), never registered as
@@ -48,6 +53,10 @@ class EagleConfig(DrafterConfig):
     draft_vocab_size: Optional[int] = None  # pruned LM head size (None = target's head, frozen)
     num_layers: int = 1  # decoder layers of the drafter
     init_from_target_layer: Optional[int] = None  # copy this target layer's weights (None = random)
+    # RMSNorm on fc's output before layer 0's attention. false = the EAGLE-1 layout the serving
+    # engines load (vLLM, SGLang and speculators drop layer 0's input_layernorm), so the head can
+    # be exported to them exactly (drafters/export.py)
+    input_norm: bool = True
     train_unroll: int = 1  # training-time test steps (1 = teacher forced; k>1 adds shifts 2..k)
     unroll_decay: float = 0.8  # loss weight of unrolled step j is unroll_decay ** (j - 1)
     tree_top_k: int = 8  # EAGLE-2 tree: children per expanded node and nodes expanded per level
@@ -96,6 +105,8 @@ class Eagle(Drafter):
         self.fc = nn.Linear(2 * H, H, bias=False)
         self.layers = nn.ModuleList(LlamaDecoderLayer(self.llama_config, i)
                                     for i in range(cfg.num_layers))
+        if not cfg.input_norm:  # EAGLE-1 / engine layout: fc's output goes straight to attention
+            self.layers[0].input_layernorm = nn.Identity()
         self.rotary_emb = LlamaRotaryEmbedding(self.llama_config)
         self.norm = None
         if cfg.feature_layer != -1:  # an un-normed feature needs a norm before the LM head
@@ -137,7 +148,8 @@ class Eagle(Drafter):
             raise ValueError(f"eagle: init_from_target_layer={index} leaves too few target layers "
                              f"for {len(self.layers)} drafter layers")
         for i, layer in enumerate(self.layers):
-            state = {k: v.float() for k, v in src[first + i].state_dict().items()}
+            own = layer.state_dict().keys()  # without layer 0's input norm when input_norm=false
+            state = {k: v.float() for k, v in src[first + i].state_dict().items() if k in own}
             layer.load_state_dict(state, strict=True)
 
     # -- the network ------------------------------------------------------------------------------

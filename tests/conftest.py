@@ -1,7 +1,10 @@
-"""Shared fixtures: tiny random-init targets and an isolated cache."""
+"""Shared fixtures: tiny random-init targets, an isolated cache, and one tiny trained run."""
+import json
 import os
+from pathlib import Path
 
 import pytest
+import torch
 
 from drafters.target import TargetConfig
 
@@ -19,3 +22,48 @@ def tiny_target_cfg() -> TargetConfig:
 def pytest_configure(config):
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no test may reach a hub
+    os.environ.setdefault("WANDB_MODE", "offline")  # W&B never reaches its servers from tests
+    os.environ.setdefault("WANDB_SILENT", "true")
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory) -> Path:
+    """A finished training run on the tiny target, logged to every logger kind, with a final
+    decoder eval: EAGLE in the layout serving engines load (full vocab, no layer-0 input norm).
+    Shared by the report and export tests (about 10 s on 2 cores)."""
+    from hydra import compose, initialize_config_dir
+
+    import train.__main__  # noqa: F401  (stores the schemas)
+    from train.recipe import DistillRecipe
+
+    root = tmp_path_factory.mktemp("tiny_run")
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+    chats = root / "chats.jsonl"
+    with open(chats, "w") as f:
+        for i in range(24):
+            seq = " ".join(words[(i + j) % len(words)] for j in range(10))
+            f.write(json.dumps({"id": f"c{i}", "conversations": [
+                {"from": "human", "value": f"Continue from {words[i % len(words)]}."},
+                {"from": "gpt", "value": seq}]}) + "\n")
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=[
+            "target=tiny", "data=jsonl", f"data.path={chats}", "data.max_length=96",
+            "data.eval_fraction=0.2", f"data.cache_dir={root / 'cache'}", "trainer=smoke",
+            "trainer.max_steps=4", "trainer.eval_every=2", "trainer.save_every=2",
+            "trainer.eval_conversations=1",
+            "trainer.final_eval=mtbench", "trainer.final_eval_limit=2",
+            "trainer.final_eval_max_new_tokens=12", "trainer.eval_k=3",
+            f"run_dir={root / 'run'}", "logger.kinds=[console,jsonl,wandb,tensorboard]",
+            "drafter=eagle", "drafter.draft_vocab_size=null", "drafter.input_norm=false"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: a second OpenMP thread only adds contention
+    try:
+        recipe = DistillRecipe(cfg)
+        recipe.setup()
+        recipe.train()
+        recipe.final_eval()
+        recipe.cleanup()
+    finally:
+        torch.set_num_threads(threads)
+    return Path(cfg.run_dir)

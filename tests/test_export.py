@@ -1,0 +1,402 @@
+"""Exports on a tiny target: every drafter (EAGLE full and pruned vocab, Medusa full and pruned) in
+every format it supports reloads with identical weights, logits and greedy decoding; the engine
+layouts compute what the engines' own forward passes (re-implemented here from their sources,
+reading only the exported files) compute; unsupported combinations and corrupted exports are
+refused with a clear error; writes are atomic; a push while offline fails clearly and keeps the
+export; the CLI and train/serve parity work on a real tiny training run."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+from omegaconf import OmegaConf
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+import drafters  # noqa: F401  (registers every drafter)
+from decode.spec import generate
+from drafters.base import DecodeState, TrainBatch, build_drafter, fit_draft_vocab
+from drafters.export import ExportConfig, export_drafter, load_export, run_export, validate_export
+from drafters.export_formats import ExportError
+from drafters.hub import PushError, push_to_hub
+from drafters.sampling import SamplingParams
+from drafters.target import Target
+
+V, H = 128, 32
+GREEDY = SamplingParams()
+CASES = {  # name -> (drafter config, the formats it exports to)
+    "eagle": ({"name": "eagle"}, ["hf"]),
+    "eagle-engine": ({"name": "eagle", "input_norm": False}, ["hf", "vllm", "sglang", "speculators"]),
+    "eagle-pruned": ({"name": "eagle", "draft_vocab_size": 48}, ["hf"]),
+    "medusa": ({"name": "medusa"}, ["hf", "medusa", "vllm"]),
+    "medusa-pruned": ({"name": "medusa", "draft_vocab_size": 48, "num_layers": 2}, ["hf", "medusa"]),
+}
+ROUND_TRIPS = [(c, f) for c, (_, fmts) in CASES.items() for f in fmts]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls: on a shared 2-core machine a second OpenMP thread makes each one ~100x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def target() -> Target:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
+    model = LlamaForCausalLM(cfg)  # a non-default rope theta: a wrong one in an export shows up
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)  # peaked distributions, so drafts get accepted
+    tok = type("Tok", (), {"eos_token_id": 2, "__len__": lambda self: V})()  # ids, EOS, length
+    return Target(model, tok, "tiny")
+
+
+def trained(target, case: str):
+    """The case's drafter with every weight moved off its init and a real (non-arange) vocab map."""
+    cfg = CASES[case][0]
+    d = build_drafter(cfg, target)
+    g = torch.Generator().manual_seed(1)
+    if cfg.get("draft_vocab_size"):
+        fit_draft_vocab(d, torch.rand(V, generator=g), always_include=[2])
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(0.2 * torch.randn(p.shape, generator=g))
+    return d.eval(), cfg
+
+
+def batch(target, drafter, T=20) -> TrainBatch:
+    ids = torch.randint(0, V, (1, T), generator=torch.Generator().manual_seed(5))
+    out = target.forward(ids, layers=drafter.feature_layers)
+    ones = torch.ones(1, T, dtype=torch.long)
+    return TrainBatch(ids, ones, ones, out.logits, out.features.clone())
+
+
+# -- the engines' forward passes, rebuilt from the exported files only -----------------------
+def eagle1_engine_logits(folder: Path, target, b: TrainBatch) -> torch.Tensor:
+    """vLLM llama_eagle.py / SGLang llama_eagle.py / speculators EagleSpeculator: fc over
+    [embed(token t+1), hidden t] -> decoder layers (layer 0 without input_layernorm) -> the
+    target's LM head. (B, T-1, V)."""
+    cfg = json.loads((folder / "config.json").read_text())
+    w = load_file(str(folder / "model.safetensors"))
+    if "speculators_config" in cfg:  # EagleSpeculator's module names
+        cfg = cfg["transformer_layer_config"]
+        w = {k.replace("fusion_fc.", "fc.").replace("transformer.", "layers.0."): v for k, v in w.items()}
+    llama = LlamaConfig(**{k: cfg[k] for k in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings")},
+        rope_parameters={"rope_type": "default", "rope_theta": cfg["rope_theta"]})
+    llama._attn_implementation = "sdpa"
+    layers = [LlamaDecoderLayer(llama, i) for i in range(llama.num_hidden_layers)]
+    layers[0].input_layernorm = nn.Identity()
+    for i, layer in enumerate(layers):
+        p = f"layers.{i}."
+        layer.load_state_dict({k[len(p):]: v for k, v in w.items() if k.startswith(p)}, strict=True)
+    fc = nn.Linear(2 * H, H, bias="fc.bias" in w)
+    fc.load_state_dict({k[3:]: v for k, v in w.items() if k.startswith("fc.")}, strict=True)
+    with torch.no_grad():
+        x = fc(torch.cat([target.embed_tokens()(b.input_ids[:, 1:]), b.features[:, :-1]], -1))
+        T = x.shape[1]
+        pos = torch.arange(T)[None]
+        mask = torch.full((T, T), torch.finfo(x.dtype).min).triu(1)[None, None]
+        rope = LlamaRotaryEmbedding(llama)(x, pos)
+        for layer in layers:
+            x = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=rope)
+        return target.lm_head()(x)
+
+
+def medusa_vllm_logits(folder: Path, feats: torch.Tensor) -> list[torch.Tensor]:
+    """vLLM medusa.py: ResidualBlock per head, shared lm_head (original_lm_head), token_map
+    scattering a truncated vocab into the full one (-inf elsewhere)."""
+    cfg = json.loads((folder / "config.json").read_text())
+    w = load_file(str(folder / "model.safetensors"))
+    assert cfg["original_lm_head"] and cfg["model_type"] == "medusa"
+    out = []
+    for i in range(cfg["num_heads"]):
+        x = feats
+        for j in range(cfg["num_hidden_layers"]):
+            bias = w[f"blocks.{i}.layers.{j}.bias"] if cfg["medusa_fc_bias"] else None
+            x = x + F.silu(F.linear(x, w[f"blocks.{i}.layers.{j}.weight"], bias))
+        logits = F.linear(x, w["lm_heads.0.weight"])
+        if "token_map" in w:
+            assert cfg["truncated_vocab_size"] == len(w["token_map"]) < cfg["vocab_size"]
+            full = logits.new_full((*logits.shape[:-1], cfg["vocab_size"]), float("-inf"))
+            full[..., w["token_map"]] = logits
+            logits = full
+        out.append(logits)
+    return out
+
+
+class ResBlock(nn.Module):  # FasterDecoding/Medusa medusa_model.py
+    def __init__(self, hidden):
+        super().__init__()
+        self.linear, self.act = nn.Linear(hidden, hidden), nn.SiLU()
+
+    def forward(self, x):
+        return x + self.act(self.linear(x))
+
+
+def medusa_original_logits(folder: Path, feats: torch.Tensor) -> list[torch.Tensor]:
+    """The Medusa repo's MedusaModel heads, loaded from medusa_lm_head.pt as its from_pretrained does."""
+    cfg = json.loads((folder / "config.json").read_text())
+    K, L = cfg["medusa_num_heads"], cfg["medusa_num_layers"]
+    heads = nn.ModuleList(nn.Sequential(*([ResBlock(H)] * L), nn.Linear(H, V, bias=False)) for _ in range(K))
+    heads.load_state_dict(torch.load(folder / "medusa_lm_head.pt", weights_only=True), strict=True)
+    with torch.no_grad():
+        return [h(feats) for h in heads]
+
+
+# -- round trips -------------------------------------------------------------------------------
+@pytest.mark.parametrize("case,fmt", ROUND_TRIPS)
+def test_round_trip_logits_decoding_and_engine_forward(tmp_path, target, case, fmt):
+    src, cfg = trained(target, case)
+    out = export_drafter(src, cfg, target, fmt, tmp_path / "x", base_model="org/tiny",
+                         speculative_tokens=4)["path"]
+    back = load_export(out, target).eval()
+    b = batch(target, src)
+    with torch.no_grad():
+        want, got = src.forward_train(b), back.forward_train(b)
+    assert all(torch.equal(p.logits, q.logits) for p, q in zip(want, got))
+    prompt = torch.randint(0, V, (12,), generator=torch.Generator().manual_seed(7))
+    r1 = generate(target, src, prompt, max_new_tokens=24, k=4)
+    r2 = generate(target, back, prompt, max_new_tokens=24, k=4)
+    assert torch.equal(r1.tokens, r2.tokens) and r1.accepted == r2.accepted
+    tokens = torch.cat([prompt, r1.tokens])  # the same drafts, chain and tree, mid-generation
+    feats = target.forward(tokens[None, :-1], layers=src.feature_layers, logits=False).features[0]
+    for d in (src, back):
+        d.reset()
+    state = DecodeState(tokens=tokens, features=feats)
+    assert torch.equal(src.propose(state, 4, GREEDY).tokens, back.propose(state, 4, GREEDY).tokens)
+    t1, t2 = src.propose_tree(state, GREEDY), back.propose_tree(state, GREEDY)
+    assert torch.equal(t1.tokens, t2.tokens) and torch.equal(t1.parents, t2.parents)
+    card = (out / "README.md").read_text()
+    meta = yaml.safe_load(card.split("---")[1])
+    assert meta["base_model"] == "org/tiny" and cfg["name"] in meta["tags"] and meta["license"]
+    with torch.no_grad():
+        if cfg["name"] == "eagle" and fmt != "hf":
+            assert torch.allclose(eagle1_engine_logits(out, target, b), want[0].logits[:, :-1], atol=1e-5)
+        if cfg["name"] == "medusa" and fmt != "hf":
+            f = b.features
+            ours = [src.head_logits(f, k) for k in range(src.cfg.num_heads)]  # (1, T, Vd)
+            cols = src.d2t if src.d2t is not None else torch.arange(V)
+            for mine, theirs in zip(ours, medusa_vllm_logits(out, f)):
+                assert torch.allclose(theirs[..., cols], mine, atol=1e-5)
+                assert bool(torch.isinf(theirs).sum() == theirs[..., 0].numel() * (V - len(cols)))
+            if (out / "medusa_lm_head.pt").is_file():
+                for mine, theirs in zip(ours, medusa_original_logits(out, f)):
+                    assert torch.allclose(theirs, mine, atol=1e-5)
+            else:
+                assert src.d2t is not None or src.cfg.num_layers > 1  # only where it cannot hold them
+
+
+def test_config_values_engines_read(tmp_path, target):
+    src, cfg = trained(target, "eagle-engine")
+    vllm = json.loads((export_drafter(src, cfg, target, "vllm", tmp_path / "v")["path"] / "config.json").read_text())
+    assert vllm["architectures"] == ["LlamaForCausalLM"]  # vLLM's EAGLEConfig adds the Eagle prefix
+    assert vllm["rope_theta"] == 50000.0 and vllm["num_hidden_layers"] == 1 and vllm["vocab_size"] == V
+    sgl = export_drafter(src, cfg, target, "sglang", tmp_path / "s")["path"]
+    assert json.loads((sgl / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle"]
+    assert not load_file(str(sgl / "model.safetensors"))["fc.bias"].any()
+    spec = json.loads((export_drafter(src, cfg, target, "speculators", tmp_path / "p",
+                                      base_model="org/tiny", speculative_tokens=3)["path"]
+                       / "config.json").read_text())
+    sc = spec["speculators_config"]  # the fields vLLM's SpeculatorsConfig validation reads
+    assert spec["speculators_model_type"] == "eagle" and sc["algorithm"] == "eagle"
+    assert sc["proposal_methods"][0]["speculative_tokens"] == 3 and sc["verifier"]["name_or_path"] == "org/tiny"
+    assert isinstance(spec["transformer_layer_config"], dict) and spec["layernorms"] is False
+
+
+@pytest.mark.parametrize("cfg,fmt,says", [
+    ({"name": "eagle", "draft_vocab_size": 48}, "vllm", "draft_vocab_size=null"),
+    ({"name": "eagle"}, "sglang", "input_norm=false"),
+    ({"name": "eagle", "input_norm": False, "feature_layer": 1}, "vllm", "feature_layer=-1"),
+    ({"name": "eagle", "input_norm": False, "num_layers": 2}, "speculators", "num_layers=1"),
+    ({"name": "eagle", "input_norm": False}, "eagle3", "EAGLE-3 drafter"),
+    ({"name": "eagle", "input_norm": False}, "medusa", "for medusa drafters"),
+    ({"name": "medusa"}, "sglang", "no Medusa loader"),
+    ({"name": "medusa"}, "onnx", "unknown format"),
+])
+def test_unsupported_combinations_are_refused(tmp_path, target, cfg, fmt, says):
+    with pytest.raises(ExportError, match=says):
+        export_drafter(build_drafter(cfg, target), cfg, target, fmt, tmp_path / "x")
+    assert list(tmp_path.iterdir()) == []  # nothing written, no temp folder left
+
+
+# -- validation of corrupted exports ----------------------------------------------------------
+def _edit_tensors(folder, fn, name="model.safetensors"):
+    t = load_file(str(folder / name))
+    fn(t)
+    save_file(t, str(folder / name))
+
+
+def _edit_config(folder, fn):
+    c = json.loads((folder / "config.json").read_text())
+    fn(c)
+    (folder / "config.json").write_text(json.dumps(c))
+
+
+CORRUPTIONS = {
+    "missing key": ("eagle-pruned", "hf", lambda f: _edit_tensors(f, lambda t: t.pop("fc.weight")),
+                    "required tensor 'fc.weight' is missing"),
+    "extra key": ("eagle-engine", "vllm", lambda f: _edit_tensors(
+        f, lambda t: t.update({"layers.0.input_layernorm.weight": torch.ones(H)})),
+        "unexpected tensor 'layers.0.input_layernorm.weight'"),
+    "wrong shape": ("eagle-pruned", "hf", lambda f: _edit_tensors(
+        f, lambda t: t.update({"lm_head.weight": t["lm_head.weight"][:40].clone()})),
+        r"lm_head.weight has shape \(40, 32\), expected \(48, 32\)"),
+    "wrong dtype": ("medusa", "medusa", lambda f: _edit_tensors(
+        f, lambda t: t.update({"blocks.0.layers.0.weight": t["blocks.0.layers.0.weight"].half()})),
+        "has dtype torch.float16, expected torch.float32"),
+    "d2t not increasing": ("eagle-pruned", "hf", lambda f: _edit_tensors(
+        f, lambda t: t["d2t"].__setitem__(slice(0, 2), torch.tensor([5, -1]))), "strictly increasing"),
+    "d2t out of range": ("eagle-pruned", "hf", lambda f: _edit_tensors(
+        f, lambda t: t["d2t"].__setitem__(-1, 500)), r"outside \[0, 128\)"),
+    "t2d disagrees": ("eagle-pruned", "hf", lambda f: _edit_tensors(
+        f, lambda t: t["t2d"].__setitem__(int((~t["t2d"]).nonzero()[0]), True)), "t2d disagrees with d2t"),
+    "token_map repeats": ("medusa-pruned", "medusa", lambda f: _edit_tensors(
+        f, lambda t: t["token_map"].__setitem__(1, t["token_map"][0])), "strictly increasing"),
+    "config value": ("medusa", "medusa", lambda f: _edit_config(f, lambda c: c.update(num_heads=3)),
+                     "num_heads = 3, expected 4"),
+    "config key": ("eagle-engine", "vllm", lambda f: _edit_config(f, lambda c: c.pop("rope_theta")),
+                   "required key 'rope_theta' is missing"),
+    "not ours": ("eagle", "hf", lambda f: _edit_config(f, lambda c: c.pop("specdistill")),
+                 "not an export written by drafters.export"),
+    "weights file": ("medusa", "medusa", lambda f: (f / "medusa_lm_head.pt").unlink() or
+                     (f / "model.safetensors").unlink(), "weights file model.safetensors is missing"),
+    "sglang bias": ("eagle-engine", "sglang", lambda f: _edit_tensors(
+        f, lambda t: t["fc.bias"].fill_(0.5)), "fc.bias must be zero"),
+}
+
+
+@pytest.mark.parametrize("name", CORRUPTIONS)
+def test_validation_rejects_a_corrupted_export(tmp_path, target, name):
+    case, fmt, corrupt, says = CORRUPTIONS[name]
+    src, cfg = trained(target, case)
+    out = export_drafter(src, cfg, target, fmt, tmp_path / "x")["path"]
+    assert validate_export(out, target) == []
+    corrupt(out)
+    with pytest.raises(ExportError, match=says):
+        validate_export(out, target)
+    with pytest.raises(ExportError):
+        load_export(out, target)
+
+
+def test_export_for_another_target_and_vocab_warnings(tmp_path, target):
+    src, cfg = trained(target, "eagle-pruned")
+    out = export_drafter(src, cfg, target, "hf", tmp_path / "x")["path"]
+    other = Target(LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=48, intermediate_size=64,
+                                                num_hidden_layers=1, num_attention_heads=4)),
+                   target.tokenizer, "other")
+    with pytest.raises(ExportError, match="was exported for target tiny"):
+        load_export(out, other)
+    short = Target(target.model, type("Tok", (), {"eos_token_id": 2, "__len__": lambda s: 64})(), "t")
+    no_eos = trained(target, "eagle-pruned")[0]
+    no_eos.set_draft_vocab(torch.arange(80, 128))  # excludes EOS 2; ids >= 64 are not tokens
+    warnings = export_drafter(no_eos, cfg, short, "hf", tmp_path / "y")["warnings"]
+    assert any("EOS ids [2]" in w for w in warnings) and any("padding rows" in w for w in warnings)
+
+
+# -- atomic writes, Hub push -------------------------------------------------------------------
+def test_export_is_atomic(tmp_path, target):
+    src, cfg = trained(target, "eagle")
+
+    def crash(folder):
+        assert (folder / "model.safetensors").is_file()  # called on the complete temp folder
+        raise RuntimeError("killed mid-export")
+
+    with pytest.raises(RuntimeError, match="killed"):
+        export_drafter(src, cfg, target, "hf", tmp_path / "x", check=crash)
+    assert list(tmp_path.iterdir()) == []
+    first = export_drafter(src, cfg, target, "hf", tmp_path / "x")["path"]
+    with pytest.raises(ExportError, match="exists; pass overwrite=true"):
+        export_drafter(src, cfg, target, "hf", tmp_path / "x")
+    with pytest.raises(RuntimeError):
+        export_drafter(src, cfg, target, "hf", tmp_path / "x", overwrite=True, check=crash)
+    assert validate_export(first, target) == []  # a failed overwrite keeps the old export
+    export_drafter(src, cfg, target, "hf", tmp_path / "x", overwrite=True, dtype="bfloat16")
+    assert json.loads((first / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x"]
+
+
+def test_push_to_hub_offline_fails_clearly_and_keeps_the_export(tmp_path, target, monkeypatch):
+    src, cfg = trained(target, "medusa")
+    out = export_drafter(src, cfg, target, "medusa", tmp_path / "x")["path"]
+    assert os.environ["HF_HUB_OFFLINE"] == "1"
+    with pytest.raises(PushError, match=f"HF_HUB_OFFLINE is set.*complete at {out}"):
+        push_to_hub(out, "org/tiny-medusa")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # "online" but the network is unreachable
+    with pytest.raises(PushError, match="could not push to org/tiny-medusa.*hf upload"):
+        push_to_hub(out, "org/tiny-medusa", token="hf_x", endpoint="http://127.0.0.1:9")
+    assert validate_export(out, target) == []
+
+
+# -- the CLI on a real (tiny) training run -----------------------------------------------------
+def test_cli_exports_a_run_with_parity_and_a_card(tmp_path, tiny_run):
+    from decode.evaluate import load_decode_drafter
+    from train.export import measure_parity
+
+    cfg = OmegaConf.merge(OmegaConf.structured(ExportConfig), {
+        "run": str(tiny_run), "format": "vllm", "out": str(tmp_path / "vllm"),
+        "push_to_hub": "org/tiny-eagle"})
+    with pytest.raises(PushError, match="offline"):  # exported first, then the push fails
+        run_export(cfg)
+    card = (tmp_path / "vllm" / "README.md").read_text()
+    final = (tiny_run / "final_eval" / "result.md").read_text().strip()
+    assert final in card and "## Training configuration" in card and "input_norm: false" in card
+    cfg.update({"format": "hf", "out": str(tmp_path / "hf"), "push_to_hub": None})
+
+    def check(folder, target, info):  # runs on the complete temp folder, before the rename
+        decoded = load_decode_drafter(OmegaConf.create({"ckpt": str(folder)}), target)
+        assert decoded.name == "eagle" and not decoded.cfg.input_norm  # `python -m decode ckpt=`
+        return measure_parity(folder, target, info, limit=1)
+
+    result = run_export(cfg, check=check)
+    parity = result["parity"]
+    assert parity["identical"] and parity["prompts"] == 1
+    assert parity["tau_export"] == pytest.approx(parity["tau_training_end"])
+    assert "## Train/serve parity" in (tmp_path / "hf" / "README.md").read_text()
+    cfg.update({"run": str(tiny_run / "checkpoints" / "step-0000002"), "out": str(tmp_path / "c")})
+    with pytest.raises(ExportError, match="the drafter the final eval measured"):
+        run_export(cfg, check=lambda f, t, info: measure_parity(f, t, info))
+    assert not (tmp_path / "c").exists()
+
+
+def test_module_cli_runs(tmp_path, tiny_run):
+    """`python -m drafters.export` through Hydra; nothing lands in the working directory."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "drafters.export", f"run={tiny_run}", "format=speculators",
+           f"out={tmp_path / 'spec'}"]
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "exported" in done.stdout and sorted(p.name for p in tmp_path.iterdir()) == ["spec"]
+    cfg = OmegaConf.merge(OmegaConf.structured(ExportConfig),
+                          {"run": str(tiny_run), "format": "eagle3", "out": str(tmp_path / "e3")})
+    with pytest.raises(ExportError, match="needs an EAGLE-3 drafter"):  # refused before any loading
+        run_export(cfg)
+
+
+def test_drafters_never_import_train_or_decode():
+    """The arrows point one way: export (and every drafter module) stays free of train/ and decode/,
+    which is why parity lives in train/export.py."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1] / "drafters"
+    for path in root.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            bad = [n for n in names if n.split(".")[0] in ("train", "decode")]
+            assert not bad, f"{path.name} imports {bad}"

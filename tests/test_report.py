@@ -1,0 +1,68 @@
+"""The local report: plots and report.md rebuilt from a run dir's files, on synthetic runs (every
+number known) and on a real tiny training run."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from train.report import implied_length_distribution, simulated_evals, write_report
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def fake_run(tmp_path, final: bool):
+    rows = [{"step": s, "loss": 3.0 / s, "div/s1": 2.0 / s, "lr": 1e-3} for s in range(1, 7)]
+    rows.insert(3, {"step": 3, "eval/sim_tau": 1.5, "eval/acc_1": 0.5, "eval/acc_2": 0.25})
+    rows.append({"step": 6, "eval/sim_tau": 9.0, "eval/acc_1": 0.1, "eval/acc_2": 0.1})
+    rows.append({"step": 6, "eval/sim_tau": 1.75, "eval/acc_1": 0.5, "eval/acc_2": 0.5})  # re-logged
+    text = "\n".join(json.dumps(r) for r in rows) + '\n{"step": 7, "loss": 0.'  # torn by a crash
+    (tmp_path / "metrics.jsonl").write_text(text)
+    if final:
+        (tmp_path / "final_eval").mkdir()
+        summary = {"tau": 1.9, "spec_accept_hist": [4, 3, 3], "spec_accept_cond": [0.6, 0.5]}
+        (tmp_path / "final_eval" / "result.json").write_text(json.dumps({"summary": summary,
+                                                                          "prompts": []}))
+        (tmp_path / "final_eval" / "result.md").write_text("| run | |\n|---|---|\n| tau | 1.900 |\n")
+    return tmp_path
+
+
+def test_implied_length_distribution():
+    assert implied_length_distribution([0.5, 0.5]) == [0.5, 0.25, 0.25]
+    assert implied_length_distribution([1.0, 0.0]) == [0.0, 1.0, 0.0]
+    assert sum(implied_length_distribution([0.9, 0.7, 0.3, 0.2])) == pytest.approx(1.0)
+
+
+def test_report_from_files_with_a_final_eval(tmp_path):
+    run = fake_run(tmp_path, final=True)
+    assert [(s, t) for s, t, _ in simulated_evals(json.loads(line) for line in
+                                                  (run / "metrics.jsonl").read_text().splitlines()[:-1])] \
+        == [(3, 1.5), (6, 1.75)]  # the last record of a step wins
+    report = write_report(run).read_text()
+    for name in ("acceptance_by_position", "accepted_length", "tau", "loss"):
+        png = run / "plots" / f"{name}.png"
+        assert png.read_bytes()[:8] == PNG and png.stat().st_size > 5000, name
+        assert f"(plots/{name}.png)" in report
+    assert "## Decoder evaluation (final_eval)" in report and "| tau | 1.900 |" in report
+    assert "| 3 | 1.500 | 0.500 | 0.250 |" in report and "| 6 | 1.750 | 0.500 | 0.500 |" in report
+    assert "9.000" not in report
+    assert "accepted length (decoder final eval, 10 rounds)" in report
+    assert not list(run.glob("**/*.tmp-*"))  # written atomically
+
+
+def test_report_without_a_final_eval_uses_the_simulated_acceptance(tmp_path):
+    report = write_report(fake_run(tmp_path, final=False)).read_text()
+    assert "Decoder evaluation" not in report
+    assert "implied by the simulated acceptance at step 6" in report
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "## Plots" not in write_report(empty).read_text()  # a run that logged nothing yet
+
+
+def test_training_run_writes_the_report(tiny_run):
+    report = (tiny_run / "report.md").read_text()
+    final = (tiny_run / "final_eval" / "result.md").read_text().strip()
+    assert final in report  # rewritten after final_eval()
+    assert "| 2 | " in report and "| 4 | " in report  # both periodic evals
+    for name in ("acceptance_by_position", "accepted_length", "tau", "loss"):
+        assert (tiny_run / "plots" / f"{name}.png").read_bytes()[:8] == PNG

@@ -1,0 +1,200 @@
+"""The local report of a training run: PNG plots and a report.md, rebuilt from the run dir's files.
+
+    write_report(run_dir)              # after every eval (the recipe calls it), or by hand:
+    python -m train.report <run_dir>
+
+Reads only what the run already wrote, so it works on a finished, crashed or resumed run and gives
+a user without W&B the same picture:
+  * metrics.jsonl          loss (total and per component) and simulated evals (eval/sim_tau, eval/acc_i);
+  * final_eval/result.json the real decoder's summary (tau, per-position acceptance, accepted-length
+                           histogram, speedup) and final_eval/result.md, its table.
+Writes <run_dir>/plots/{acceptance_by_position,accepted_length,tau,loss}.png and <run_dir>/report.md.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+PLOTS = "plots"
+ACC_KEY = re.compile(r"^eval/acc_(\d+)$")
+LOSS_PART = re.compile(r"^(div|feat)/s\d+$")  # per-component losses from train/losses.py
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """Rows of metrics.jsonl (a torn last line from a crash is skipped)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    rows = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
+def simulated_evals(rows: list[dict[str, Any]]) -> list[tuple[int, float, list[float]]]:
+    """(step, sim_tau, per-position acceptance) of every periodic eval, in step order; a resumed
+    run that re-logged a step keeps the last one."""
+    evals = {}
+    for r in rows:
+        if "eval/sim_tau" in r:
+            acc = sorted((int(m.group(1)), v) for k, v in r.items() if (m := ACC_KEY.match(k)))
+            evals[int(r["step"])] = (float(r["eval/sim_tau"]), [v for _, v in acc])
+    return [(s, tau, acc) for s, (tau, acc) in sorted(evals.items())]
+
+
+def implied_length_distribution(acc: list[float]) -> list[float]:
+    """P(exactly n drafts accepted), n = 0..k, from conditional per-position acceptance when every
+    round drafts k tokens: P(n) = prod_{i<=n} acc_i * (1 - acc_{n+1})."""
+    out, run = [], 1.0
+    for a in acc:
+        out.append(run * (1 - a))
+        run *= a
+    return out + [run]
+
+
+def read_final(run_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """The final decoder eval's summary and markdown table, when the run has one."""
+    folder = Path(run_dir) / "final_eval"
+    summary = markdown = None
+    if (folder / "result.json").is_file():
+        summary = json.loads((folder / "result.json").read_text())["summary"]
+    if (folder / "result.md").is_file():
+        markdown = (folder / "result.md").read_text().strip()
+    return summary, markdown
+
+
+def _figure():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display; safe on servers and in tests
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=100)
+    ax.grid(alpha=0.3)
+    return plt, fig, ax
+
+
+def _save(plt, fig, path: Path) -> None:
+    fig.tight_layout()
+    tmp = path.with_suffix(f".tmp-{os.getpid()}.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def plot_acceptance(path: Path, evals, final: dict | None) -> None:
+    """Per-position acceptance: the first and latest simulated evals and the real decoder's."""
+    plt, fig, ax = _figure()
+    chosen = [evals[0], evals[-1]] if len(evals) > 1 else evals
+    for step, _, acc in chosen:
+        ax.plot(range(1, len(acc) + 1), acc, marker="o", label=f"simulated, step {step}")
+    if final and final.get("spec_accept_cond"):
+        acc = final["spec_accept_cond"]
+        ax.plot(range(1, len(acc) + 1), acc, marker="s", lw=2, label="decoder (final eval)")
+    ax.set(xlabel="draft position i", ylabel="P(accept i | 1..i-1 accepted)", ylim=(0, 1.02),
+           title="acceptance by draft position")
+    ax.legend(fontsize=8)
+    _save(plt, fig, path)
+
+
+def plot_lengths(path: Path, evals, final: dict | None) -> str:
+    """Accepted drafts per round: the real decoder's histogram, else the distribution implied by
+    the latest simulated eval. Returns what was plotted (for the report's caption)."""
+    plt, fig, ax = _figure()
+    if final and final.get("spec_accept_hist"):
+        hist = final["spec_accept_hist"]
+        total = sum(hist) or 1
+        ax.bar(range(len(hist)), [h / total for h in hist], color="tab:blue")
+        what = f"decoder final eval, {sum(hist)} rounds"
+    else:
+        step, _, acc = evals[-1]
+        dist = implied_length_distribution(acc)
+        ax.bar(range(len(dist)), dist, color="tab:gray")
+        what = f"implied by the simulated acceptance at step {step}"
+    ax.set(xlabel="accepted drafts in a round", ylabel="fraction of rounds",
+           title=f"accepted length ({what})")
+    _save(plt, fig, path)
+    return what
+
+
+def plot_tau(path: Path, evals, final: dict | None) -> None:
+    plt, fig, ax = _figure()
+    ax.plot([s for s, _, _ in evals], [t for _, t, _ in evals], marker="o", label="simulated tau")
+    if final and isinstance(final.get("tau"), (int, float)):
+        ax.axhline(final["tau"], color="tab:red", ls="--", label=f"decoder tau {final['tau']:.2f}")
+    ax.set(xlabel="step", ylabel="tokens per target forward", title="tau over training")
+    ax.legend(fontsize=8)
+    _save(plt, fig, path)
+
+
+def plot_loss(path: Path, rows) -> None:
+    plt, fig, ax = _figure()
+    keys = ["loss"] + sorted({k for r in rows for k in r if LOSS_PART.match(k)})
+    for key in keys:
+        pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+        if pts:
+            ax.plot(*zip(*pts), label=key, lw=2 if key == "loss" else 1)
+    ax.set(xlabel="step", ylabel="loss", title="training loss (total and per component)")
+    ax.legend(fontsize=8)
+    _save(plt, fig, path)
+
+
+def write_report(run_dir: Path) -> Path:
+    """(Re)write the plots and report.md of `run_dir`; returns the report's path."""
+    run_dir = Path(run_dir)
+    plots = run_dir / PLOTS
+    plots.mkdir(parents=True, exist_ok=True)
+    rows = read_metrics(run_dir)
+    evals = simulated_evals(rows)
+    final, final_md = read_final(run_dir)
+    shown: list[tuple[str, str]] = []  # (file name, caption)
+    if evals or final:
+        plot_acceptance(plots / "acceptance_by_position.png", evals, final)
+        shown.append(("acceptance_by_position.png", "per-position acceptance"))
+        what = plot_lengths(plots / "accepted_length.png", evals, final)
+        shown.append(("accepted_length.png", f"accepted length ({what})"))
+    if evals:
+        plot_tau(plots / "tau.png", evals, final)
+        shown.append(("tau.png", "tau over training"))
+    if any(isinstance(r.get("loss"), (int, float)) for r in rows):
+        plot_loss(plots / "loss.png", rows)
+        shown.append(("loss.png", "training loss"))
+    text = _markdown(run_dir, rows, evals, final_md, shown)
+    out = run_dir / "report.md"
+    tmp = out.with_suffix(f".tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, out)
+    return out
+
+
+def _markdown(run_dir: Path, rows, evals, final_md: str | None, shown) -> str:
+    last_step = max((int(r["step"]) for r in rows), default=0)
+    lines = [f"# Training report: {run_dir.name}", "",
+             f"Step {last_step}; written {time.strftime('%Y-%m-%d %H:%M:%S')}. Config: "
+             f"[config.yaml](config.yaml); metrics: [metrics.jsonl](metrics.jsonl).", ""]
+    if final_md:
+        lines += ["## Decoder evaluation (final_eval)", "", final_md, ""]
+    if evals:
+        k = max(len(a) for _, _, a in evals)
+        lines += ["## Simulated acceptance on held-out conversations", "",
+                  "| step | sim tau | " + " | ".join(f"acc_{i + 1}" for i in range(k)) + " |",
+                  "|---:" * (k + 2) + "|"]
+        lines += [f"| {s} | {t:.3f} | " + " | ".join(f"{a:.3f}" for a in acc) + " |"
+                  for s, t, acc in evals]
+        lines.append("")
+    if shown:
+        lines += ["## Plots", ""] + [f"![{cap}]({PLOTS}/{name})" for name, cap in shown] + [""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m train.report <run_dir>")
+    print(write_report(Path(sys.argv[1])))

@@ -246,6 +246,12 @@ def load_export(folder, target) -> Drafter:
 
 
 def _load(folder, target) -> tuple[Drafter, list[str]]:
+    cfg_file = Path(folder) / "config.json"
+    if cfg_file.is_file():  # a small_lm export is a standalone HF causal LM (drafters/hf_export.py)
+        hf_cfg = json.loads(cfg_file.read_text())
+        if hf_cfg.get("specdistill", {}).get("drafter", {}).get("name") == "small_lm":
+            from drafters.hf_export import load_hf_export
+            return load_hf_export(folder, target), []
     config, files = read_export(folder)
     meta, warnings = _validate(Path(folder), config, files, target)
     dcfg = meta["drafter"]
@@ -299,6 +305,17 @@ def export_drafter(drafter: Drafter, drafter_cfg, target, fmt: str, out, *, dtyp
     dcfg, out = full_config(drafter_cfg), Path(out).expanduser()
     if dtype not in DTYPES:
         raise ExportError(f"dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
+    if dcfg["name"] == "small_lm":  # a standalone HF causal LM, checked by its own logits test
+        if fmt != "hf":
+            raise ExportError("small_lm exports as format=hf (a standalone HF causal LM) only; "
+                              "serving engines load it as a draft model")
+        from drafters.hf_export import export_hf
+        res: dict = {}
+        hook = (lambda f: res.setdefault("parity", check(f))) if check else None
+        path = export_hf(drafter, out, target.tokenizer, run_dir=info.run_dir if info else None,
+                         base_model=base_model, dtype=dtype, k=speculative_tokens,
+                         overwrite=overwrite, check=hook)
+        return {"path": path, "warnings": [], "parity": res.get("parity")}
     reason = unsupported(fmt, dcfg)
     if reason:
         raise ExportError(reason)

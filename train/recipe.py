@@ -31,12 +31,17 @@ from drafters.base import TrainBatch, build_drafter, fit_draft_vocab, load_draft
 from decode.evaluate import quiet
 from drafters.target import cache_root, load_target
 from train import checkpoint as ckpt
-from train.backends import build_backend
+from train.backends import build_backend, peer_failure_message
 from train.batches import BatchIterator
 from train.loggers import Loggers
 from train.losses import distill_loss
+from train.on_policy import OnPolicyMixer
+from train.report import write_report
 
 log = logging.getLogger(__name__)
+
+MIN_FREE_BYTES = 64 * 2**20  # config, metrics and logs of a run, before any checkpoint
+CKPT_BYTES_PER_PARAM = 16  # fp32 weights + Adam's two moments, + fp32 master weights (DeepSpeed)
 
 
 class NonFiniteLoss(RuntimeError):
@@ -76,12 +81,13 @@ class DistillRecipe:
         cfg, tcfg = self.cfg, self.tcfg
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
-        self.backend = build_backend(tcfg.backend, cfg.target.device)
+        self.backend = build_backend(tcfg, cfg.target.device, cfg.get("deepspeed"))
         self._prepare_run_dir()
-        self.loggers = Loggers(list(cfg.logger.kinds), self.run_dir, self.backend.is_main)
+        self.loggers = Loggers(cfg.logger, self.run_dir, self.backend.is_main, config=cfg)
         # 1. The frozen target and the chat data rendered with its template.
-        self.target = load_target(cfg.target)
-        self.data = data = load_chat_dataset(cfg.data, self.target.tokenizer)
+        with self.backend.main_first():  # rank 0 fills the target and data caches, then the rest
+            self.target = load_target(cfg.target)
+            self.data = data = load_chat_dataset(cfg.data, self.target.tokenizer)
         self.train_ds, self.eval_ds = data.train, data.eval
         log.info("data: %d train / %d eval conversations", len(self.train_ds), len(self.eval_ds))
         # 2. The drafter, its optimizer and schedule.
@@ -94,6 +100,8 @@ class DistillRecipe:
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError(f"drafter {cfg.drafter.name!r} has no trainable parameters")
+        n_params = sum(p.numel() for p in self.params)  # before ZeRO-3 partitions them
+        self._check_disk_space(CKPT_BYTES_PER_PARAM * n_params * (tcfg.keep_last + 2))
         self.optimizer = torch.optim.AdamW(self.params, lr=tcfg.lr, weight_decay=tcfg.weight_decay,
                                            betas=(0.9, 0.95))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -117,10 +125,14 @@ class DistillRecipe:
         self.batches = BatchIterator(self.train_ds, tcfg.batch_size, cfg.seed,
                                      pad if pad is not None else 0,
                                      self.backend.rank, self.backend.world_size)
+        self.on_policy = None  # DistillSpec: replaces a share of micro-batches (train/on_policy.py)
+        if tcfg.on_policy_fraction > 0:
+            self.on_policy = OnPolicyMixer.from_config(self.drafter, cfg, self.backend.rank,
+                                                       pad if pad is not None else 0,
+                                                       self.target.eos_token_ids)
         # 3. Resume from the latest complete checkpoint.
         if cfg.resume:
             self._resume()
-        n_params = sum(p.numel() for p in self.params)
         log.info("drafter %s: %.2f M trainable parameters", cfg.drafter.name, n_params / 1e6)
 
     def _capture_dir(self, data) -> Path:
@@ -132,16 +144,32 @@ class DistillRecipe:
         return cache_root(self.cfg.target) / "features" / key
 
     def _prepare_run_dir(self) -> None:
+        """Rank 0 checks the one run dir all ranks share (writable, some free space, no other
+        run's checkpoints unless resuming) and writes the resolved config; before any heavy work."""
         if self.backend.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+            try:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise PermissionError(f"cannot create run_dir {self.run_dir}: {e}; set run_dir=...") from e
             if not os.access(self.run_dir, os.W_OK):
                 raise PermissionError(f"run_dir {self.run_dir} is not writable; set run_dir=...")
-            free = shutil.disk_usage(self.run_dir).free
-            if free < 200 * 2**20:
-                raise OSError(f"only {free / 2**20:.0f} MiB free under {self.run_dir}; checkpoints "
-                              f"need more. Free space or set run_dir= to another disk.")
+            if not self.cfg.resume and ckpt.latest_checkpoint(self.run_dir) is not None:
+                raise FileExistsError(f"run_dir {self.run_dir} already holds checkpoints of another "
+                                      f"run: pass resume=true to continue it or a new run_dir=")
+            self._check_disk_space(MIN_FREE_BYTES)
             (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg, resolve=True))
         self.backend.barrier()
+
+    def _check_disk_space(self, need: int) -> None:
+        """Fail before training when the run dir's disk cannot hold the rolling checkpoints."""
+        if not self.backend.is_main:
+            return
+        need = max(need, MIN_FREE_BYTES)
+        free = shutil.disk_usage(self.run_dir).free
+        if free < need:
+            raise OSError(f"only {free / 2**20:.0f} MiB free under {self.run_dir}; this run's "
+                          f"checkpoints (keep_last={self.tcfg.keep_last} + best + one being written) "
+                          f"need about {need / 2**20:.0f} MiB. Free space or set run_dir= to another disk.")
 
     def _resume(self) -> None:
         last = ckpt.latest_checkpoint(self.run_dir)
@@ -149,9 +177,7 @@ class DistillRecipe:
             log.warning("resume=true but no complete checkpoint in %s: starting fresh", self.run_dir)
             return
         state = ckpt.load_trainer_state(last)
-        loaded = load_drafter(last, self.target)
-        self.drafter.load_state_dict(loaded.state_dict())
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.backend.load_state(last, self.drafter, self.optimizer)  # weights + optimizer state
         self.scheduler.load_state_dict(state["scheduler"])
         self.batches.load_state_dict(state["data"])
         ckpt.set_rng_state(state["rng"])
@@ -162,7 +188,7 @@ class DistillRecipe:
     def make_batch(self, raw: dict[str, torch.Tensor]) -> TrainBatch:
         """Run the frozen target on a batch (online capture) and package it for the drafter."""
         dev = self.backend.device
-        if self.offline is not None:
+        if self.offline is not None and "index" in raw:  # on-policy batches have no captured rows
             idx = raw["index"].tolist()
             feats, final = self.offline.batch(idx, [self.train_ds[i] for i in idx],
                                               raw["input_ids"].shape[1])
@@ -182,7 +208,12 @@ class DistillRecipe:
         totals: dict[str, float] = {}
         tokens = 0
         for micro in range(tcfg.grad_accum):
-            batch = self.make_batch(next(self.batches))
+            raw = next(self.batches)
+            if self.on_policy is not None:  # with prob. on_policy_fraction: the drafter's own text
+                raw = self.on_policy(raw, self.step, micro)
+                share = self.on_policy.last / tcfg.grad_accum  # logged: the realised fraction
+                totals["on_policy"] = totals.get("on_policy", 0.0) + share
+            batch = self.make_batch(raw)
             tokens += int(batch.attention_mask.sum())
             with torch.autocast(self.backend.device.type, dtype=torch.bfloat16,
                                 enabled=tcfg.precision == "bf16"):
@@ -199,6 +230,7 @@ class DistillRecipe:
             for name, v in {"loss": loss, **parts}.items():
                 totals[name] = totals.get(name, 0.0) + float(v.detach()) / tcfg.grad_accum
         grad_norm = self.backend.step(self.optimizer, self.params, tcfg.grad_clip)
+        totals["loss"] = float(self.backend.mean(torch.tensor(totals["loss"])))  # over all ranks
         self.scheduler.step()
         self.step += 1
         return {**totals, "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0],
@@ -209,6 +241,7 @@ class DistillRecipe:
         t0, seen = time.perf_counter(), 0
         while self.step < tcfg.max_steps:
             metrics = self.train_step()
+            self.loggers.progress(self.step, tcfg.max_steps, loss=metrics["loss"])
             seen += metrics.pop("tokens")
             if self.step % tcfg.log_every == 0 or self.step == tcfg.max_steps:
                 dt = time.perf_counter() - t0
@@ -225,30 +258,32 @@ class DistillRecipe:
     def evaluate(self) -> dict[str, object]:
         """Per-position acceptance unrolled on the drafter's own outputs, and the simulated tau."""
         self.last_eval = {}
-        if not self.backend.is_main:
-            return {}
-        n = min(self.tcfg.eval_conversations, len(self.eval_ds))
-        res = simulate_acceptance(self.target, self.drafter, self.eval_ds.select(range(n)),
-                                  k=self.tcfg.eval_k, positions=8)
+        with self.backend.full_weights():  # collective: ZeRO-3 gathers, then rank 0 evaluates
+            if not self.backend.is_main:
+                return {}
+            n = min(self.tcfg.eval_conversations, len(self.eval_ds))
+            res = simulate_acceptance(self.target, self.drafter, self.eval_ds.select(range(n)),
+                                      k=self.tcfg.eval_k, positions=8)
         flat = {"eval/sim_tau": res["sim_tau"], "eval/mean_accepted": res["mean_accepted"],
                 **{f"eval/acc_{i + 1}": a for i, a in enumerate(res["acceptance"])}}
         self.loggers.log(flat, self.step)
         self.last_eval = res
+        write_report(self.run_dir)  # plots + report.md, for users without W&B
         return res
 
     def save_checkpoint(self) -> None:
+        """Collective: every rank writes its part of checkpoints/step-N/ (train/checkpoint.py);
+        rank 0 keeps the best drafter by simulated tau in best/ and prunes old checkpoints."""
+        tau = float(self.last_eval.get("sim_tau", -1.0)) if getattr(self, "last_eval", None) else -1.0
+        is_best = tau > self.best_tau  # tau is only known on rank 0; only rank 0 acts on it
+        self.best_tau = max(self.best_tau, tau)
+        state = {"scheduler": self.scheduler.state_dict(), "data": self.batches.state_dict(),
+                 "best_tau": self.best_tau}
+        path = ckpt.save_checkpoint(self.run_dir, self.step, self.backend, self.drafter,
+                                    self.cfg.drafter, self.optimizer, state)
         if self.backend.is_main:
-            tau = float(self.last_eval.get("sim_tau", -1.0)) if getattr(self, "last_eval", None) else -1.0
-            is_best = tau > self.best_tau
-            self.best_tau = max(self.best_tau, tau)
-            state = {"optimizer": self.optimizer.state_dict(),
-                     "scheduler": self.scheduler.state_dict(),
-                     "data": self.batches.state_dict(), "best_tau": self.best_tau}
-            path = ckpt.save_checkpoint(self.run_dir, self.step, self.drafter, self.cfg.drafter, state)
-            if is_best:  # keep the best by simulated tau as its own folder
-                ckpt.write_atomic(self.run_dir / "best",
-                                  lambda tmp: [shutil.copy2(f, tmp) for f in path.iterdir()
-                                               if f.name != ckpt.COMPLETE])
+            if is_best:
+                ckpt.export_drafter(path, self.run_dir / "best")
             ckpt.prune_checkpoints(self.run_dir, self.tcfg.keep_last)
         self.backend.barrier()
 
@@ -265,7 +300,8 @@ class DistillRecipe:
                                   limit=self.tcfg.final_eval_limit,
                                   max_new_tokens=self.tcfg.final_eval_max_new_tokens,
                                   k=self.tcfg.eval_k, out_dir=self.run_dir / "final_eval")
-        self.loggers.log({f"final/{k}": v for k, v in result["summary"].items()}, self.step)
+        self.loggers.log_decoder_eval(result["summary"], self.step)  # + histogram, bar charts
+        write_report(self.run_dir)
         return result
 
     def cleanup(self) -> None:
@@ -275,8 +311,14 @@ class DistillRecipe:
 
 def run(cfg: DictConfig) -> None:
     recipe = DistillRecipe(cfg)
-    recipe.setup()
-    recipe.train()
+    try:
+        recipe.setup()
+        recipe.train()
+    except Exception as e:  # a dead or hung peer surfaces as an opaque gloo/nccl error: say so
+        msg = peer_failure_message(e, cfg.trainer.dist_timeout_s)
+        if msg is None:
+            raise
+        raise RuntimeError(msg) from e
     result = recipe.final_eval()
     if result is not None:
         print(result["markdown"], flush=True)

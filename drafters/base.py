@@ -133,9 +133,27 @@ class Drafter(nn.Module):
         """`module(batch)` trains: DDP and DeepSpeed wrappers hook into forward()."""
         return self.forward_train(batch)
 
-    # A pruned draft vocabulary (None = the full target vocabulary). d2t[i] is the target id of draft
-    # token i; the loss restricts the target distribution to these ids.
-    d2t: torch.Tensor | None = None
+    # A pruned draft vocabulary: drafters that support one hold `self.draft_vocab` (a
+    # drafters.vocab.DraftVocab, None = the full target vocabulary) and a trainable `self.lm_head`
+    # over it. d2t[i] is the target id of draft token i; the loss restricts the target distribution
+    # to these ids.
+    @property
+    def d2t(self) -> torch.Tensor | None:  # (Vd,) or None
+        vocab = getattr(self, "draft_vocab", None)  # no class attribute: nn.Module keeps it in _modules
+        return None if vocab is None else vocab.d2t
+
+    def full_head(self) -> nn.Module:
+        """The full-vocabulary head a pruned head starts from (the target's LM head by default)."""
+        return self.target.lm_head()
+
+    def set_draft_vocab(self, d2t: torch.Tensor) -> None:
+        """Use the draft vocab d2t (drafters.vocab.select_draft_vocab) and restart the pruned head
+        from the full head's rows d2t."""
+        if getattr(self, "draft_vocab", None) is None:
+            raise ValueError(f"{self.name}: set_draft_vocab needs draft_vocab_size in the config")
+        self.draft_vocab.set(d2t.to(self.draft_vocab.d2t.device))
+        with torch.no_grad():
+            self.lm_head.weight.copy_(self.full_head().weight[self.d2t])
 
     @property
     def supports_tree(self) -> bool:

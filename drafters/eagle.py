@@ -126,19 +126,6 @@ class Eagle(Drafter):
     def build(cls, cfg, target) -> "Eagle":
         return cls(parse_config(cfg, EagleConfig), target)
 
-    @property
-    def d2t(self) -> torch.Tensor | None:  # (Vd,) or None: overrides the base class attribute
-        return None if self.draft_vocab is None else self.draft_vocab.d2t
-
-    def set_draft_vocab(self, d2t: torch.Tensor) -> None:
-        """Use the draft vocab d2t (from vocab.select_draft_vocab) and restart the head from the
-        target LM head's rows d2t."""
-        if self.draft_vocab is None:
-            raise ValueError("eagle: set_draft_vocab needs draft_vocab_size in the config")
-        self.draft_vocab.set(d2t.to(self.draft_vocab.d2t.device))
-        with torch.no_grad():
-            self.lm_head.weight.copy_(self.target.lm_head().weight[self.draft_vocab.d2t])
-
     def _init_from_target(self, index: int) -> None:
         """Layer i takes the weights of target layer index - (num_layers - 1) + i (HF names match)."""
         src = self.target.model.model.layers

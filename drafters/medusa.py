@@ -107,18 +107,6 @@ class Medusa(Drafter):
     def build(cls, cfg, target) -> "Medusa":
         return cls(parse_config(cfg, MedusaConfig), target)
 
-    @property
-    def d2t(self) -> torch.Tensor | None:  # (Vd,) or None: overrides the base class attribute
-        return None if self.draft_vocab is None else self.draft_vocab.d2t
-
-    def set_draft_vocab(self, d2t: torch.Tensor) -> None:
-        """Use the draft vocab d2t and restart the shared head from the target's rows d2t."""
-        if self.draft_vocab is None:
-            raise ValueError("medusa: set_draft_vocab needs draft_vocab_size in the config")
-        self.draft_vocab.set(d2t.to(self.draft_vocab.d2t.device))
-        with torch.no_grad():
-            self.lm_head.weight.copy_(self.target.lm_head().weight[self.draft_vocab.d2t])
-
     def head_logits(self, feats: torch.Tensor, k: int) -> torch.Tensor:
         """Target features (..., H) -> head k's logits (..., Vd)."""
         dtype = next(self.parameters(), torch.empty(0)).dtype

@@ -245,17 +245,9 @@ class SmallLm(Drafter):
         """The HF causal LM (under the peft wrapper when LoRA is on; adapters injected in place)."""
         return self.lm.get_base_model() if hasattr(self.lm, "get_base_model") else self.lm
 
-    @property
-    def d2t(self) -> torch.Tensor | None:  # (Vd,) or None: overrides the base class attribute
-        return None if self.draft_vocab is None else self.draft_vocab.d2t
-
-    def set_draft_vocab(self, d2t: torch.Tensor) -> None:
-        """Use draft vocab d2t and restart the pruned head from the full head's rows d2t."""
-        if self.draft_vocab is None:
-            raise ValueError("small_lm: set_draft_vocab needs draft_vocab_size in the config")
-        self.draft_vocab.set(d2t.to(self.draft_vocab.d2t.device))
-        with torch.no_grad():
-            self.lm_head.weight.copy_(self.hf_model.get_output_embeddings().weight[self.d2t])
+    def full_head(self) -> nn.Module:
+        """A pruned head starts from this model's own full head."""
+        return self.hf_model.get_output_embeddings()
 
     def logits(self, ids: torch.Tensor, attention_mask=None, position_ids=None,
                cache=None) -> torch.Tensor:

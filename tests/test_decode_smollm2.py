@@ -1,0 +1,25 @@
+"""Losslessness on the real SmolLM2 target: speculative greedy output equals plain greedy and HF
+`generate` on MT-bench prompts (chain and tree, n-gram drafter)."""
+import pytest
+import torch
+
+from data.prompts import load_prompts
+from decode.evaluate import render
+from decode.spec import generate
+from drafters.base import build_drafter
+from drafters.target import TargetConfig, load_target
+
+
+@pytest.mark.slow
+def test_smollm2_speculative_greedy_equals_plain_on_mtbench():
+    target = load_target(TargetConfig(path="packaged:smollm2"))
+    ngram = build_drafter({"name": "ngram"}, target)
+    for p in load_prompts("mtbench", limit=2):
+        ids = render(target, p.turns[:1], [])
+        plain = generate(target, None, ids, max_new_tokens=40)
+        hf = target.model.generate(ids[None], max_new_tokens=40, do_sample=False)[0, len(ids):]
+        assert plain.tokens.tolist() == hf.tolist()
+        for tree in (False, True):
+            spec = generate(target, ngram, ids, max_new_tokens=40, k=5, tree=tree)
+            assert torch.equal(spec.tokens, plain.tokens), (p.id, tree)
+            assert spec.target_forwards <= plain.target_forwards

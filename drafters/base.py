@@ -142,6 +142,22 @@ class Drafter(nn.Module):
         vocab = getattr(self, "draft_vocab", None)  # no class attribute: nn.Module keeps it in _modules
         return None if vocab is None else vocab.d2t
 
+    def target_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary ids -> target ids (identity without a pruned vocabulary)."""
+        vocab = getattr(self, "draft_vocab", None)
+        return ids if vocab is None else vocab.d2t[ids]
+
+    def chain_proposal(self, toks: list[torch.Tensor], qs: list[torch.Tensor],
+                       sampling: SamplingParams) -> ChainProposal:
+        """Package drafted target ids and their draft-vocab distributions q (sampling only)."""
+        from drafters.vocab import expand_probs
+
+        tokens = torch.stack(toks).long()  # (n,)
+        if sampling.greedy:
+            return ChainProposal(tokens=tokens, probs=None)
+        return ChainProposal(tokens=tokens, probs=expand_probs(torch.stack(qs), self.d2t,
+                                                               self.vocab_size))  # (n, V)
+
     def full_head(self) -> nn.Module:
         """The full-vocabulary head a pruned head starts from (the target's LM head by default)."""
         return self.target.lm_head()

@@ -233,9 +233,6 @@ class Eagle(Drafter):
         if extra > 0:
             self._cache.crop(-extra)
 
-    def _target_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        return ids if self.draft_vocab is None else self.draft_vocab.d2t[ids]
-
     @torch.no_grad()
     def propose(self, state: DecodeState, k: int, sampling: SamplingParams,
                 generator: torch.Generator | None = None,
@@ -256,7 +253,7 @@ class Eagle(Drafter):
                 d, conf = sample(q, generator), q.max()
             if i > 0 and float(conf) < min_confidence:
                 break
-            toks.append(self._target_ids(d))
+            toks.append(self.target_ids(d))
             qs.append(q)
             if i + 1 < k:  # the next step reads the drafted token and this predicted feature
                 x = self._inputs(toks[-1].view(1, 1), h)  # (1, 1, H)
@@ -292,7 +289,7 @@ class Eagle(Drafter):
                 anc.append(chain)
             feats = torch.stack([out[int(parents[f])] if parents[f] >= 0 else h_root
                                  for f in frontier.tolist()])  # (F, H)
-            x = self._inputs(self._target_ids(tokens[frontier])[None], feats[None])  # (1, F, H)
+            x = self._inputs(self.target_ids(tokens[frontier])[None], feats[None])  # (1, F, H)
             base, n_f = self._cache.get_seq_length(), len(frontier)
             allowed = torch.zeros(n_f, base + n_f, dtype=torch.bool, device=dev)  # (F, K)
             allowed[:, :self._n] = True  # 2. the committed prefix, ancestors and the node itself
@@ -311,4 +308,4 @@ class Eagle(Drafter):
                                self.cfg.tree_total_tokens)
         finally:
             self._forget_drafts()
-        return TreeProposal(tokens=self._target_ids(tree.tokens), parents=tree.parents)
+        return TreeProposal(tokens=self.target_ids(tree.tokens), parents=tree.parents)

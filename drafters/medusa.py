@@ -27,7 +27,7 @@ from drafters.base import (ChainProposal, DecodeState, Drafter, DrafterConfig, D
                            TrainBatch, TreeProposal, parse_config, register)
 from drafters.sampling import SamplingParams, sample, warp
 from drafters.tree import StaticTree, static_tree
-from drafters.vocab import DraftVocab, expand_probs, head_from_target
+from drafters.vocab import DraftVocab, head_from_target
 
 # A 26-node Medusa tree (paths of per-depth top-k ranks), widest where heads are most accurate:
 # 4 candidates at depth 1, 7 at depth 2, 7 at depth 3, 8 at depth 4.
@@ -126,9 +126,6 @@ class Medusa(Drafter):
                                 weight=self.cfg.head_decay ** k)
                 for k in range(self.cfg.num_heads)]
 
-    def _target_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        return ids if self.draft_vocab is None else self.draft_vocab.d2t[ids]
-
     @torch.no_grad()
     def propose(self, state: DecodeState, k: int, sampling: SamplingParams,
                 generator: torch.Generator | None = None,
@@ -150,13 +147,9 @@ class Medusa(Drafter):
                 d, conf = sample(q, generator), q.max()
             if i > 0 and float(conf) < min_confidence:
                 break
-            toks.append(self._target_ids(d))
+            toks.append(self.target_ids(d))
             qs.append(q)
-        tokens = torch.stack(toks).long()  # (n,)
-        if sampling.greedy:
-            return ChainProposal(tokens=tokens, probs=None)
-        return ChainProposal(tokens=tokens, probs=expand_probs(torch.stack(qs), self.d2t,
-                                                               self.vocab_size))  # (n, V)
+        return self.chain_proposal(toks, qs, sampling)
 
     @torch.no_grad()
     def propose_tree(self, state: DecodeState, sampling: SamplingParams) -> TreeProposal:
@@ -168,5 +161,5 @@ class Medusa(Drafter):
         f = state.features[-1]  # (H,)
         D, K = self.tree.max_depth, self.tree.max_rank
         logits = torch.stack([self.head_logits(f, d) for d in range(D)])  # (D, Vd)
-        cand = self._target_ids(logits.topk(K, dim=-1).indices)  # (D, K) target ids
+        cand = self.target_ids(logits.topk(K, dim=-1).indices)  # (D, K) target ids
         return self.tree.instantiate(cand)

@@ -38,7 +38,7 @@ from drafters.base import (ChainProposal, DecodeState, Drafter, DrafterConfig, D
                            TrainBatch, TreeProposal, parse_config, register)
 from drafters.sampling import SamplingParams, sample, warp
 from drafters.tree import dynamic_tree
-from drafters.vocab import DraftVocab, expand_probs, head_from_target
+from drafters.vocab import DraftVocab, head_from_target
 
 SOURCES = ("target_layers", "pretrained", "fresh")
 
@@ -289,9 +289,6 @@ class SmallLm(Drafter):
         self._tokens = tokens.clone()
         return logits
 
-    def _target_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        return ids if self.draft_vocab is None else self.draft_vocab.d2t[ids]
-
     @torch.no_grad()
     def propose(self, state: DecodeState, k: int, sampling: SamplingParams,
                 generator: torch.Generator | None = None,
@@ -312,18 +309,14 @@ class SmallLm(Drafter):
                 d, conf = sample(q, generator), q.max()
             if i > 0 and float(conf) < min_confidence:
                 break
-            toks.append(self._target_ids(d))
+            toks.append(self.target_ids(d))
             qs.append(q)
             if i + 1 < k:
                 logits = self._step(toks[-1].view(1), T + i)[0]  # (Vd,)
                 fed.append(toks[-1])
         if fed:
             self._tokens = torch.cat([self._tokens, torch.stack(fed).to(self._tokens.device)])
-        tokens = torch.stack(toks).long()  # (n,)
-        if sampling.greedy:
-            return ChainProposal(tokens=tokens, probs=None)
-        return ChainProposal(tokens=tokens, probs=expand_probs(torch.stack(qs), self.d2t,
-                                                               self.vocab_size))  # (n, V)
+        return self.chain_proposal(toks, qs, sampling)
 
     @torch.no_grad()
     def propose_tree(self, state: DecodeState, sampling: SamplingParams) -> TreeProposal:
@@ -347,7 +340,7 @@ class SmallLm(Drafter):
                 allowed[i, base + i] = True
                 depth.append(d)
             pos = (T - 1 + torch.tensor(depth, device=dev))[None]  # (1, F)
-            ids = self._target_ids(tokens[frontier])[None]  # (1, F)
+            ids = self.target_ids(tokens[frontier])[None]  # (1, F)
             out = self.logits(ids, allowed[None, None], pos, self._cache)[0].float()  # (F, Vd)
             for i, f in enumerate(frontier.tolist()):
                 slot[f] = base + i
@@ -359,7 +352,7 @@ class SmallLm(Drafter):
         finally:  # forget the tree's entries: the cache holds the committed tokens only
             if self._cache.get_seq_length() > T:
                 self._cache.crop(T - self._cache.get_seq_length())
-        return TreeProposal(tokens=self._target_ids(tree.tokens), parents=tree.parents)
+        return TreeProposal(tokens=self.target_ids(tree.tokens), parents=tree.parents)
 
     # -- export -----------------------------------------------------------------------------------
     def to_hf_model(self) -> nn.Module:

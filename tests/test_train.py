@@ -157,6 +157,20 @@ def test_online_and_offline_capture_give_the_same_batches(tmp_path, chat_file):
                                                 shard_size=8), out, progress=False)
     with pytest.raises(ValueError, match="other settings"):
         capture_split(r.target, rows, CaptureConfig(layers=[0], shard_size=8), out, progress=False)
+    with pytest.raises(ValueError, match="other settings"):  # autocast is part of the settings
+        capture_split(r.target, rows, CaptureConfig(layers=list(r.drafter.feature_layers),
+                                                    shard_size=8, autocast="bfloat16"), out,
+                      progress=False)
+    # bf16 autocast: the same features within bf16 precision, stored in fp32
+    bf = capture_split(r.target, rows, CaptureConfig(layers=list(r.drafter.feature_layers),
+                                                     shard_size=8, autocast="bfloat16"),
+                       tmp_path / "feats-bf16", progress=False)
+    assert json.loads((bf / "manifest.json").read_text())["autocast"] == "bfloat16"
+    r.offline = OfflineFeatures(bf, r.drafter.feature_layers, r.target)
+    low = r.make_batch(raw)
+    assert low.features.dtype == torch.float32
+    err = (low.features[real] - online.features[real]).norm() / online.features[real].norm()
+    assert 0 < err < 0.03, err  # really computed in bf16, and close
 
 
 def test_greedy_decoding_with_the_trained_drafter_is_the_targets(tmp_path, chat_file):

@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from data.capture import CaptureConfig, OfflineFeatures, capture, capture_split, target_logits
 from data.dataset import load_chat_dataset
+from data.regenerate import self_distilled
 from decode.acceptance import simulate_acceptance
 from drafters.base import TrainBatch, build_drafter, fit_draft_vocab, load_drafter
 from decode.evaluate import quiet
@@ -87,7 +88,10 @@ class DistillRecipe:
         # 1. The frozen target and the chat data rendered with its template.
         with self.backend.main_first():  # rank 0 fills the target and data caches, then the rest
             self.target = load_target(cfg.target)
-            self.data = data = load_chat_dataset(cfg.data, self.target.tokenizer)
+            data_cfg = cfg.data
+            if data_cfg.get("regenerate") is not None:  # self-distillation: the target's answers
+                data_cfg = self_distilled(self.target, data_cfg, progress=not quiet())
+            self.data = data = load_chat_dataset(data_cfg, self.target.tokenizer)
         self.train_ds, self.eval_ds = data.train, data.eval
         log.info("data: %d train / %d eval conversations", len(self.train_ds), len(self.eval_ds))
         # 2. The drafter, its optimizer and schedule.
@@ -112,7 +116,8 @@ class DistillRecipe:
             folder = Path(tcfg.features_dir) if tcfg.features_dir else self._capture_dir(data)
             if self.backend.is_main:  # capture once (resumable; a no-op when complete)
                 capture_split(self.target, self.train_ds,
-                              CaptureConfig(layers=list(self.drafter.feature_layers)), folder,
+                              CaptureConfig(layers=list(self.drafter.feature_layers),
+                                            autocast=tcfg.capture_autocast), folder,
                               progress=not quiet())
             self.backend.barrier()
             self.offline = OfflineFeatures(folder, self.drafter.feature_layers, self.target)
@@ -138,9 +143,12 @@ class DistillRecipe:
     def _capture_dir(self, data) -> Path:
         """Where features of this (target, data, layers) are captured when no features_dir is
         given: under the cache root, so a second run on the same data skips the capture."""
-        key = hashlib.sha1(json.dumps([self.target.source.split(" (")[0], data.cache_path.name,
-                                       list(self.drafter.feature_layers), str(self.target.dtype)])
-                           .encode()).hexdigest()[:20]
+        split = hashlib.sha1("\n".join(self.train_ds["id"]).encode()).hexdigest()  # eval_fraction, seed
+        key = [self.target.source.split(" (")[0], data.cache_path.name, split,
+               list(self.drafter.feature_layers), str(self.target.dtype)]
+        if self.tcfg.capture_autocast:
+            key.append(self.tcfg.capture_autocast)
+        key = hashlib.sha1(json.dumps(key).encode()).hexdigest()[:20]
         return cache_root(self.cfg.target) / "features" / key
 
     def _prepare_run_dir(self) -> None:

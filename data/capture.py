@@ -193,6 +193,8 @@ class OfflineFeatures:
             raise ValueError(f"capture {self.folder} does not match the data (conversation {i} "
                              f"differs): the data or tokenizer changed since the capture; capture again")
         final = sh.get_slice("final")[a:b].float()
+        if not self.manifest["layers"]:  # the drafter reads no features (small_lm): logits only
+            return None, final
         feats = final if self.only_final else sh.get_slice("features")[a:b].float()
         return feats, final
 

@@ -321,3 +321,37 @@ def test_export_job_routes_small_lm_to_hf(target, tmp_path):
     ids = prompt_ids(target)[None]
     with torch.no_grad():
         torch.testing.assert_close(back.logits(ids), d.logits(ids))
+
+
+def test_offline_capture_for_a_drafter_without_features(tmp_path):
+    """small_lm reads no target features: the offline capture stores only what the loss needs, and
+    its batches equal online ones (a featureless capture used to fail reading `features`)."""
+    from hydra import compose, initialize_config_dir
+
+    import train.__main__  # noqa: F401  (stores the train schemas)
+    from train.recipe import DistillRecipe
+
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"id": f"c{i}", "conversations": [
+        {"from": "human", "value": f"Say {i}."}, {"from": "gpt", "value": f"{i} " * (3 + i % 5)}]})
+        + "\n" for i in range(10)))
+    conf = __import__("pathlib").Path(__file__).resolve().parents[1] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=[
+            "target=tiny", "data=jsonl", f"data.path={chats}", "data.max_length=64",
+            "data.eval_fraction=0.2", f"data.cache_dir={tmp_path / 'cache'}", "trainer=smoke",
+            "trainer.features=offline", f"trainer.features_dir={tmp_path / 'feats'}",
+            "trainer.final_eval=null", f"run_dir={tmp_path / 'run'}", "logger.kinds=[jsonl]",
+            "drafter=small_lm", "drafter.num_layers=1", "drafter.draft_vocab_size=256"])
+    recipe = DistillRecipe(cfg)
+    recipe.setup()
+    assert json.loads((tmp_path / "feats" / "manifest.json").read_text())["layers"] == []
+    raw = next(recipe.batches)
+    offline = recipe.make_batch(raw)
+    recipe.offline = None
+    online = recipe.make_batch(raw)
+    assert offline.features is None and online.features is None
+    real = raw["attention_mask"].bool()
+    torch.testing.assert_close(offline.target_logits[real], online.target_logits[real],
+                               rtol=1e-4, atol=1e-4)
+    recipe.cleanup()

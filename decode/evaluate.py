@@ -117,6 +117,24 @@ def results_markdown(summary: dict, m: RunMetrics) -> str:
     return "\n".join(lines)
 
 
+def decode_overrides(cfg: DictConfig, saved: Path) -> dict:
+    """Decode-time settings (`tree_*`) of the decode config that differ from a saved drafter's,
+    when the decode config names the same drafter (`drafter=eagle drafter.tree_total_tokens=16`):
+    the tree is a decoding choice, not part of the trained weights."""
+    import json
+
+    from drafters.base import DECODE_TIME_PREFIX
+
+    saved_cfg = json.loads(saved.read_text())
+    if cfg.drafter.name != saved_cfg.get("name"):
+        return {}  # e.g. the default drafter=ngram: the checkpoint's own settings
+    out = {k: v for k, v in OmegaConf.to_container(cfg.drafter).items()
+           if k.startswith(DECODE_TIME_PREFIX) and k in saved_cfg and v != saved_cfg[k]}
+    if out:
+        log.info("decode-time drafter settings from the command line: %s", out)
+    return out
+
+
 def load_decode_drafter(cfg: DictConfig, target) -> Drafter | None:
     """The drafter of a decode job: a trained one from `ckpt`, else built from the drafter config."""
     from drafters.base import build_drafter, load_drafter, trainable_drafters
@@ -125,7 +143,7 @@ def load_decode_drafter(cfg: DictConfig, target) -> Drafter | None:
         folder = Path(cfg.ckpt)
         for cand in (folder, folder / "best"):
             if (cand / "drafter.json").is_file():
-                return load_drafter(cand, target)
+                return load_drafter(cand, target, decode_overrides(cfg, cand / "drafter.json"))
         if (folder / "config.json").is_file():  # an export folder (any format): drafters/export.py
             from drafters.export import load_export
 

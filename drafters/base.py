@@ -286,8 +286,13 @@ def save_drafter(drafter: Drafter, cfg, folder) -> None:
     _atomic_write(folder / CONFIG_FILE, write_json)
 
 
-def load_drafter(folder, target) -> Drafter:
-    """Rebuild a saved drafter on `target` and load its weights strictly."""
+DECODE_TIME_PREFIX = "tree_"  # drafter settings that only shape decoding (tree size), not weights
+
+
+def load_drafter(folder, target, decode_overrides: dict | None = None) -> Drafter:
+    """Rebuild a saved drafter on `target` and load its weights strictly. `decode_overrides`
+    replaces decode-time settings (the `tree_*` keys) of the saved config; any other key is
+    refused, since the weights were trained with it."""
     import json
     from pathlib import Path
 
@@ -299,6 +304,11 @@ def load_drafter(folder, target) -> Drafter:
             raise FileNotFoundError(f"{folder} holds no {f}; a saved drafter folder has "
                                     f"{CONFIG_FILE} and {WEIGHTS_FILE} (written by save_drafter)")
     cfg = json.loads((folder / CONFIG_FILE).read_text())
+    for key, value in (decode_overrides or {}).items():
+        if not key.startswith(DECODE_TIME_PREFIX) or key not in cfg:
+            raise ValueError(f"drafter.{key} cannot change after training (only the decode-time "
+                             f"{sorted(k for k in cfg if k.startswith(DECODE_TIME_PREFIX))} can)")
+        cfg[key] = value
     drafter = build_drafter(cfg, target)
     state = load_file(str(folder / WEIGHTS_FILE), device=str(target.device))
     drafter.load_state_dict(state, strict=True)

@@ -40,3 +40,30 @@ def test_decode_cli_refuses_untrained_drafter(tmp_path):
                           "eval.limit=1", f"run_dir={tmp_path}"],
                          capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert out.returncode != 0 and "ckpt=" in out.stderr
+
+
+def test_decode_time_tree_settings_override_a_checkpoint(tiny_run, tiny_target_cfg):
+    """`python -m decode ckpt=<run> drafter=eagle drafter.tree_total_tokens=7`: the tree is a
+    decoding choice, so it applies to the trained drafter; weight-shaping keys cannot change, and
+    the default drafter=ngram leaves the checkpoint's own settings."""
+    import pytest
+    from hydra import compose, initialize_config_dir
+
+    from decode.config import DecodeConfig, store_schemas
+    from decode.evaluate import load_decode_drafter
+    from drafters.base import load_drafter
+
+    store_schemas("decode_schema", DecodeConfig)
+    target = load_target(tiny_target_cfg)
+    saved = json.loads((tiny_run / "best" / "drafter.json").read_text())
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        tuned = compose(config_name="decode", overrides=[
+            "target=tiny", f"ckpt={tiny_run}", "drafter=eagle", "drafter.tree_total_tokens=7",
+            "drafter.tree_depth=3"])
+        default = compose(config_name="decode", overrides=["target=tiny", f"ckpt={tiny_run}"])
+    d = load_decode_drafter(tuned, target)
+    assert (d.cfg.tree_total_tokens, d.cfg.tree_depth) == (7, 3)
+    assert load_decode_drafter(default, target).cfg.tree_total_tokens == saved["tree_total_tokens"]
+    assert saved["tree_total_tokens"] != 7
+    with pytest.raises(ValueError, match="cannot change after training"):
+        load_drafter(tiny_run / "best", target, {"num_layers": 2})

@@ -39,7 +39,7 @@ from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaRM
 
 from drafters.base import (ChainProposal, DecodeState, Drafter, DrafterConfig, DraftPrediction,
                            TrainBatch, TreeProposal, parse_config, register)
-from drafters.sampling import SamplingParams, sample, warp
+from drafters.sampling import SamplingParams, draft_token
 from drafters.tree import dynamic_tree
 from drafters.vocab import DraftVocab, expand_probs, head_from_target
 
@@ -245,13 +245,8 @@ class Eagle(Drafter):
         toks, qs = [], []
         for i in range(k):
             logits = self.head(h)[0, 0].float()  # (Vd,)
-            if sampling.greedy:
-                q, d = None, logits.argmax()
-                conf = logits.softmax(-1).max()
-            else:
-                q = warp(logits, sampling)  # (Vd,)
-                d, conf = sample(q, generator), q.max()
-            if i > 0 and float(conf) < min_confidence:
+            d, q, conf = draft_token(logits, sampling, generator, min_confidence)  # q: (Vd,) | None
+            if i > 0 and conf < min_confidence:
                 break
             toks.append(self.target_ids(d))
             qs.append(q)

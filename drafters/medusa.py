@@ -25,7 +25,7 @@ from torch import nn
 
 from drafters.base import (ChainProposal, DecodeState, Drafter, DrafterConfig, DraftPrediction,
                            TrainBatch, TreeProposal, parse_config, register)
-from drafters.sampling import SamplingParams, sample, warp
+from drafters.sampling import SamplingParams, draft_token
 from drafters.tree import StaticTree, static_tree
 from drafters.vocab import DraftVocab, head_from_target
 
@@ -140,12 +140,8 @@ class Medusa(Drafter):
         toks, qs = [], []
         for i in range(min(k, self.cfg.num_heads)):
             logits = self.head_logits(f, i).float()  # (Vd,)
-            if sampling.greedy:
-                q, d, conf = None, logits.argmax(), logits.softmax(-1).max()
-            else:
-                q = warp(logits, sampling)  # (Vd,)
-                d, conf = sample(q, generator), q.max()
-            if i > 0 and float(conf) < min_confidence:
+            d, q, conf = draft_token(logits, sampling, generator, min_confidence)  # q: (Vd,) | None
+            if i > 0 and conf < min_confidence:
                 break
             toks.append(self.target_ids(d))
             qs.append(q)

@@ -59,3 +59,15 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     flat = probs.reshape(-1, probs.shape[-1])
     out = torch.multinomial(flat, 1, generator=generator).squeeze(-1)
     return out.reshape(probs.shape[:-1])
+
+
+def draft_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
+                min_confidence: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None, float]:
+    """One drafted token from (V,) logits: (token, q, confidence). Greedy: the argmax, q None;
+    sampling: a sample from the warped q. Confidence is the top draft probability (the adaptive
+    draft length stops below min_confidence); greedy skips the softmax when that is off."""
+    if params.greedy:
+        conf = float(logits.softmax(-1).max()) if min_confidence > 0 else 1.0
+        return logits.argmax(), None, conf
+    q = warp(logits, params)
+    return sample(q, generator), q, float(q.max())

@@ -36,7 +36,7 @@ from transformers import DynamicCache
 
 from drafters.base import (ChainProposal, DecodeState, Drafter, DrafterConfig, DraftPrediction,
                            TrainBatch, TreeProposal, parse_config, register)
-from drafters.sampling import SamplingParams, sample, warp
+from drafters.sampling import SamplingParams, draft_token
 from drafters.tree import dynamic_tree
 from drafters.vocab import DraftVocab, head_from_target
 
@@ -301,13 +301,8 @@ class SmallLm(Drafter):
         T = state.tokens.shape[0]
         toks, qs, fed = [], [], []
         for i in range(k):
-            if sampling.greedy:
-                q, d = None, logits.argmax()
-                conf = logits.softmax(-1).max() if min_confidence > 0 else 1.0
-            else:
-                q = warp(logits, sampling)  # (Vd,)
-                d, conf = sample(q, generator), q.max()
-            if i > 0 and float(conf) < min_confidence:
+            d, q, conf = draft_token(logits, sampling, generator, min_confidence)  # q: (Vd,) | None
+            if i > 0 and conf < min_confidence:
                 break
             toks.append(self.target_ids(d))
             qs.append(q)

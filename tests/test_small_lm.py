@@ -355,3 +355,26 @@ def test_offline_capture_for_a_drafter_without_features(tmp_path):
     torch.testing.assert_close(offline.target_logits[real], online.target_logits[real],
                                rtol=1e-4, atol=1e-4)
     recipe.cleanup()
+
+
+def test_bench_grid_replay_equals_the_real_decoder(tmp_path):
+    """`python -m train.bench_small_lm --tiny`: one trained run, its real-decoder eval and its greedy
+    replay on the same prompts and answer length, which must give the decoder's tau exactly."""
+    from train.bench_small_lm import main
+
+    out = tmp_path / "bench"
+    rows = main(["--tiny", "--out", str(out), "--steps", "2", "--layers", "1", "--losses",
+                 "forward_kl", "--on-policy-fraction", "0", "--limit", "2", "--max-new-tokens",
+                 "8", "--replay-prompts", "2", "--replay-tokens", "8", "--alpha-prompts", "1"])
+    assert [r["run"] for r in rows] == ["L1-forward_kl-fixed"]
+    rep = [json.loads(line) for line in (out / "replay.jsonl").read_text().splitlines()]
+    assert len(rep) == 1 and rep[0]["rounds"] > 0 and rep[0]["alpha_positions"] == 7
+    assert rows[0]["tau"] > 1.0  # drafts were accepted: the equality below has something to match
+    assert rep[0]["replay_tau"] == pytest.approx(rows[0]["tau"], abs=1e-12)
+    assert 0.0 <= rep[0]["alpha_t1"] <= 1.0
+    table = (out / "table.md").read_text()
+    assert "replay tau k=4" in table and "Best greedy replay (2 prompts x 8 tokens)" in table
+    # a rerun trains and replays nothing again
+    assert main(["--tiny", "--out", str(out), "--only-replay", "--replay-prompts", "2",
+                 "--replay-tokens", "8"]) == rows
+    assert len((out / "replay.jsonl").read_text().splitlines()) == 1

@@ -1,0 +1,113 @@
+"""Greedy acceptance replayed on the target's own greedy answers: the decoder's tau, without the
+target's verification forwards.
+
+In greedy speculative decoding the committed text is the target's greedy answer y_0 .. y_{N-1},
+whatever the drafter does. A round that starts after y_<t drafts d_1 .. d_m (m = min(k, budget))
+from the committed prefix and accepts the longest run with d_i == y_{t+i-1}; then y_{t+n} is the
+target's token (the bonus) and the next round starts after it. Given the answer, every round is
+therefore fixed by the drafter alone: `replay_greedy` calls the drafter's `propose` on exactly the
+prefixes the decoder would (with the target features of the committed tokens, from ONE target
+forward over prompt + answer) and counts the accepted drafts. That gives the decoder's per-round
+accepted counts (`GenerationResult.accepted`) up to floating-point ties between the cached and the
+one-pass target forward, at the cost of the drafting alone: on many prompts that separates drafters
+whose real-decoder tau on a few prompts is within noise.
+
+One difference by construction: the decoder's last round of an answer that ends at EOS may
+accept drafts past the EOS that the target agrees with (counted before the cut); the replay does
+not know the target's tokens after EOS and stops at it.
+
+`draft_acceptance` adds, at every answer position, the expected acceptance of one sampled draft,
+E[min(1, p/q)] = sum_x min(p(x), q(x)) at the given sampling settings: the per-draft acceptance
+rate of speculative sampling on the target's text (an indicator for temperature > 0, where the
+decoder's path depends on the samples).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from drafters.base import DecodeState, Drafter
+from drafters.sampling import SamplingParams, warp
+
+GREEDY = SamplingParams()
+
+
+@dataclass
+class Replay:
+    """One answer replayed: accepted drafts per round (the decoder's `accepted`), drafts proposed
+    per round, and (draft_acceptance only) sum_x min(p, q) at every answer position after the
+    first."""
+
+    accepted: list[int]
+    drafted: list[int]
+    acceptance: list[float] | None = None
+
+
+def _target_pass(target, drafter: Drafter, ids: torch.Tensor):
+    """One target forward over prompt + answer -> (logits (T, V), features (T, F) or None)."""
+    out = target.forward(ids[None], layers=tuple(drafter.feature_layers or ()))
+    feats = out.features[0] if out.features is not None else None
+    return out.logits[0], feats
+
+
+def _state(ids: torch.Tensor, feats: torch.Tensor | None, t: int) -> DecodeState:
+    """The decoder's state with tokens[:t] committed (features of all but the last)."""
+    return DecodeState(tokens=ids[:t], features=None if feats is None else feats[:t - 1])
+
+
+@torch.inference_mode()
+def replay_greedy(target, drafter: Drafter, prompt: torch.Tensor, answer: torch.Tensor, *, k: int,
+                  max_new_tokens: int) -> Replay:
+    """Replay greedy chain decoding with `drafter` (k drafts a round) on the target's greedy
+    `answer` (N,) to `prompt` (P,), generated with `max_new_tokens` (the decoder's draft budget
+    depends on it). Returns the per-round accepted and drafted counts."""
+    P, N = len(prompt), len(answer)
+    if N > max_new_tokens:
+        raise ValueError(f"the answer has {N} tokens, more than max_new_tokens={max_new_tokens}")
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    dev = target.device
+    ids = torch.cat([prompt, answer]).to(dev)  # (P + N,)
+    # the target runs only for the features a drafter reads (none for a small LM)
+    feats = _target_pass(target, drafter, ids)[1] if drafter.feature_layers else None
+    drafter.reset()
+    accepted, drafted = [], []
+    t = 1  # the prefill commits answer[0]; rounds start after it
+    while t < N:
+        budget = max_new_tokens - t - 1  # the decoder never drafts what could not be committed
+        n = m = 0
+        if budget > 0:
+            prop = drafter.propose(_state(ids, feats, P + t), min(k, budget), GREEDY)
+            draft = prop.tokens[:min(k, budget)].to(dev)  # (m,)
+            m = len(draft)
+            truth = answer[t:t + m].to(dev)  # the target's tokens there (fewer near the end)
+            same = draft[:len(truth)] == truth
+            n = int(same.long().cumprod(0).sum())
+        accepted.append(n)
+        drafted.append(m)
+        t += n + 1
+    return Replay(accepted=accepted, drafted=drafted)
+
+
+@torch.inference_mode()
+def draft_acceptance(target, drafter: Drafter, prompt: torch.Tensor, answer: torch.Tensor,
+                     sampling: SamplingParams, generator: torch.Generator | None = None
+                     ) -> list[float]:
+    """sum_x min(p(x), q(x)) of the first draft at every answer position t >= 1, p the target's
+    and q the drafter's distribution (both warped by `sampling`) after prompt + answer[:t]."""
+    P, N = len(prompt), len(answer)
+    ids = torch.cat([prompt, answer]).to(target.device)  # (P + N,)
+    logits, feats = _target_pass(target, drafter, ids)
+    drafter.reset()
+    out = []
+    for t in range(1, N):
+        prop = drafter.propose(_state(ids, feats, P + t), 1, sampling, generator)
+        if len(prop.tokens) == 0:
+            out.append(0.0)
+            continue
+        q = prop.probs[0] if prop.probs is not None else torch.nn.functional.one_hot(
+            prop.tokens[0], logits.shape[-1]).float()  # (V,)
+        p = warp(logits[P + t - 1], sampling)  # (V,)
+        out.append(float(torch.minimum(p, q.to(p.device, p.dtype)).sum()))
+    return out

@@ -171,6 +171,13 @@ def test_online_and_offline_capture_give_the_same_batches(tmp_path, chat_file):
     assert low.features.dtype == torch.float32
     err = (low.features[real] - online.features[real]).norm() / online.features[real].norm()
     assert 0 < err < 0.03, err  # really computed in bf16, and close
+    # online (and on-policy) batches run the target under the same autocast: the same numbers
+    r.offline, r.tcfg.capture_autocast = None, "bfloat16"
+    online_bf = r.make_batch(raw)
+    assert online_bf.features.dtype == torch.float32
+    torch.testing.assert_close(online_bf.features[real], low.features[real], rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(online_bf.target_logits[real], low.target_logits[real], rtol=1e-3,
+                               atol=1e-3)
 
 
 def test_greedy_decoding_with_the_trained_drafter_is_the_targets(tmp_path, chat_file):

@@ -37,7 +37,8 @@ class TrainerConfig:
     feature_weight: float = 1.0  # weight of the feature regression (EAGLE) next to the divergence
     eval_k: int = 5  # draft length of the evals (simulated and real decoder)
     features: str = "online"  # online: target forward every step | offline: capture once, reuse every epoch
-    capture_autocast: Optional[str] = None  # offline capture under torch.autocast: bfloat16 (None = target.dtype)
+    # the target's training forwards (offline capture, online, on-policy batches) under torch.autocast: bfloat16 (None = target.dtype)
+    capture_autocast: Optional[str] = None
     features_dir: Optional[str] = None  # offline: a `python -m data.capture` out folder (None = auto, in the cache)
     on_policy_fraction: float = 0.0  # share of micro-batches replaced by drafter-written text (train/on_policy.py)
     on_policy_max_new_tokens: int = 64  # tokens the drafter samples per on-policy continuation

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from data.capture import CaptureConfig, OfflineFeatures, capture, capture_split, target_logits
+from data.capture import (CaptureConfig, OfflineFeatures, autocast, capture, capture_split,
+                          target_logits)
 from data.dataset import load_chat_dataset
 from data.regenerate import self_distilled
 from decode.acceptance import simulate_acceptance
@@ -200,9 +201,12 @@ class DistillRecipe:
             idx = raw["index"].tolist()
             feats, final = self.offline.batch(idx, [self.train_ds[i] for i in idx],
                                               raw["input_ids"].shape[1])
-        else:
-            feats, final = capture(self.target, raw["input_ids"], raw["attention_mask"],
-                                   self.drafter.feature_layers)
+        else:  # online, or an on-policy batch: under the same autocast as an offline capture
+            with autocast(self.target, self.tcfg.capture_autocast):
+                feats, final = capture(self.target, raw["input_ids"], raw["attention_mask"],
+                                       self.drafter.feature_layers)
+            feats = None if feats is None else feats.to(self.target.dtype)
+            final = final.to(self.target.dtype)
         d2t = getattr(self.drafter, "d2t", None)
         logits = target_logits(self.target, final, d2t)  # (B, T, Vd) restricted when pruned
         return TrainBatch(input_ids=raw["input_ids"].to(dev),

@@ -373,8 +373,20 @@ def test_bench_grid_replay_equals_the_real_decoder(tmp_path):
     assert rep[0]["replay_tau"] == pytest.approx(rows[0]["tau"], abs=1e-12)
     assert 0.0 <= rep[0]["alpha_t1"] <= 1.0
     table = (out / "table.md").read_text()
-    assert "replay tau k=4" in table and "Best greedy replay (2 prompts x 8 tokens)" in table
+    assert "replay tau k=4" in table and "Best greedy replay (2 prompts x 8 tokens," in table
     # a rerun trains and replays nothing again
     assert main(["--tiny", "--out", str(out), "--only-replay", "--replay-prompts", "2",
                  "--replay-tokens", "8"]) == rows
     assert len((out / "replay.jsonl").read_text().splitlines()) == 1
+
+
+def test_bench_standard_errors_count_prompts_not_rounds():
+    from train.bench_small_lm import paired_gap, ratio_se
+
+    assert ratio_se([3, 1], [1, 1]) == pytest.approx((2.0, 1.0))  # residuals +1, -1 over 2 prompts
+    assert ratio_se([2, 4], [1, 2]) == pytest.approx((2.0, 0.0))  # every prompt at the ratio
+    a = {"per_prompt": [[1, 3, 0.5, 1], [1, 1, 0.5, 1]]}  # rounds, tokens, alpha sum, positions
+    b = {"per_prompt": [[1, 2, 0.25, 1], [1, 0, 0.25, 1]]}
+    assert paired_gap(a, b, "tau") == pytest.approx((1.0, 0.0))  # a beats b by 1 on both prompts
+    assert paired_gap(a, b, "alpha") == pytest.approx((0.25, 0.0))
+    assert paired_gap(a, a, "tau") == pytest.approx((0.0, 0.0))

@@ -76,14 +76,27 @@ def run_one(name: str, overrides: list[str], run_dir: Path, args) -> dict:
             "speedup_t1": sampled.get("speedup"), "run_dir": str(run_dir)}
 
 
-def mean_se(xs: list[float]) -> tuple[float, float]:
-    """Mean and its standard error."""
-    n = len(xs)
-    if n == 0:
-        return float("nan"), float("nan")
-    m = sum(xs) / n
-    var = sum((x - m) ** 2 for x in xs) / (n - 1) if n > 1 else 0.0
-    return m, math.sqrt(var / n)
+def ratio_se(num: list[float], den: list[float]) -> tuple[float, float]:
+    """sum(num) / sum(den) over prompts and its standard error with prompts as the independent
+    units (rounds of one answer are not independent): the linearised cluster estimate."""
+    n, total = len(num), sum(den)
+    if n < 2 or total == 0:
+        return (sum(num) / total if total else float("nan")), float("nan")
+    r = sum(num) / total
+    return r, math.sqrt(n / (n - 1) * sum((a - r * b) ** 2 for a, b in zip(num, den))) / total
+
+
+def paired_gap(a: dict, b: dict, which: str) -> tuple[float, float]:
+    """(a - b, its standard error) for which = "tau" | "alpha", paired prompt by prompt."""
+    i, j = (1, 0) if which == "tau" else (2, 3)  # per_prompt rows: rounds, tokens, alpha sum, n
+    pa, pb = a["per_prompt"], b["per_prompt"]
+    n = min(len(pa), len(pb)) if which == "tau" else min(sum(1 for p in pa if p[3]), sum(
+        1 for p in pb if p[3]))
+    pa, pb = pa[:n], pb[:n]
+    ra, rb = (sum(p[i] for p in x) / sum(p[j] for p in x) for x in (pa, pb))
+    ta, tb = sum(p[j] for p in pa), sum(p[j] for p in pb)
+    e = [(x[i] - ra * x[j]) / ta - (y[i] - rb * y[j]) / tb for x, y in zip(pa, pb)]
+    return ra - rb, math.sqrt(n / (n - 1) * sum(v * v for v in e)) if n > 1 else float("nan")
 
 
 def replay_answers(target, n_prompts: int, max_new_tokens: int, out: Path) -> list[dict]:
@@ -119,21 +132,23 @@ def replay_run(target, run: dict, answers: list[dict], args) -> dict:
     from drafters.sampling import SamplingParams
 
     drafter = load_drafter(Path(run["run_dir"]) / "best", target).eval()
-    tokens, alpha = [], []  # tokens committed per round (accepted + bonus); acceptance per draft
+    per_prompt = []  # [rounds, tokens committed in them (bonus included), sum alpha, positions]
     t1 = SamplingParams(temperature=1.0)
     gen = torch.Generator().manual_seed(args.seed)
     for i, row in enumerate(answers):
         prompt, answer = torch.tensor(row["prompt"]), torch.tensor(row["answer"])
         rep = replay_greedy(target, drafter, prompt, answer, k=args.k,
                             max_new_tokens=args.replay_tokens)
-        tokens += [n + 1 for n in rep.accepted]
-        if i < args.alpha_prompts:
-            alpha += draft_acceptance(target, drafter, prompt, answer, t1, gen)
-    tau, tau_se = mean_se(tokens)
-    a, a_se = mean_se(alpha)
+        alpha = (draft_acceptance(target, drafter, prompt, answer, t1, gen)
+                 if i < args.alpha_prompts else [])
+        per_prompt.append([len(rep.accepted), sum(rep.accepted) + len(rep.accepted), sum(alpha),
+                           len(alpha)])
+    tau, tau_se = ratio_se([p[1] for p in per_prompt], [p[0] for p in per_prompt])
+    a, a_se = ratio_se([p[2] for p in per_prompt if p[3]], [p[3] for p in per_prompt if p[3]])
     return {"run": run["run"], "replay_prompts": len(answers), "replay_tokens": args.replay_tokens,
-            "k": args.k, "rounds": len(tokens), "replay_tau": tau, "replay_tau_se": tau_se,
-            "alpha_t1": a, "alpha_t1_se": a_se, "alpha_positions": len(alpha)}
+            "k": args.k, "rounds": sum(p[0] for p in per_prompt), "replay_tau": tau,
+            "replay_tau_se": tau_se, "alpha_t1": a, "alpha_t1_se": a_se,
+            "alpha_positions": sum(p[3] for p in per_prompt), "per_prompt": per_prompt}
 
 
 def table(rows: list[dict], k: int, replays: dict[str, dict] | None = None) -> str:
@@ -169,9 +184,16 @@ def table(rows: list[dict], k: int, replays: dict[str, dict] | None = None) -> s
             ra = max(replays.values(), key=lambda r: r["alpha_t1"])
             one = next(iter(replays.values()))
             lines.append(f"Best greedy replay ({one['replay_prompts']} prompts x "
-                         f"{one['replay_tokens']} tokens): {rg['run']} (tau {rg['replay_tau']:.3f}"
-                         f" ± {rg['replay_tau_se']:.3f}); best per-draft acceptance at T=1: "
-                         f"{ra['run']} ({ra['alpha_t1']:.3f} ± {ra['alpha_t1_se']:.3f}).")
+                         f"{one['replay_tokens']} tokens, ± = standard error over prompts): "
+                         f"{rg['run']} (tau {rg['replay_tau']:.3f} ± {rg['replay_tau_se']:.3f}); "
+                         f"best per-draft acceptance at T=1: {ra['run']} "
+                         f"({ra['alpha_t1']:.3f} ± {ra['alpha_t1_se']:.3f}).")
+            for best, which in ((rg, "tau"), (ra, "alpha")):
+                gaps = [(o["run"], *paired_gap(best, o, which)) for o in replays.values()
+                        if o is not best]
+                if gaps:
+                    lines.append(f"Paired gaps of {best['run']} ({which}, same prompts): " + ", ".join(
+                        f"{name} -{d:.3f} ± {se:.3f}" for name, d, se in sorted(gaps, key=lambda g: g[1])))
         lines.append(f"Goal tau >= 3.0 with k={k} and speedup > 1.3x: "
                      f"{'met' if met else 'not met'}.")
     return "\n".join(lines)

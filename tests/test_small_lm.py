@@ -378,6 +378,12 @@ def test_bench_grid_replay_equals_the_real_decoder(tmp_path):
     assert main(["--tiny", "--out", str(out), "--only-replay", "--replay-prompts", "2",
                  "--replay-tokens", "8"]) == rows
     assert len((out / "replay.jsonl").read_text().splitlines()) == 1
+    # every checkpoint of a run, replayed: the last one is the final drafter
+    main(["--tiny", "--out", str(out), "--replay-checkpoints", rows[0]["run_dir"],
+          "--replay-prompts", "2", "--replay-tokens", "8", "--alpha-prompts", "0"])
+    ck = [json.loads(line) for line in (out / "replay_checkpoints.jsonl").read_text().splitlines()]
+    assert [r["run"] for r in ck] == ["L1-forward_kl-fixed@step-0000002"]
+    assert ck[0]["replay_tau"] == pytest.approx(rows[0]["tau"], abs=1e-12)
 
 
 def test_bench_standard_errors_count_prompts_not_rounds():

@@ -123,15 +123,16 @@ def replay_answers(target, n_prompts: int, max_new_tokens: int, out: Path) -> li
     return rows
 
 
-def replay_run(target, run: dict, answers: list[dict], args) -> dict:
-    """Greedy replay tau (k = args.k) and mean per-draft acceptance at T=1 of one run's drafter."""
+def replay_run(target, name: str, folder: Path, answers: list[dict], args) -> dict:
+    """Greedy replay tau (k = args.k) and mean per-draft acceptance at T=1 of the drafter saved in
+    `folder` (a run's best/ or one of its checkpoints)."""
     import torch
 
     from decode.replay import draft_acceptance, replay_greedy
     from drafters.base import load_drafter
     from drafters.sampling import SamplingParams
 
-    drafter = load_drafter(Path(run["run_dir"]) / "best", target).eval()
+    drafter = load_drafter(folder, target).eval()
     per_prompt = []  # [rounds, tokens committed in them (bonus included), sum alpha, positions]
     t1 = SamplingParams(temperature=1.0)
     gen = torch.Generator().manual_seed(args.seed)
@@ -145,7 +146,7 @@ def replay_run(target, run: dict, answers: list[dict], args) -> dict:
                            len(alpha)])
     tau, tau_se = ratio_se([p[1] for p in per_prompt], [p[0] for p in per_prompt])
     a, a_se = ratio_se([p[2] for p in per_prompt if p[3]], [p[3] for p in per_prompt if p[3]])
-    return {"run": run["run"], "replay_prompts": len(answers), "replay_tokens": args.replay_tokens,
+    return {"run": name, "replay_prompts": len(answers), "replay_tokens": args.replay_tokens,
             "k": args.k, "rounds": sum(p[0] for p in per_prompt), "replay_tau": tau,
             "replay_tau_se": tau_se, "alpha_t1": a, "alpha_t1_se": a_se,
             "alpha_positions": sum(p[3] for p in per_prompt), "per_prompt": per_prompt}
@@ -218,10 +219,43 @@ def replay_all(runs: list[dict], args, out: Path) -> dict[str, dict]:
         answers = replay_answers(target, args.replay_prompts, args.replay_tokens, out)
         for run in todo:
             print(f"== replay {run['run']}", flush=True)
-            done[run["run"]] = replay_run(target, run, answers, args)
+            done[run["run"]] = replay_run(target, run["run"], Path(run["run_dir"]) / "best",
+                                          answers, args)
             with open(path, "a") as fh:
                 fh.write(json.dumps(done[run["run"]]) + "\n")
     return {r["run"]: done[r["run"]] for r in runs if r["run"] in done}
+
+
+def replay_checkpoints(run_dir: Path, args, out: Path) -> str:
+    """Replay every complete checkpoint of one training run: acceptance against training steps.
+    Appends to <out>/replay_checkpoints.jsonl (checkpoints replayed before are skipped)."""
+    from drafters.target import load_target
+    from train.checkpoint import complete_checkpoints
+
+    path = out / "replay_checkpoints.jsonl"
+    done = {}
+    if path.is_file():
+        done = {r["run"]: r for r in map(json.loads, path.read_text().splitlines()) if r}
+    ckpts = complete_checkpoints(run_dir)
+    if not ckpts:
+        raise FileNotFoundError(f"{run_dir} has no complete checkpoint under checkpoints/")
+    target, answers = None, None
+    rows = []
+    for ck in ckpts:
+        name = f"{run_dir.name}@{ck.name}"
+        if name not in done:
+            if target is None:
+                target = load_target(compose((TINY if args.tiny else []) + args.set).target)
+                answers = replay_answers(target, args.replay_prompts, args.replay_tokens, out)
+            print(f"== replay {name}", flush=True)
+            done[name] = replay_run(target, name, ck, answers, args)
+            with open(path, "a") as fh:
+                fh.write(json.dumps(done[name]) + "\n")
+        rows.append(done[name])
+    lines = [f"| checkpoint | replay tau k={args.k} | alpha T=1 |", "|---|---:|---:|"]
+    lines += [f"| {r['run']} | {r['replay_tau']:.3f} ± {r['replay_tau_se']:.3f} | "
+              f"{r['alpha_t1']:.3f} ± {r['alpha_t1_se']:.3f} |" for r in rows]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -246,9 +280,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--tiny", action="store_true", help="random-init tiny target: checks the script")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="extra Hydra override for every run (repeatable)")
+    ap.add_argument("--replay-checkpoints", metavar="RUN_DIR",
+                    help="train nothing: replay every checkpoint of this training run")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.replay_checkpoints:
+        md = replay_checkpoints(Path(args.replay_checkpoints), args, out)
+        print(md)
+        return []
     results = out / "results.jsonl"
     done = {json.loads(l)["run"]: json.loads(l) for l in results.read_text().splitlines()
             if l.strip()} if results.is_file() else {}

@@ -5,7 +5,8 @@ Hugging Face draft model (`generate(assistant_model=...)`, vLLM/SGLang draft mod
 
 Sources (`source`):
   target_layers  the target's own architecture with n decoder layers copied from the target (the
-                 first n, or layers 0, m, 2m, ... with layer_stride=m) and its final norm;
+                 first n, layers 0, m, 2m, ... with layer_stride=m, or an explicit list `layers`)
+                 and its final norm;
   pretrained     any HF model id / local folder whose tokenizer is the target's (e.g. a 135M model
                  for a 1.7B one of the same family); a different vocabulary is refused, naming it;
   fresh          the target's architecture and widths with `fresh_config` overrides, random init.
@@ -26,6 +27,7 @@ the longest prefix it shares with the committed tokens (accepted drafts stay cac
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -62,6 +64,7 @@ class SmallLmConfig(DrafterConfig):
     source: str = "target_layers"  # target_layers | pretrained | fresh (module docstring)
     num_layers: int = 2  # target_layers / fresh: decoder layers (pretrained: the model's own)
     layer_stride: Optional[int] = None  # target_layers: copy layers 0, m, 2m, ... (None = first n)
+    layers: Optional[list[int]] = None  # target_layers: copy exactly these (sets num_layers)
     pretrained: Optional[str] = None  # pretrained: HF id or local folder with the same tokenizer
     fresh_config: dict[str, Any] = field(default_factory=dict)  # fresh: target-config overrides
     freeze_embeddings: bool = True  # embeddings + LM head frozen (the target's, shared: not saved)
@@ -136,6 +139,12 @@ class SmallLm(Drafter):
             raise ValueError("small_lm: fresh_config is read only with source=fresh")
         if cfg.layer_stride is not None and cfg.source != "target_layers":
             raise ValueError("small_lm: layer_stride is read only with source=target_layers")
+        if cfg.layers is not None:
+            if cfg.source != "target_layers" or cfg.layer_stride is not None:
+                raise ValueError("small_lm: layers (explicit target layers) is read only with "
+                                 "source=target_layers and without layer_stride")
+            cfg = dataclasses.replace(cfg, layers=[int(i) for i in cfg.layers],
+                                      num_layers=len(cfg.layers))
         if cfg.lora.r > 0 and not cfg.freeze_embeddings:
             raise ValueError("small_lm: with LoRA (lora.r > 0) only adapters train; set "
                              "freeze_embeddings=true or lora.r=0 for a full fine-tune")
@@ -169,6 +178,12 @@ class SmallLm(Drafter):
     # -- construction -----------------------------------------------------------------------------
     @staticmethod
     def _layer_indices(cfg: SmallLmConfig, n_target: int) -> list[int]:
+        if cfg.layers is not None:
+            idx = list(cfg.layers)
+            if not idx or len(set(idx)) != len(idx) or min(idx) < 0 or max(idx) >= n_target:
+                raise ValueError(f"small_lm: layers={idx} must be distinct target layers in "
+                                 f"0..{n_target - 1} (at least one)")
+            return idx
         stride = cfg.layer_stride or 1
         idx = [i * stride for i in range(cfg.num_layers)]
         if cfg.num_layers < 1 or stride < 1 or idx[-1] >= n_target:

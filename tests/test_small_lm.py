@@ -51,7 +51,8 @@ def train_batch(target, T=20) -> TrainBatch:
 
 def test_built_from_target_copies_layers_and_shares_embeddings(target):
     src = target.model.model
-    for cfg, picked in (({"num_layers": 2}, [0, 1]), ({"num_layers": 2, "layer_stride": 2}, [0, 2])):
+    for cfg, picked in (({"num_layers": 2}, [0, 1]), ({"num_layers": 2, "layer_stride": 2}, [0, 2]),
+                        ({"layers": [3, 0]}, [3, 0])):  # explicit layers set num_layers
         d = small(target, **cfg)
         layers = d.hf_model.model.layers
         assert len(layers) == 2 and d.feature_layers == ()
@@ -78,6 +79,11 @@ def test_built_from_target_copies_layers_and_shares_embeddings(target):
     assert torch.equal(emb, target.embed_tokens().weight) and emb is not target.embed_tokens().weight
     with pytest.raises(ValueError, match="target layers \\[0, 2, 4\\]"):
         small(target, num_layers=3, layer_stride=2)
+    for bad in ([0, 0], [4], []):
+        with pytest.raises(ValueError, match="must be distinct target layers in 0..3"):
+            small(target, layers=bad)
+    with pytest.raises(ValueError, match="without layer_stride"):
+        small(target, layers=[0, 2], layer_stride=2)
     with pytest.raises(ValueError, match="fresh_config.hiden_size"):
         small(target, source="fresh", fresh_config={"hiden_size": 32})
     fresh = small(target, source="fresh", num_layers=1, freeze_embeddings=False,
@@ -396,3 +402,18 @@ def test_bench_standard_errors_count_prompts_not_rounds():
     assert paired_gap(a, b, "tau") == pytest.approx((1.0, 0.0))  # a beats b by 1 on both prompts
     assert paired_gap(a, b, "alpha") == pytest.approx((0.25, 0.0))
     assert paired_gap(a, a, "tau") == pytest.approx((0.0, 0.0))
+
+
+def test_bench_init_divergence_is_zero_for_the_whole_target(tiny_target_cfg):
+    """A drafter built from every target layer IS the target: KL 0 and full agreement; fewer
+    layers start away from it."""
+    from drafters.target import load_target
+    from train.bench_small_lm import init_divergence
+
+    target = load_target(tiny_target_cfg)
+    answers = [{"prompt": [5, 6, 7, 8], "answer": [9, 10, 11, 12, 13]},
+               {"prompt": [40, 41], "answer": [42, 43, 44]}]
+    md = init_divergence(target, [[0, 1], [1]], answers).splitlines()
+    assert md[2].startswith("| [0, 1] | 0.00 | 1.000 |")
+    kl, agree = (float(x) for x in md[3].strip("|").split("|")[1:])
+    assert kl > 0.0 and agree < 1.0

@@ -258,6 +258,30 @@ def replay_checkpoints(run_dir: Path, args, out: Path) -> str:
     return "\n".join(lines)
 
 
+def init_divergence(target, layer_sets: list[list[int]], answers: list[dict]) -> str:
+    """How close untrained drafters built from chosen target layers start: forward KL(target ||
+    drafter) and top-1 agreement at every answer position of `answers`, teacher-forced."""
+    import torch
+
+    from drafters.small_lm import SmallLm, SmallLmConfig
+
+    lines = ["| target layers | forward KL (nats) | top-1 agreement |", "|---|---:|---:|"]
+    for layers in layer_sets:
+        drafter = SmallLm(SmallLmConfig(layers=layers), target).eval()
+        kl = agree = n = 0.0
+        with torch.inference_mode():
+            for row in answers:
+                P, ids = len(row["prompt"]), torch.tensor(row["prompt"] + row["answer"])
+                sl = slice(P - 1, len(ids) - 1)  # positions whose next token is an answer token
+                p = target.forward(ids[None]).logits[0, sl].float().log_softmax(-1)  # (N, V)
+                q = drafter.logits(ids[None].to(target.device))[0, sl].float().log_softmax(-1)
+                kl += float((p.exp() * (p - q)).sum())
+                agree += float((p.argmax(-1) == q.argmax(-1)).sum())
+                n += p.shape[0]
+        lines.append(f"| {layers} | {kl / n:.2f} | {agree / n:.3f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", default="runs/bench_small_lm", help="folder of the runs and results")
@@ -282,9 +306,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     help="extra Hydra override for every run (repeatable)")
     ap.add_argument("--replay-checkpoints", metavar="RUN_DIR",
                     help="train nothing: replay every checkpoint of this training run")
+    ap.add_argument("--init-layers", nargs="+", metavar="I,J,...",
+                    help="train nothing: forward KL and top-1 agreement of untrained drafters "
+                         "built from these target layer sets, on the replay answers")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.init_layers:
+        from drafters.target import load_target
+
+        target = load_target(compose((TINY if args.tiny else []) + args.set).target)
+        answers = replay_answers(target, args.replay_prompts, args.replay_tokens, out)
+        md = init_divergence(target, [[int(i) for i in x.split(",")] for x in args.init_layers],
+                             answers)
+        print(md)
+        return []
     if args.replay_checkpoints:
         md = replay_checkpoints(Path(args.replay_checkpoints), args, out)
         print(md)

@@ -193,6 +193,10 @@ def test_on_policy_batches_come_from_the_drafter(target):
     assert torch.equal(sampled(raw, 7, 1)["input_ids"], got["input_ids"])  # seeded by (step, micro)
     coins = [mixer(fraction=0.3)(raw, s, 0) is raw for s in range(30)]
     assert 12 < sum(coins) < 30  # about 70% kept
+    late = OnPolicyMixer(d, fraction=1.0, max_new_tokens=12, temperature=0.0, seed=3, rank=0,
+                         pad_id=0, eos_ids=eos, max_length=256, start_step=6, progress=False)
+    assert late(raw, 5, 0) is raw and not late.last  # warm-up: fixed data before step 6
+    assert torch.equal(late(raw, 6, 0)["input_ids"], mixer()(raw, 6, 0)["input_ids"]) and late.last
     with pytest.raises(ValueError, match="reads target features"):
         OnPolicyMixer(build_drafter({"name": "eagle"}, target), fraction=0.5, max_new_tokens=8,
                       temperature=1.0, seed=0, rank=0, pad_id=0, eos_ids=eos, max_length=64)

@@ -43,6 +43,7 @@ class TrainerConfig:
     on_policy_fraction: float = 0.0  # share of micro-batches replaced by drafter-written text (train/on_policy.py)
     on_policy_max_new_tokens: int = 64  # tokens the drafter samples per on-policy continuation
     on_policy_temperature: float = 1.0  # sampling temperature of on-policy continuations (0 = greedy)
+    on_policy_start_step: int = 0  # optimizer steps on fixed data only before on-policy batches start
     eval_every: int = 200  # steps between held-out evals (0 = only at the end)
     save_every: int = 200  # steps between checkpoints (0 = only at the end)
     keep_last: int = 2  # rolling checkpoints kept (the best one is always kept)

@@ -13,6 +13,8 @@ probability `trainer.on_policy_fraction`, a training micro-batch is replaced row
 with loss_mask = 1 on the continuation only. The recipe runs the target on it like on any batch
 (online: an on-policy batch has no captured features), so the loss compares drafter and target at
 every continuation position: the target's logits on prompt + continuation ARE the score.
+`trainer.on_policy_start_step` keeps the first optimizer steps on fixed data only: an untrained
+drafter's samples are not text yet (measured: BENCHMARKS.md, small_lm grid).
 
 Every draw is seeded by (seed, step, micro-batch, rank): a run and its resume see the same batches.
 Generation goes through the Drafter interface (`propose`, with the drafter's own KV cache), so any
@@ -83,9 +85,11 @@ class OnPolicyMixer:
 
     def __init__(self, drafter: Drafter, *, fraction: float, max_new_tokens: int,
                  temperature: float, seed: int, rank: int, pad_id: int, eos_ids, max_length: int,
-                 progress: bool | None = None) -> None:
+                 start_step: int = 0, progress: bool | None = None) -> None:
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"trainer.on_policy_fraction must be in [0, 1], got {fraction}")
+        if start_step < 0:
+            raise ValueError(f"trainer.on_policy_start_step must be >= 0, got {start_step}")
         if max_new_tokens < 1 or max_new_tokens >= max_length:
             raise ValueError(f"trainer.on_policy_max_new_tokens ({max_new_tokens}) must be in "
                              f"[1, data.max_length={max_length})")
@@ -100,6 +104,7 @@ class OnPolicyMixer:
         self.sampling = SamplingParams(temperature=temperature)
         self.seed, self.rank, self.pad_id = seed, rank, pad_id
         self.eos_ids, self.max_length = set(eos_ids), max_length
+        self.start_step = start_step  # fixed data only before this optimizer step (a warm-up)
         self.progress = not quiet() if progress is None else progress
         self.last = False  # whether the latest call replaced its batch
 
@@ -113,7 +118,8 @@ class OnPolicyMixer:
                              "ZeRO-3; use deepspeed.zero_stage=2 or trainer.backend=torch")
         return cls(drafter, fraction=t.on_policy_fraction, max_new_tokens=t.on_policy_max_new_tokens,
                    temperature=t.on_policy_temperature, seed=cfg.seed, rank=rank, pad_id=pad_id,
-                   eos_ids=eos_ids, max_length=cfg.data.max_length)
+                   eos_ids=eos_ids, max_length=cfg.data.max_length,
+                   start_step=t.on_policy_start_step)
 
     def generators(self, step: int, micro: int) -> tuple[torch.Generator, torch.Generator]:
         """(CPU generator for the coin and the turn choice, drafter-device generator for sampling),
@@ -124,7 +130,7 @@ class OnPolicyMixer:
 
     def __call__(self, raw: dict[str, torch.Tensor], step: int, micro: int) -> dict[str, torch.Tensor]:
         choice, gen = self.generators(step, micro)
-        self.last = bool(torch.rand((), generator=choice) < self.fraction)
+        self.last = step >= self.start_step and bool(torch.rand((), generator=choice) < self.fraction)
         if not self.last:
             return raw
         was_training = self.drafter.training

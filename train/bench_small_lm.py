@@ -264,6 +264,7 @@ def init_divergence(target, layer_sets: list[list[int]], answers: list[dict]) ->
     import torch
 
     from drafters.small_lm import SmallLm, SmallLmConfig
+    from train.losses import forward_kl, greedy_accept
 
     lines = ["| target layers | forward KL (nats) | top-1 agreement |", "|---|---:|---:|"]
     for layers in layer_sets:
@@ -273,10 +274,10 @@ def init_divergence(target, layer_sets: list[list[int]], answers: list[dict]) ->
             for row in answers:
                 P, ids = len(row["prompt"]), torch.tensor(row["prompt"] + row["answer"])
                 sl = slice(P - 1, len(ids) - 1)  # positions whose next token is an answer token
-                p = target.forward(ids[None]).logits[0, sl].float().log_softmax(-1)  # (N, V)
-                q = drafter.logits(ids[None].to(target.device))[0, sl].float().log_softmax(-1)
-                kl += float((p.exp() * (p - q)).sum())
-                agree += float((p.argmax(-1) == q.argmax(-1)).sum())
+                p = target.forward(ids[None]).logits[0, sl].float()  # (N, V)
+                q = drafter.logits(ids[None].to(target.device))[0, sl].float()  # (N, V)
+                kl += float(forward_kl(q, p).sum())
+                agree += float(greedy_accept(q, p).sum())
                 n += p.shape[0]
         lines.append(f"| {layers} | {kl / n:.2f} | {agree / n:.3f} |")
     return "\n".join(lines)

@@ -123,6 +123,14 @@ def replay_answers(target, n_prompts: int, max_new_tokens: int, out: Path) -> li
     return rows
 
 
+def target_and_answers(args, out: Path):
+    """The benchmark's target (TINY or the --set overrides) and its kept replay answers."""
+    from drafters.target import load_target
+
+    target = load_target(compose((TINY if args.tiny else []) + args.set).target)
+    return target, replay_answers(target, args.replay_prompts, args.replay_tokens, out)
+
+
 def replay_run(target, name: str, folder: Path, answers: list[dict], args) -> dict:
     """Greedy replay tau (k = args.k) and mean per-draft acceptance at T=1 of the drafter saved in
     `folder` (a run's best/ or one of its checkpoints)."""
@@ -203,8 +211,6 @@ def table(rows: list[dict], k: int, replays: dict[str, dict] | None = None) -> s
 def replay_all(runs: list[dict], args, out: Path) -> dict[str, dict]:
     """Replay every finished run once (kept in <out>/replay.jsonl; a rerun replays only new runs
     or runs whose replay settings changed)."""
-    from drafters.target import load_target
-
     path = out / "replay.jsonl"
     key = (args.replay_prompts, args.replay_tokens, args.k)
     done = {}
@@ -215,8 +221,7 @@ def replay_all(runs: list[dict], args, out: Path) -> dict[str, dict]:
                 done[r["run"]] = r
     todo = [r for r in runs if r["run"] not in done]
     if todo:
-        target = load_target(compose((TINY if args.tiny else []) + args.set).target)
-        answers = replay_answers(target, args.replay_prompts, args.replay_tokens, out)
+        target, answers = target_and_answers(args, out)
         for run in todo:
             print(f"== replay {run['run']}", flush=True)
             done[run["run"]] = replay_run(target, run["run"], Path(run["run_dir"]) / "best",
@@ -229,7 +234,6 @@ def replay_all(runs: list[dict], args, out: Path) -> dict[str, dict]:
 def replay_checkpoints(run_dir: Path, args, out: Path) -> str:
     """Replay every complete checkpoint of one training run: acceptance against training steps.
     Appends to <out>/replay_checkpoints.jsonl (checkpoints replayed before are skipped)."""
-    from drafters.target import load_target
     from train.checkpoint import complete_checkpoints
 
     path = out / "replay_checkpoints.jsonl"
@@ -245,8 +249,7 @@ def replay_checkpoints(run_dir: Path, args, out: Path) -> str:
         name = f"{run_dir.name}@{ck.name}"
         if name not in done:
             if target is None:
-                target = load_target(compose((TINY if args.tiny else []) + args.set).target)
-                answers = replay_answers(target, args.replay_prompts, args.replay_tokens, out)
+                target, answers = target_and_answers(args, out)
             print(f"== replay {name}", flush=True)
             done[name] = replay_run(target, name, ck, answers, args)
             with open(path, "a") as fh:
@@ -314,10 +317,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.init_layers:
-        from drafters.target import load_target
-
-        target = load_target(compose((TINY if args.tiny else []) + args.set).target)
-        answers = replay_answers(target, args.replay_prompts, args.replay_tokens, out)
+        target, answers = target_and_answers(args, out)
         md = init_divergence(target, [[int(i) for i in x.split(",")] for x in args.init_layers],
                              answers)
         print(md)

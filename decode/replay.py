@@ -27,21 +27,18 @@ from dataclasses import dataclass
 
 import torch
 
+from decode.acceptance import GREEDY
 from drafters.base import DecodeState, Drafter
 from drafters.sampling import SamplingParams, warp
-
-GREEDY = SamplingParams()
 
 
 @dataclass
 class Replay:
-    """One answer replayed: accepted drafts per round (the decoder's `accepted`), drafts proposed
-    per round, and (draft_acceptance only) sum_x min(p, q) at every answer position after the
-    first."""
+    """One answer replayed: accepted drafts per round (the decoder's `accepted`) and drafts
+    proposed per round (its `drafted`)."""
 
     accepted: list[int]
     drafted: list[int]
-    acceptance: list[float] | None = None
 
 
 def _target_pass(target, drafter: Drafter, ids: torch.Tensor):

@@ -208,17 +208,26 @@ def table(rows: list[dict], k: int, replays: dict[str, dict] | None = None) -> s
     return "\n".join(lines)
 
 
+def read_rows(path: Path, args=None) -> dict[str, dict]:
+    """run name -> row of a JSONL results file (empty when absent); with `args`, only rows made
+    with the same replay settings (prompts, answer length, k)."""
+    rows = [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.is_file() else []
+    if args is not None:
+        key = (args.replay_prompts, args.replay_tokens, args.k)
+        rows = [r for r in rows if (r["replay_prompts"], r["replay_tokens"], r["k"]) == key]
+    return {r["run"]: r for r in rows}
+
+
+def append_row(path: Path, row: dict) -> None:
+    with open(path, "a") as fh:
+        fh.write(json.dumps(row) + "\n")
+
+
 def replay_all(runs: list[dict], args, out: Path) -> dict[str, dict]:
     """Replay every finished run once (kept in <out>/replay.jsonl; a rerun replays only new runs
     or runs whose replay settings changed)."""
     path = out / "replay.jsonl"
-    key = (args.replay_prompts, args.replay_tokens, args.k)
-    done = {}
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            r = json.loads(line) if line.strip() else None
-            if r and (r["replay_prompts"], r["replay_tokens"], r["k"]) == key:
-                done[r["run"]] = r
+    done = read_rows(path, args)
     todo = [r for r in runs if r["run"] not in done]
     if todo:
         target, answers = target_and_answers(args, out)
@@ -226,20 +235,18 @@ def replay_all(runs: list[dict], args, out: Path) -> dict[str, dict]:
             print(f"== replay {run['run']}", flush=True)
             done[run["run"]] = replay_run(target, run["run"], Path(run["run_dir"]) / "best",
                                           answers, args)
-            with open(path, "a") as fh:
-                fh.write(json.dumps(done[run["run"]]) + "\n")
+            append_row(path, done[run["run"]])
     return {r["run"]: done[r["run"]] for r in runs if r["run"] in done}
 
 
 def replay_checkpoints(run_dir: Path, args, out: Path) -> str:
     """Replay every complete checkpoint of one training run: acceptance against training steps.
-    Appends to <out>/replay_checkpoints.jsonl (checkpoints replayed before are skipped)."""
+    Appends to <out>/replay_checkpoints.jsonl (checkpoints replayed before with the same replay
+    settings are skipped)."""
     from train.checkpoint import complete_checkpoints
 
     path = out / "replay_checkpoints.jsonl"
-    done = {}
-    if path.is_file():
-        done = {r["run"]: r for r in map(json.loads, path.read_text().splitlines()) if r}
+    done = read_rows(path, args)
     ckpts = complete_checkpoints(run_dir)
     if not ckpts:
         raise FileNotFoundError(f"{run_dir} has no complete checkpoint under checkpoints/")
@@ -252,8 +259,7 @@ def replay_checkpoints(run_dir: Path, args, out: Path) -> str:
                 target, answers = target_and_answers(args, out)
             print(f"== replay {name}", flush=True)
             done[name] = replay_run(target, name, ck, answers, args)
-            with open(path, "a") as fh:
-                fh.write(json.dumps(done[name]) + "\n")
+            append_row(path, done[name])
         rows.append(done[name])
     lines = [f"| checkpoint | replay tau k={args.k} | alpha T=1 |", "|---|---:|---:|"]
     lines += [f"| {r['run']} | {r['replay_tau']:.3f} ± {r['replay_tau_se']:.3f} | "
@@ -327,8 +333,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(md)
         return []
     results = out / "results.jsonl"
-    done = {json.loads(l)["run"]: json.loads(l) for l in results.read_text().splitlines()
-            if l.strip()} if results.is_file() else {}
+    done = read_rows(results)
     grid = [] if args.only_replay else list(
         product(args.layers, args.losses, [0.0, args.on_policy_fraction]))
     for layers, loss, frac in grid:
@@ -344,8 +349,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             *args.set]
         print(f"== {name}", flush=True)
         done[name] = run_one(name, overrides, out / name, args)
-        with open(results, "a") as fh:
-            fh.write(json.dumps(done[name]) + "\n")
+        append_row(results, done[name])
     replays = replay_all(list(done.values()), args, out) if args.replay_prompts else {}
     md = table(list(done.values()), args.k, replays)
     (out / "table.md").write_text(md + "\n")

@@ -1,8 +1,18 @@
-"""The drafter interface, its config schema and the registry. Interfaces live here and nowhere else.
+"""The drafter interface, its config schema, its export layouts and the registry. Interfaces live
+here and nowhere else.
 
 A drafter proposes tokens for the frozen target to verify. The decoder (decode/) and the trainer
-(train/) only ever talk to this interface; a new drafter is one file in drafters/ that subclasses
-`Drafter`, decorates itself with `@register("name")`, plus `conf/drafter/<name>.yaml`.
+(train/) only ever talk to this interface. A new drafter is one module in drafters/ (any `drafters/`
+folder on sys.path: drafters/__init__.py imports them all) plus `conf/drafter/<name>.yaml`:
+
+    @register("toy", config=ToyConfig, layouts=(TOY_LAYOUT,))   # ToyConfig.name defaults to "toy"
+    class Toy(Drafter): ...
+
+It is built from the shared parts: drafters/head.py (the draft head: the target's frozen LM head or
+a pruned trainable one with d2t/t2d), drafters/cache.py (its own KV cache kept in step with the
+committed tokens, tree-level masks), `Drafter.draft_chain` (the one chain-proposal loop) and the
+default `Drafter.build`. Every trainable drafter exports as `hf` (STATE_DICT_LAYOUT, lossless);
+engine layouts are `ExportLayout`s registered by the drafter module that owns them.
 
 Decode-time contract (see decode/spec.py for the loop that drives it):
   * Before the first round of a prompt the decoder calls `reset()`.
@@ -16,13 +26,17 @@ Decode-time contract (see decode/spec.py for the loop that drives it):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, ClassVar
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar
 
 import torch
 from torch import nn
 
-from drafters.sampling import SamplingParams
+from drafters.sampling import SamplingParams, draft_token
+from drafters.head import set_draft_vocab as _set_draft_vocab
+from drafters.vocab import d2t_to_offsets, expand_probs, offsets_to_d2t, select_draft_vocab
+from drafters.folder import (CONFIG_FILE, DECODE_TIME_PREFIX, WEIGHTS_FILE,  # noqa: F401  (re-exported)
+                             load_drafter, save_drafter)
 
 
 @dataclass
@@ -97,14 +111,23 @@ class DraftPrediction:
 
 class Drafter(nn.Module):
     """Base class of every drafter. Subclasses implement `propose` and optionally `propose_tree`;
-    trainable drafters also implement `forward_train`."""
+    trainable drafters also implement `forward_train`. Set by `register`: `name`, `config_class`,
+    `layouts`."""
 
     name: ClassVar[str] = "?"
+    config_class: ClassVar[type[DrafterConfig]] = DrafterConfig  # its config schema
+    layouts: ClassVar[dict[str, "ExportLayout"]] = {}  # format -> the export layouts it supports
+    tags: ClassVar[tuple[str, ...]] = ()  # extra model-card tags (e.g. "eagle1")
     feature_layers: tuple[int, ...] = ()  # target hidden states the drafter reads at decode time
 
     def __init__(self, vocab_size: int) -> None:
         super().__init__()
         self.vocab_size = vocab_size  # the target vocabulary the proposals are expressed in
+
+    @classmethod
+    def build(cls, cfg, target) -> "Drafter":
+        """The drafter from its config in any form (dataclass, OmegaConf node, dict) on `target`."""
+        return cls(parse_config(cfg, cls.config_class), target)
 
     def reset(self) -> None:
         """Forget per-prompt state (caches) before a new prompt."""
@@ -133,8 +156,32 @@ class Drafter(nn.Module):
         """`module(batch)` trains: DDP and DeepSpeed wrappers hook into forward()."""
         return self.forward_train(batch)
 
-    # A pruned draft vocabulary: drafters that support one hold `self.draft_vocab` (a
-    # drafters.vocab.DraftVocab, None = the full target vocabulary) and a trainable `self.lm_head`
+    def draft_chain(self, logits: torch.Tensor, step: Callable[[int, torch.Tensor], torch.Tensor],
+                    k: int, sampling: SamplingParams, generator: torch.Generator | None = None,
+                    min_confidence: float = 0.0) -> ChainProposal:
+        """The chain-proposal loop every drafter shares. logits (Vd,): the first draft's; step(i,
+        token) feeds draft i (a target id) and returns the next draft's logits (Vd,).
+        1. Draw draft i from the logits (argmax, or a sample from the warped q_i).
+        2. Stop early when its confidence falls below min_confidence (never on the first).
+        3. Map it to a target id; unless it was the k-th, step to the next logits.
+        4. Package the target ids and, when sampling, q over the target vocabulary."""
+        toks, qs = [], []
+        for i in range(k):
+            d, q, conf = draft_token(logits, sampling, generator, min_confidence)  # q: (Vd,) | None
+            if i > 0 and conf < min_confidence:
+                break
+            toks.append(self.target_ids(d))
+            qs.append(q)
+            if i + 1 < k:
+                logits = step(i, toks[-1])  # (Vd,)
+        tokens = torch.stack(toks).long()  # (n,)
+        if sampling.greedy:
+            return ChainProposal(tokens=tokens, probs=None)
+        return ChainProposal(tokens=tokens, probs=expand_probs(torch.stack(qs), self.d2t,
+                                                               self.vocab_size))  # (n, V)
+
+    # A pruned draft vocabulary (drafters/head.py): drafters that support one hold `self.draft_vocab`
+    # (a drafters.vocab.DraftVocab, None = the full target vocabulary) and a trainable `self.lm_head`
     # over it. d2t[i] is the target id of draft token i; the loss restricts the target distribution
     # to these ids.
     @property
@@ -147,17 +194,6 @@ class Drafter(nn.Module):
         vocab = getattr(self, "draft_vocab", None)
         return ids if vocab is None else vocab.d2t[ids]
 
-    def chain_proposal(self, toks: list[torch.Tensor], qs: list[torch.Tensor],
-                       sampling: SamplingParams) -> ChainProposal:
-        """Package drafted target ids and their draft-vocab distributions q (sampling only)."""
-        from drafters.vocab import expand_probs
-
-        tokens = torch.stack(toks).long()  # (n,)
-        if sampling.greedy:
-            return ChainProposal(tokens=tokens, probs=None)
-        return ChainProposal(tokens=tokens, probs=expand_probs(torch.stack(qs), self.d2t,
-                                                               self.vocab_size))  # (n, V)
-
     def full_head(self) -> nn.Module:
         """The full-vocabulary head a pruned head starts from (the target's LM head by default)."""
         return self.target.lm_head()
@@ -165,57 +201,164 @@ class Drafter(nn.Module):
     def set_draft_vocab(self, d2t: torch.Tensor) -> None:
         """Use the draft vocab d2t (drafters.vocab.select_draft_vocab) and restart the pruned head
         from the full head's rows d2t."""
-        if getattr(self, "draft_vocab", None) is None:
-            raise ValueError(f"{self.name}: set_draft_vocab needs draft_vocab_size in the config")
-        self.draft_vocab.set(d2t.to(self.draft_vocab.d2t.device))
-        with torch.no_grad():
-            self.lm_head.weight.copy_(self.full_head().weight[self.d2t])
+        _set_draft_vocab(self, self.full_head(), d2t)
 
     @property
     def supports_tree(self) -> bool:
         return type(self).propose_tree is not Drafter.propose_tree
 
+    @classmethod
+    def trainable(cls) -> bool:
+        return cls.forward_train is not Drafter.forward_train
 
+
+# =================================================================================================
+# Export layouts
+# =================================================================================================
+@dataclass
+class ExportContext:
+    """What a layout writer knows besides the drafter."""
+
+    target: Any  # drafters.target.Target the drafter was trained on
+    drafter_config: dict[str, Any]  # the drafter's full config (every field)
+    dtype: str  # weights dtype name: float32 | bfloat16 | float16
+    meta: dict[str, Any]  # config.json's `specdistill` section (format, drafter, target, ...)
+    speculative_tokens: int = 5  # k for configs that carry one
+
+    def common(self) -> dict[str, Any]:
+        """The config.json keys every layout ends with."""
+        return {"specdistill": self.meta, "torch_dtype": self.dtype}
+
+
+Files = dict[str, dict[str, torch.Tensor]]  # file name -> {tensor name: tensor}
+
+
+@dataclass(frozen=True)
+class ExportLayout:
+    """One folder layout a drafter can be exported to (`format=<format>`), registered by the drafter
+    module that owns it (`register(..., layouts=...)`); drafters/export.py only dispatches.
+
+    A tensor layout gives `write` and `read`; drafters/export.py writes config.json and the files
+    (.safetensors, else torch.save), validates them against a freshly built drafter's layout and
+    checks that `read` gives the exact state dict back. A self-saving layout (a standalone model,
+    e.g. small_lm's HF causal LM) gives `save` and `load` instead and checks itself in `save`.
+    """
+
+    format: str  # the name users pass: format=vllm
+    summary: str  # model card: what the folder is, one sentence
+    usage: str  # model card: how to run it; str.format fields {path} {base} {k} {k1} {drafter[key]}
+    # (drafter, its state dict cast to the export dtype, ctx) -> (config.json dict, {file: tensors})
+    write: Callable[["Drafter", dict[str, torch.Tensor], ExportContext],
+                    tuple[dict[str, Any], Files]] | None = None
+    # (files, drafter config, target vocab size) -> the drafter's own state dict
+    read: Callable[[Files, dict[str, Any], int], dict[str, torch.Tensor]] | None = None
+    requires: dict[str, Any] = field(default_factory=dict)  # drafter settings it needs, e.g. input_norm=False
+    # optional: why a drafter config cannot use it beyond `requires` (None = it can)
+    check: Callable[[dict[str, Any]], str | None] | None = None
+    # optional: problems in values a name/shape check cannot see (files, drafter config, target, dtype)
+    verify: Callable[[Files, dict[str, Any], Any, torch.dtype], list[str]] | None = None
+    tags: tuple[str, ...] = ()  # model-card tags
+    save: Callable[["Drafter", Any, ExportContext], None] | None = None  # self-saving: fill a folder
+    load: Callable[[Any, Any], "Drafter"] | None = None  # self-saving: (folder, target) -> drafter
+
+    def refusal(self, dcfg: dict[str, Any]) -> str | None:
+        """Why drafter config dcfg cannot be exported in this layout (None = it can)."""
+        need = [f"{k}={'null' if v is None else str(v).lower() if isinstance(v, bool) else v}"
+                for k, v in self.requires.items() if dcfg.get(k) != v]
+        if need:
+            return (f"format {self.format} needs the drafter trained with " + ", ".join(need)
+                    + "; train with those settings, or export format=hf (lossless, read by our "
+                      "decoder)")
+        return self.check(dcfg) if self.check is not None else None
+
+
+def _write_state_dict(drafter: Drafter, state, ctx: ExportContext):
+    """`hf`: the state dict as it is, a pruned vocab's maps stored EAGLE-3 style (d2t as int64
+    offsets, target_id = i + d2t[i]; t2d bool)."""
+    d2t, t2d = state.pop("draft_vocab.d2t", None), state.pop("draft_vocab.t2d", None)
+    if d2t is not None:
+        state["d2t"], state["t2d"] = d2t_to_offsets(d2t), t2d
+    name = drafter.name
+    config = {"architectures": [f"Specdistill{name.capitalize()}Drafter"],
+              "model_type": f"specdistill_{name}", "vocab_size": ctx.target.vocab_size,
+              "hidden_size": ctx.target.hidden_size,
+              "draft_vocab_size": ctx.drafter_config.get("draft_vocab_size"), **ctx.common()}
+    return config, {"model.safetensors": state}
+
+
+def _read_state_dict(files: Files, dcfg, vocab_size: int) -> dict[str, torch.Tensor]:
+    t = dict(files["model.safetensors"])
+    if "d2t" in t:
+        t["draft_vocab.d2t"] = offsets_to_d2t(t.pop("d2t"))
+        t["draft_vocab.t2d"] = t.pop("t2d")
+    return t
+
+
+STATE_DICT_LAYOUT = ExportLayout(
+    format="hf", summary="specdistill's own lossless format (every drafter, pruned vocab included).",
+    usage="python -m decode ckpt={path} eval=mtbench      # or in Python:\n"
+          "from drafters.export import load_export; drafter = load_export('{path}', target)",
+    write=_write_state_dict, read=_read_state_dict)
+
+
+# =================================================================================================
+# The registry
+# =================================================================================================
 DRAFTERS: dict[str, type[Drafter]] = {}
 CONFIGS: dict[str, type[DrafterConfig]] = {}
 
 
-def register(name: str, config: type[DrafterConfig]) -> Callable[[type[Drafter]], type[Drafter]]:
-    """Class decorator: make a drafter and its config schema known under `name`."""
+def register(name: str, config: type[DrafterConfig], layouts: tuple[ExportLayout, ...] = ()
+             ) -> Callable[[type[Drafter]], type[Drafter]]:
+    """Class decorator: make a drafter, its config schema and its export layouts known under
+    `name`. Checks that the schema is a DrafterConfig dataclass whose `name` defaults to `name`
+    and that the layouts are ExportLayouts with distinct formats; a trainable drafter also gets
+    `hf` (STATE_DICT_LAYOUT) unless it registers its own."""
+    import dataclasses
+
+    if not (isinstance(config, type) and issubclass(config, DrafterConfig)
+            and dataclasses.is_dataclass(config)):
+        raise TypeError(f"drafter {name!r}: config= must be a DrafterConfig dataclass, got {config!r}")
+    if config().name != name:
+        raise ValueError(f"drafter {name!r}: its config {config.__name__}.name defaults to "
+                         f"{config().name!r}; set `name: str = {name!r}`")
+    bad = [x for x in layouts if not isinstance(x, ExportLayout)]
+    formats = [x.format for x in layouts]
+    if bad or len(set(formats)) != len(formats):
+        raise TypeError(f"drafter {name!r}: layouts= must be ExportLayouts with distinct formats "
+                        f"(got {formats + bad})")
 
     def wrap(cls: type[Drafter]) -> type[Drafter]:
         if name in DRAFTERS:
             raise ValueError(f"drafter {name!r} registered twice")
-        cls.name = name
-        DRAFTERS[name] = cls
-        CONFIGS[name] = config
+        cls.name, cls.config_class = name, config
+        own = {x.format: x for x in layouts}
+        cls.layouts = {"hf": STATE_DICT_LAYOUT, **own} if cls.trainable() else own
+        DRAFTERS[name], CONFIGS[name] = cls, config
         return cls
 
     return wrap
 
 
 def drafter_class(name: str) -> type[Drafter]:
-    import drafters  # noqa: F401  (importing the package registers every drafter)
-
+    """The registered drafter class `name`; an unknown name lists the known ones."""
     if name not in DRAFTERS:
         raise KeyError(f"unknown drafter {name!r}; known drafters: {sorted(DRAFTERS)}")
     return DRAFTERS[name]
 
 
+def trainable_drafters() -> list[str]:
+    """Names of the registered drafters that implement forward_train."""
+    return sorted(n for n, c in DRAFTERS.items() if c.trainable())
+
+
 # =================================================================================================
 # Construction, saving and loading of drafters
 #
-# Every drafter class has `@classmethod build(cls, cfg, target) -> Drafter`, where cfg is its config
-# dataclass, an OmegaConf node or a plain dict. A saved drafter is a folder with
-#   drafter.safetensors  the drafter's own parameters and buffers (e.g. the draft-vocab maps), never
-#                        the frozen target's weights: drafters keep references to target modules
-#                        outside their module tree, so `state_dict()` cannot reach them;
-#   drafter.json         its config as a dict, including `name`.
+# Every drafter class has `@classmethod build(cls, cfg, target) -> Drafter` (Drafter.build by
+# default), where cfg is its config dataclass, an OmegaConf node or a plain dict. Saving and loading
+# a drafter folder (drafter.safetensors + drafter.json): drafters/folder.py, re-exported here.
 # =================================================================================================
-WEIGHTS_FILE = "drafter.safetensors"
-CONFIG_FILE = "drafter.json"
-
-
 def config_dict(cfg) -> dict:
     """A drafter config (dataclass, OmegaConf node or dict) as a plain, JSON-ready dict."""
     from omegaconf import OmegaConf
@@ -244,83 +387,10 @@ def build_drafter(cfg, target) -> Drafter:
     return drafter_class(name).build(cfg, target)
 
 
-def trainable_drafters() -> list[str]:
-    """Names of the registered drafters that implement forward_train."""
-    import drafters  # noqa: F401  (importing the package registers every drafter)
-
-    return sorted(n for n, c in DRAFTERS.items() if c.forward_train is not Drafter.forward_train)
-
-
-def _atomic_write(path, write) -> None:
-    """write(tmp_path) into a temporary file next to `path`, then rename it into place."""
-    import os
-
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def save_drafter(drafter: Drafter, cfg, folder) -> None:
-    """Write drafter.safetensors + drafter.json into `folder` (created if missing), atomically."""
-    import json
-    from pathlib import Path
-
-    from safetensors.torch import save_file
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()}
-    meta = config_dict(cfg)
-    meta.setdefault("name", drafter.name)
-
-    def write_json(tmp: str) -> None:
-        with open(tmp, "w") as f:
-            json.dump(meta, f, indent=2, sort_keys=True)
-            f.write("\n")
-
-    _atomic_write(folder / WEIGHTS_FILE, lambda tmp: save_file(state, tmp, metadata={"name": drafter.name}))
-    _atomic_write(folder / CONFIG_FILE, write_json)
-
-
-DECODE_TIME_PREFIX = "tree_"  # drafter settings that only shape decoding (tree size), not weights
-
-
-def load_drafter(folder, target, decode_overrides: dict | None = None) -> Drafter:
-    """Rebuild a saved drafter on `target` and load its weights strictly. `decode_overrides`
-    replaces decode-time settings (the `tree_*` keys) of the saved config; any other key is
-    refused, since the weights were trained with it."""
-    import json
-    from pathlib import Path
-
-    from safetensors.torch import load_file
-
-    folder = Path(folder)
-    for f in (CONFIG_FILE, WEIGHTS_FILE):
-        if not (folder / f).is_file():
-            raise FileNotFoundError(f"{folder} holds no {f}; a saved drafter folder has "
-                                    f"{CONFIG_FILE} and {WEIGHTS_FILE} (written by save_drafter)")
-    cfg = json.loads((folder / CONFIG_FILE).read_text())
-    for key, value in (decode_overrides or {}).items():
-        if not key.startswith(DECODE_TIME_PREFIX) or key not in cfg:
-            raise ValueError(f"drafter.{key} cannot change after training (only the decode-time "
-                             f"{sorted(k for k in cfg if k.startswith(DECODE_TIME_PREFIX))} can)")
-        cfg[key] = value
-    drafter = build_drafter(cfg, target)
-    state = load_file(str(folder / WEIGHTS_FILE), device=str(target.device))
-    drafter.load_state_dict(state, strict=True)
-    return drafter
-
-
 def fit_draft_vocab(drafter: Drafter, token_counts: torch.Tensor, always_include=()) -> bool:
     """Give a drafter with a pruned head (`draft_vocab` set) the draft vocab of the most frequent
     training tokens (drafters.vocab.select_draft_vocab); False (no-op) for a full-vocab drafter.
     The trainer calls it once before training; a loaded drafter already has its map."""
-    from drafters.vocab import select_draft_vocab
-
     vocab = getattr(drafter, "draft_vocab", None)
     if vocab is None:
         return False

@@ -18,12 +18,13 @@ RMSNorm, initialised from the target's final norm, sits before the LM head.
 Design decision (layer 0's input norm, `input_norm`): on by default (an RMSNorm on fc's output);
 `input_norm=false` drops it as EAGLE-1 and the serving engines' EAGLE loaders do, which together
 with the target's own LM head (draft_vocab_size=None) makes the head exportable to vLLM, SGLang
-and speculators exactly (drafters/export_formats.py).
+and speculators exactly (the layouts at the end of this module).
 
-Embedding: the target's, frozen. LM head: the target's, frozen (draft_vocab_size=None), or a
-trainable Linear(H -> Vd) over a pruned draft vocabulary started from the target's rows (vocab.py).
-Target modules are reached through `self.target` (a plain attribute), never registered as
-submodules, so the drafter's state_dict holds only its own weights.
+Parts: the draft head (drafters/head.py): the target's LM head, frozen (draft_vocab_size=None), or
+a trainable Linear(H -> Vd) over a pruned draft vocabulary started from the target's rows; the
+drafter KV cache (drafters/cache.py); the chain loop (Drafter.draft_chain). Embedding: the
+target's, frozen. Target modules are reached through `self.target` (a plain attribute), never
+registered as submodules, so the drafter's state_dict holds only its own weights.
 """
 from __future__ import annotations
 
@@ -31,17 +32,18 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaRMSNorm,
                                                       LlamaRotaryEmbedding)
 
 from drafters.base import (ChainProposal, DecodeState, Drafter, DrafterConfig, DraftPrediction,
-                           TrainBatch, TreeProposal, parse_config, register)
-from drafters.sampling import SamplingParams, draft_token
+                           ExportLayout, TrainBatch, TreeProposal, register)
+from drafters.cache import DraftCache
+from drafters.export_formats import WEIGHTS, llama_layer_config
+from drafters.head import frozen_logits, init_draft_head
+from drafters.sampling import SamplingParams
 from drafters.tree import dynamic_tree
-from drafters.vocab import DraftVocab, expand_probs, head_from_target
 
 
 @dataclass
@@ -50,12 +52,16 @@ class EagleConfig(DrafterConfig):
 
     name: str = "eagle"  # registry key
     feature_layer: int = -1  # target hidden state read and predicted (-1 = final-normed, EAGLE-1)
-    draft_vocab_size: Optional[int] = None  # pruned LM head size (None = target's head, frozen)
+    # pruned LM head size (None = the target's head, frozen). For SmolLM2 the full head (49152 x 576
+    # = 28 M weights) is 21% of the whole target and would dominate the drafter's step; a trainable
+    # head over the 8192 most frequent training tokens costs a sixth of that, and rare tokens it
+    # cannot propose are rarely accepted anyway. null = the layout serving engines load.
+    draft_vocab_size: Optional[int] = 8192
     num_layers: int = 1  # decoder layers of the drafter
     init_from_target_layer: Optional[int] = None  # copy this target layer's weights (None = random)
     # RMSNorm on fc's output before layer 0's attention. false = the EAGLE-1 layout the serving
     # engines load (vLLM, SGLang and speculators drop layer 0's input_layernorm), so the head can
-    # be exported to them exactly (drafters/export.py)
+    # be exported to them exactly (ENGINE_NEEDS below)
     input_norm: bool = True
     train_unroll: int = 1  # training-time test steps (1 = teacher forced; k>1 adds shifts 2..k)
     unroll_decay: float = 0.8  # loss weight of unrolled step j is unroll_decay ** (j - 1)
@@ -88,9 +94,106 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(allowed, zero, neg).unsqueeze(-3)
 
 
-@register("eagle", EagleConfig)
+# =================================================================================================
+# Export layouts (sources read 2026-11-29). All three run the same network as ours with
+# input_norm=false: fc (2H -> H, no bias) over [embed(token), hidden], decoder layer(s) whose layer 0
+# has no input_layernorm, the TARGET's embeddings and LM head (shared), and the target's
+# final-normed state as the feature; hence ENGINE_NEEDS.
+#   vllm         vllm/model_executor/models/llama_eagle.py, EagleLlamaForCausalLM: `layers.N.*`;
+#                config: a Llama config (vLLM's EAGLEConfig adds the Eagle prefix).
+#   sglang       python/sglang/srt/models/llama_eagle.py, LlamaForCausalLMEagle: the same, but its
+#                fc has a bias (written as zeros, else it keeps its random init) and it ignores
+#                lm_head weights (set_embed_and_head shares the target's).
+#   speculators  vllm-project/speculators src/speculators/models/eagle.py, EagleSpeculator
+#                (speculators_model_type "eagle", layernorms=false, fusion_bias=false): fusion_fc,
+#                transformer.* (ONE LlamaDecoderLayer); src/speculators/config.py: speculators_config
+#                = algorithm, proposal_methods, default_proposal_method, verifier.
+# =================================================================================================
+ENGINE_NEEDS = {"feature_layer": -1,  # the engines feed the target's final-normed hidden state
+                "draft_vocab_size": None,  # they score with the target's own LM head
+                "input_norm": False}  # their layer 0 has no input_layernorm
+
+
+def _write_vllm(drafter, state, ctx):
+    llama = llama_layer_config(drafter.llama_config, ctx.target, ctx.dtype)
+    return {**llama, "architectures": ["LlamaForCausalLM"], **ctx.common()}, {WEIGHTS: state}
+
+
+def _write_sglang(drafter, state, ctx):
+    llama = llama_layer_config(drafter.llama_config, ctx.target, ctx.dtype)
+    state["fc.bias"] = torch.zeros(state["fc.weight"].shape[0], dtype=state["fc.weight"].dtype)
+    return {**llama, "architectures": ["LlamaForCausalLMEagle"], **ctx.common()}, {WEIGHTS: state}
+
+
+def _read_sglang(files, dcfg, vocab_size):
+    t = dict(files[WEIGHTS])
+    t.pop("fc.bias")
+    return t
+
+
+def _verify_sglang(files, dcfg, target, dtype) -> list[str]:
+    bias = files.get(WEIGHTS, {}).get("fc.bias")
+    return (["fc.bias must be zero (our fc has no bias; SGLang's adds it)"]
+            if bias is not None and bool(bias.any()) else [])
+
+
+def _write_speculators(drafter, state, ctx):
+    tensors = {("fusion_fc." + n[3:]) if n.startswith("fc.") else "transformer." + n[len("layers.0."):]: v
+               for n, v in state.items()}
+    llama = llama_layer_config(drafter.llama_config, ctx.target, ctx.dtype)
+    layer = {**llama, "num_hidden_layers": 1, "architectures": ["LlamaForCausalLM"]}
+    for key in ("torch_dtype", "dtype"):
+        layer.pop(key)
+    cfg = {"architectures": ["EagleSpeculator", "LlamaDecoderLayer"],
+           "speculators_model_type": "eagle", "speculators_version": "0.1.0",
+           "transformer_layer_architecture": "LlamaDecoderLayer",
+           "transformer_layer_config": layer, "layernorms": False, "fusion_bias": False,
+           "speculators_config": {
+               "algorithm": "eagle",
+               "proposal_methods": [{"proposal_type": "greedy",
+                                     "speculative_tokens": ctx.speculative_tokens,
+                                     "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+               "default_proposal_method": "greedy",
+               "verifier": {"name_or_path": ctx.meta.get("base_model"),
+                            "architectures": list(getattr(ctx.target.config, "architectures", None)
+                                                  or ["LlamaForCausalLM"])}},
+           **ctx.common()}
+    return cfg, {WEIGHTS: tensors}
+
+
+def _read_speculators(files, dcfg, vocab_size):
+    return {("fc." + n[len("fusion_fc."):]) if n.startswith("fusion_fc.")
+            else "layers.0." + n[len("transformer."):]: v for n, v in files[WEIGHTS].items()}
+
+
+VLLM = ExportLayout(
+    format="vllm", tags=("vllm",), requires=ENGINE_NEEDS,
+    summary="vLLM's EAGLE-1 layout (EagleLlamaForCausalLM; the target's embeddings and LM head are "
+            "shared).",
+    usage="vllm serve {base} --speculative-config "
+          "'{{\"method\": \"eagle\", \"model\": \"{path}\", \"num_speculative_tokens\": {k}}}'",
+    write=_write_vllm, read=lambda files, dcfg, vocab_size: dict(files[WEIGHTS]))
+SGLANG = ExportLayout(
+    format="sglang", tags=("sglang",), requires=ENGINE_NEEDS,
+    summary="SGLang's EAGLE layout (LlamaForCausalLMEagle).",
+    usage="python -m sglang.launch_server --model-path {base} --speculative-algorithm EAGLE "
+          "--speculative-draft-model-path {path} --speculative-num-steps {k} "
+          "--speculative-eagle-topk 1 --speculative-num-draft-tokens {k1}",
+    write=_write_sglang, read=_read_sglang, verify=_verify_sglang)
+SPECULATORS = ExportLayout(
+    format="speculators", tags=("speculators",),
+    requires={**ENGINE_NEEDS, "num_layers": 1},  # EagleSpeculator holds one decoder layer
+    summary="the speculators library's EAGLE format (EagleSpeculator with speculators_config).",
+    usage="from speculators.models.eagle import EagleSpeculator\n"
+          "model = EagleSpeculator.from_pretrained('{path}', verifier='{base}')",
+    write=_write_speculators, read=_read_speculators)
+
+
+@register("eagle", config=EagleConfig, layouts=(VLLM, SGLANG, SPECULATORS))
 class Eagle(Drafter):
     """EAGLE drafter: fc + Llama decoder layer(s) + the target's (or a pruned) LM head."""
+
+    tags = ("eagle1",)
 
     def __init__(self, cfg: EagleConfig, target) -> None:
         super().__init__(target.vocab_size)
@@ -113,18 +216,11 @@ class Eagle(Drafter):
             self.norm = LlamaRMSNorm(H, eps=self.llama_config.rms_norm_eps)
             with torch.no_grad():
                 self.norm.weight.copy_(target.model.model.norm.weight.float())
-        self.draft_vocab = self.lm_head = None
-        if cfg.draft_vocab_size is not None:  # placeholder map until set_draft_vocab
-            self.draft_vocab = DraftVocab(torch.arange(cfg.draft_vocab_size), target.vocab_size)
-            self.lm_head = head_from_target(target.lm_head(), self.draft_vocab.d2t, torch.float32)
+        init_draft_head(self, target.lm_head(), cfg.draft_vocab_size, target.vocab_size)
         if cfg.init_from_target_layer is not None:
             self._init_from_target(cfg.init_from_target_layer)
         self.to(target.device)
         self.reset()
-
-    @classmethod
-    def build(cls, cfg, target) -> "Eagle":
-        return cls(parse_config(cfg, EagleConfig), target)
 
     def _init_from_target(self, index: int) -> None:
         """Layer i takes the weights of target layer index - (num_layers - 1) + i (HF names match)."""
@@ -160,9 +256,7 @@ class Eagle(Drafter):
             h = self.norm(h)
         if self.lm_head is not None:
             return self.lm_head(h)
-        lm = self.target.lm_head()  # frozen target head: gradients flow to h only
-        # h is cast to the head's dtype, not the (V x H) head to h's: no copy of the head per step
-        return F.linear(h.to(lm.weight.dtype), lm.weight, lm.bias).to(h.dtype)
+        return frozen_logits(self.target.lm_head(), h)  # gradients flow to h only
 
     # -- training ---------------------------------------------------------------------------------
     def forward_train(self, batch: TrainBatch) -> list[DraftPrediction]:
@@ -197,9 +291,7 @@ class Eagle(Drafter):
 
     # -- decoding ---------------------------------------------------------------------------------
     def reset(self) -> None:
-        self._cache = DynamicCache()
-        self._tokens = torch.empty(0, dtype=torch.long)  # tokens whose positions the cache holds
-        self._n = 0  # positions in the cache, all from real target features
+        self._cache = DraftCache()  # positions 0..committed-1 from real target features
 
     @torch.no_grad()
     def _sync(self, state: DecodeState) -> torch.Tensor:
@@ -211,27 +303,17 @@ class Eagle(Drafter):
             raise ValueError("eagle: propose needs >= 2 tokens and state.features for tokens[:-1]")
         # 1. position t needs tokens[: t + 2] unchanged; crop to the shared prefix (at least the
         #    last position is recomputed, so its output is at hand)
-        prev = self._tokens.to(tokens.device)
-        m = min(len(prev), T)
-        same = (prev[:m] == tokens[:m]).long().cumprod(0)
-        keep = max(0, min(self._n, int(same.sum()) - 1, T - 2))
-        if self._cache.get_seq_length() > keep:
-            self._cache.crop(keep - self._cache.get_seq_length())
+        cache = self._cache
+        keep = max(0, min(cache.committed, cache.shared_prefix(tokens) - 1, T - 2))
+        cache.sync_to(tokens, keep, committed=T - 1)
         # 2. the new committed positions keep .. T-2, from real target features
         n_new = T - 1 - keep
         x = self._inputs(tokens[keep + 1:][None], feats[keep:][None])  # (1, n_new, H)
         pos = torch.arange(keep, T - 1, device=tokens.device)  # (n_new,)
         allowed = torch.arange(T - 1, device=tokens.device)[None, :] <= pos[:, None]  # (n_new, T-1)
-        h = self._layers(x, pos[None], additive_mask(allowed[None], x.dtype), self._cache)
-        self._tokens, self._n = tokens.clone(), T - 1
-        assert self._cache.get_seq_length() == self._n and n_new >= 1
+        h = self._layers(x, pos[None], additive_mask(allowed[None], x.dtype), cache.kv)
+        assert len(cache) == cache.committed and n_new >= 1
         return h[:, -1:]  # (1, 1, H)
-
-    def _forget_drafts(self) -> None:
-        """Drop cache entries made from predicted features (they must be redone from real ones)."""
-        extra = self._cache.get_seq_length() - self._n
-        if extra > 0:
-            self._cache.crop(-extra)
 
     @torch.no_grad()
     def propose(self, state: DecodeState, k: int, sampling: SamplingParams,
@@ -242,24 +324,20 @@ class Eagle(Drafter):
             return ChainProposal(tokens=state.tokens.new_empty(0))
         h = self._sync(state)  # (1, 1, H)
         T = state.tokens.shape[0]
-        toks, qs = [], []
-        for i in range(k):
-            logits = self.head(h)[0, 0].float()  # (Vd,)
-            d, q, conf = draft_token(logits, sampling, generator, min_confidence)  # q: (Vd,) | None
-            if i > 0 and conf < min_confidence:
-                break
-            toks.append(self.target_ids(d))
-            qs.append(q)
-            if i + 1 < k:  # the next step reads the drafted token and this predicted feature
-                x = self._inputs(toks[-1].view(1, 1), h)  # (1, 1, H)
-                pos = torch.full((1, 1), T - 1 + i, device=x.device)
-                h = self._layers(x, pos, None, self._cache)  # no mask: attends to the whole cache
-        self._forget_drafts()
-        tokens = torch.stack(toks).long()  # (n,)
-        if sampling.greedy:
-            return ChainProposal(tokens=tokens, probs=None)
-        probs = expand_probs(torch.stack(qs), self.d2t, self.vocab_size)  # (n, V)
-        return ChainProposal(tokens=tokens, probs=probs)
+
+        def step(i: int, token: torch.Tensor) -> torch.Tensor:
+            """The next draft reads the drafted token and this predicted feature."""
+            nonlocal h
+            x = self._inputs(token.view(1, 1), h)  # (1, 1, H)
+            pos = torch.full((1, 1), T - 1 + i, device=x.device)
+            h = self._layers(x, pos, None, self._cache.kv)  # no mask: attends to the whole cache
+            return self.head(h)[0, 0].float()  # (Vd,)
+
+        try:
+            return self.draft_chain(self.head(h)[0, 0].float(), step, k, sampling, generator,
+                                    min_confidence)
+        finally:  # drafts came from predicted features: redo them from real ones next round
+            self._cache.forget_drafts()
 
     @torch.no_grad()
     def propose_tree(self, state: DecodeState, sampling: SamplingParams) -> TreeProposal:
@@ -269,32 +347,17 @@ class Eagle(Drafter):
         if not sampling.greedy:
             raise ValueError("eagle: tree drafting supports greedy decoding only; use a chain")
         h_root = self._sync(state)[0, 0]  # (H,)
-        T, dev = state.tokens.shape[0], state.tokens.device
         out = {}  # pool index -> predicted feature (H,) of that node's position
-        slot = {}  # pool index -> its index in the cache
 
         def expand(tokens: torch.Tensor, parents: torch.Tensor, frontier: torch.Tensor):
-            depth, anc = [], []
-            for f in frontier.tolist():  # 1. each frontier node's ancestors (already cached)
-                chain, p = [], int(parents[f])
-                while p >= 0:
-                    chain.append(slot[p])
-                    p = int(parents[p])
-                depth.append(len(chain) + 1)
-                anc.append(chain)
             feats = torch.stack([out[int(parents[f])] if parents[f] >= 0 else h_root
                                  for f in frontier.tolist()])  # (F, H)
             x = self._inputs(self.target_ids(tokens[frontier])[None], feats[None])  # (1, F, H)
-            base, n_f = self._cache.get_seq_length(), len(frontier)
-            allowed = torch.zeros(n_f, base + n_f, dtype=torch.bool, device=dev)  # (F, K)
-            allowed[:, :self._n] = True  # 2. the committed prefix, ancestors and the node itself
-            for i, chain in enumerate(anc):
-                allowed[i, chain] = True
-                allowed[i, base + i] = True
-            pos = (T - 2 + torch.tensor(depth, device=dev))[None]  # (1, F)
-            h = self._layers(x, pos, additive_mask(allowed[None], x.dtype), self._cache)[0]  # (F, H)
+            allowed, pos, base = self._cache.tree_level(frontier, parents)  # (F, K), (1, F)
+            h = self._layers(x, pos, additive_mask(allowed[None], x.dtype), self._cache.kv)[0]
+            self._cache.add_level(frontier, base)
             for i, f in enumerate(frontier.tolist()):
-                out[f], slot[f] = h[i], base + i
+                out[f] = h[i]  # (H,)
             return self.head(h).float().log_softmax(-1)  # (F, Vd)
 
         root = self.head(h_root).float().log_softmax(-1)  # (Vd,)
@@ -302,5 +365,5 @@ class Eagle(Drafter):
             tree = dynamic_tree(expand, root, self.cfg.tree_top_k, self.cfg.tree_depth,
                                self.cfg.tree_total_tokens)
         finally:
-            self._forget_drafts()
+            self._cache.forget_drafts()
         return TreeProposal(tokens=self.target_ids(tree.tokens), parents=tree.parents)

@@ -8,9 +8,9 @@ LM head on f_t gives token t+1, head k gives token t+2+k. Each ResBlock's Linear
 (weight and bias), so a fresh head is exactly the target's LM head: training starts from "guess
 that the token repeats the target's next-token distribution" rather than from noise.
 
-The vocab projection is the target's LM head, frozen and shared by all heads, or, with
-draft_vocab_size, one trainable Linear(H -> Vd) shared by all heads and started from the target's
-rows d2t (vocab.py). Heads do not see each other's drafts, so drafting costs no drafter recurrence
+The vocab projection is the draft head (drafters/head.py): the target's LM head, frozen and shared
+by all heads, or, with draft_vocab_size, one trainable Linear(H -> Vd) shared by all heads and
+started from the target's rows d2t. Heads do not see each other's drafts, so drafting costs no drafter recurrence
 and the chain is just every head's argmax (or sample) at once; trees come from a static shape.
 """
 from __future__ import annotations
@@ -24,10 +24,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafters.base import (ChainProposal, DecodeState, Drafter, DrafterConfig, DraftPrediction,
-                           TrainBatch, TreeProposal, parse_config, register)
-from drafters.sampling import SamplingParams, draft_token
+                           ExportLayout, TrainBatch, TreeProposal, register)
+from drafters.export_formats import WEIGHTS, cast, torch_dtype
+from drafters.head import frozen_logits, init_draft_head
+from drafters.sampling import SamplingParams
 from drafters.tree import StaticTree, static_tree
-from drafters.vocab import DraftVocab, head_from_target
 
 # A 26-node Medusa tree (paths of per-depth top-k ranks), widest where heads are most accurate:
 # 4 candidates at depth 1, 7 at depth 2, 7 at depth 3, 8 at depth 4.
@@ -80,7 +81,97 @@ def parse_tree_choices(choices: Any, max_depth: int, top_k: int) -> StaticTree:
     return static_tree(kept)
 
 
-@register("medusa", MedusaConfig)
+# =================================================================================================
+# Export layouts (sources read 2026-11-29)
+#   vllm/model_executor/models/medusa.py + transformers_utils/configs/medusa.py: blocks.{i}.layers.{j}
+#   .{weight,bias} (medusa_fc_bias), lm_heads.0.weight shared by all heads (original_lm_head),
+#   token_map + truncated_vocab_size for a pruned vocab; and, where it can hold the heads (full
+#   vocab, <= 1 block), FasterDecoding/Medusa medusa/model/medusa_model.py: medusa_lm_head.pt, loaded
+#   by `model.medusa_head.load_state_dict(sd, strict=False)` -- so keyed relative to the medusa_head
+#   ModuleList: {i}.{j}.linear.{weight,bias} and {i}.{L}.weight (a "medusa_head." prefix would be
+#   skipped silently) -- and config medusa_num_heads / medusa_num_layers / base_model_name_or_path.
+#   (That repo repeats ONE ResBlock object per head, so more than one block would be tied on load.)
+#   `medusa` and `vllm` are the same folder: vLLM's Medusa loader reads it.
+# =================================================================================================
+ORIGINAL = "medusa_lm_head.pt"  # the Medusa repo's heads file
+
+
+def _write_medusa(drafter, state, ctx):
+    dcfg, target = ctx.drafter_config, ctx.target
+    K, L = dcfg["num_heads"], dcfg["num_layers"]
+    vllm = {}
+    for name, v in state.items():  # heads.{i}.{j}.linear.{weight,bias} -> blocks.{i}.layers.{j}.*
+        if name.startswith("heads."):
+            _, i, j, _, kind = name.split(".")
+            vllm[f"blocks.{i}.layers.{j}.{kind}"] = v
+    pruned = dcfg.get("draft_vocab_size") is not None
+    head = (state["lm_head.weight"] if pruned
+            else cast(target.lm_head().weight, torch_dtype(ctx.dtype)))  # (Vd|V, H)
+    vllm["lm_heads.0.weight"] = head
+    if pruned:
+        vllm["token_map"] = state["draft_vocab.d2t"]  # (Vd,) target ids of the head's rows
+    cfg = {"architectures": ["MedusaModel"], "model_type": "medusa",
+           "hidden_size": target.hidden_size, "vocab_size": target.vocab_size,
+           "num_heads": K, "num_hidden_layers": L, "medusa_num_heads": K, "medusa_num_layers": L,
+           "truncated_vocab_size": head.shape[0], "medusa_fc_bias": True, "original_lm_head": True,
+           "base_model_name_or_path": ctx.meta.get("base_model"), **ctx.common()}
+    files = {WEIGHTS: vllm}
+    if not pruned and L <= 1:  # the original repo's layout; one head tensor shared by K keys is
+        orig = {}              # stored once by torch.save
+        for i in range(K):
+            for j in range(L):
+                for kind in ("weight", "bias"):
+                    orig[f"{i}.{j}.linear.{kind}"] = state[f"heads.{i}.{j}.linear.{kind}"]
+            orig[f"{i}.{L}.weight"] = head
+        files[ORIGINAL] = orig
+    return cfg, files
+
+
+def _read_medusa(files, dcfg, vocab_size):
+    t, state = files[WEIGHTS], {}
+    for name, v in t.items():
+        if name.startswith("blocks."):
+            _, i, _, j, kind = name.split(".")
+            state[f"heads.{i}.{j}.linear.{kind}"] = v
+    if dcfg.get("draft_vocab_size") is not None:
+        state["lm_head.weight"] = t["lm_heads.0.weight"]
+        d2t = t["token_map"].long()
+        state["draft_vocab.d2t"] = d2t
+        state["draft_vocab.t2d"] = torch.zeros(vocab_size, dtype=torch.bool).index_fill_(0, d2t, True)
+    return state
+
+
+def _verify_medusa(files, dcfg, target, dtype) -> list[str]:
+    """A full-vocab head must be the target's (shared); medusa_lm_head.pt must repeat model.safetensors."""
+    out, w = [], files.get(WEIGHTS, {})
+    head = w.get("lm_heads.0.weight")
+    if dcfg.get("draft_vocab_size") is None and head is not None \
+            and head.shape == target.lm_head().weight.shape \
+            and not torch.equal(head, target.lm_head().weight.detach().cpu().to(dtype)):
+        out.append("lm_heads.0.weight differs from the target's LM head, which a full-vocab Medusa "
+                   "drafter shares: exported for another target?")
+    orig = files.get(ORIGINAL)
+    if orig is not None and head is not None and not out:
+        L = dcfg["num_layers"]
+        for name, v in orig.items():  # {i}.{j}.linear.{kind} or {i}.{L}.weight
+            i, rest = name.split(".", 1)
+            twin = head if rest == f"{L}.weight" else w.get(f"blocks.{i}.layers.{rest.replace('.linear', '')}")
+            if twin is not None and twin.shape == v.shape and not torch.equal(twin, v):
+                out.append(f"{ORIGINAL}: {name} differs from its copy in {WEIGHTS}")
+    return out
+
+
+def _medusa_layout(fmt: str) -> ExportLayout:
+    return ExportLayout(
+        format=fmt, tags=("vllm",), write=_write_medusa, read=_read_medusa, verify=_verify_medusa,
+        summary="Medusa heads as vLLM's Medusa loader reads them (model.safetensors) and, when it "
+                "can hold them, as the original Medusa repo reads them (medusa_lm_head.pt).",
+        # vLLM's Medusa proposes one token per head
+        usage="vllm serve {base} --speculative-config '{{\"method\": \"medusa\", \"model\": "
+              "\"{path}\", \"num_speculative_tokens\": {drafter[num_heads]}}}'")
+
+
+@register("medusa", config=MedusaConfig, layouts=(_medusa_layout("medusa"), _medusa_layout("vllm")))
 class Medusa(Drafter):
     """Medusa drafter: independent residual heads over the target's final hidden state."""
 
@@ -96,16 +187,9 @@ class Medusa(Drafter):
         H = target.hidden_size
         self.heads = nn.ModuleList(nn.Sequential(*[MedusaResBlock(H) for _ in range(cfg.num_layers)])
                                    for _ in range(cfg.num_heads))
-        self.draft_vocab = self.lm_head = None
-        if cfg.draft_vocab_size is not None:  # placeholder map until set_draft_vocab
-            self.draft_vocab = DraftVocab(torch.arange(cfg.draft_vocab_size), target.vocab_size)
-            self.lm_head = head_from_target(target.lm_head(), self.draft_vocab.d2t, torch.float32)
+        init_draft_head(self, target.lm_head(), cfg.draft_vocab_size, target.vocab_size)
         self.tree = parse_tree_choices(cfg.tree_choices, cfg.num_heads, cfg.tree_top_k)
         self.to(target.device)
-
-    @classmethod
-    def build(cls, cfg, target) -> "Medusa":
-        return cls(parse_config(cfg, MedusaConfig), target)
 
     def head_logits(self, feats: torch.Tensor, k: int) -> torch.Tensor:
         """Target features (..., H) -> head k's logits (..., Vd)."""
@@ -114,9 +198,7 @@ class Medusa(Drafter):
         h = self.heads[k](feats.to(dtype))  # (..., H)
         if self.lm_head is not None:
             return self.lm_head(h)
-        lm = self.target.lm_head()  # frozen target head, shared by every head
-        # h is cast to the head's dtype, not the (V x H) head to h's: no copy of the head per step
-        return F.linear(h.to(lm.weight.dtype), lm.weight, lm.bias).to(h.dtype)
+        return frozen_logits(self.target.lm_head(), h)  # the target's head, shared by every head
 
     def forward_train(self, batch: TrainBatch) -> list[DraftPrediction]:
         """Head k at position t predicts token t+2+k: shift k+1, weight head_decay**k."""
@@ -137,15 +219,9 @@ class Medusa(Drafter):
         if state.features is None or state.features.shape[0] < 1:
             raise ValueError("medusa: propose needs state.features for tokens[:-1]")
         f = state.features[-1]  # (H,)
-        toks, qs = [], []
-        for i in range(min(k, self.cfg.num_heads)):
-            logits = self.head_logits(f, i).float()  # (Vd,)
-            d, q, conf = draft_token(logits, sampling, generator, min_confidence)  # q: (Vd,) | None
-            if i > 0 and conf < min_confidence:
-                break
-            toks.append(self.target_ids(d))
-            qs.append(q)
-        return self.chain_proposal(toks, qs, sampling)
+        return self.draft_chain(self.head_logits(f, 0).float(),  # head i+1 needs no drafted token
+                                lambda i, token: self.head_logits(f, i + 1).float(),
+                                min(k, self.cfg.num_heads), sampling, generator, min_confidence)
 
     @torch.no_grad()
     def propose_tree(self, state: DecodeState, sampling: SamplingParams) -> TreeProposal:

@@ -1,7 +1,7 @@
 """Small-LM drafter: a small causal LM over the target's tokenizer, distilled from the target
 (DistillSpec). It reads no target features, so it drafts on its own and also serves as a plain
 Hugging Face draft model (`generate(assistant_model=...)`, vLLM/SGLang draft models) once exported
-(drafters/hf_export.py).
+(layout `causal_lm`, drafters/hf_export.py).
 
 Sources (`source`):
   target_layers  the target's own architecture with n decoder layers copied from the target (the
@@ -13,7 +13,7 @@ Sources (`source`):
 
 Design decision (embeddings and LM head): with freeze_embeddings=true (the default) and the target's
 hidden size, the drafter does NOT copy the target's embedding and LM head: it calls the target's
-frozen modules (`_Shared`, outside the module tree). A V x H matrix is the biggest weight a small LM
+frozen modules (drafters.head.Shared, outside the module tree). A V x H matrix is the biggest weight a small LM
 has (SmolLM2: 28 M of a 2-layer drafter's 35 M; Llama-3: 0.5 B), so this saves that memory twice,
 keeps it out of the optimizer and out of every checkpoint, and keeps the interface's rule that
 saved drafters never hold the target's weights. The export copies them in, so the exported folder
@@ -21,8 +21,9 @@ is a standalone model. With freeze_embeddings=false (or a pretrained source) the
 untied copies: separate matrices train freely and safetensors can save them.
 
 Training: teacher-forced next-token logits at every position, DraftPrediction(shift=0), compared
-with the target's logits at the same position. Decoding: the drafter's own KV cache, cropped to
-the longest prefix it shares with the committed tokens (accepted drafts stay cached).
+with the target's logits at the same position. Decoding: the drafter's own KV cache
+(drafters/cache.py), cropped to the longest prefix it shares with the committed tokens (accepted
+drafts stay cached).
 """
 from __future__ import annotations
 
@@ -32,15 +33,15 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from transformers import DynamicCache
 
 from drafters.base import (ChainProposal, DecodeState, Drafter, DrafterConfig, DraftPrediction,
-                           TrainBatch, TreeProposal, parse_config, register)
-from drafters.sampling import SamplingParams, draft_token
+                           TrainBatch, TreeProposal, register)
+from drafters.cache import DraftCache
+from drafters.head import Shared, init_draft_head
+from drafters.hf_export import CAUSAL_LM
+from drafters.sampling import SamplingParams
 from drafters.tree import dynamic_tree
-from drafters.vocab import DraftVocab, head_from_target
 
 SOURCES = ("target_layers", "pretrained", "fresh")
 
@@ -75,33 +76,6 @@ class SmallLmConfig(DrafterConfig):
     tree_total_tokens: int = 60  # dynamic tree: nodes kept for verification
 
 
-class _Shared(nn.Module):
-    """Calls a frozen target module (embedding or LM head) without owning it: nothing of it is in
-    parameters() or state_dict(), so it is neither trained, nor saved, nor deep-copied."""
-
-    def __init__(self, module: nn.Module, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.__dict__["module"] = module  # a plain attribute: not registered as a submodule
-        self.dtype = dtype  # the drafter's compute dtype (the target may run in bf16)
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.module.weight
-
-    @property
-    def bias(self) -> torch.Tensor | None:
-        return getattr(self.module, "bias", None)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.module, nn.Embedding):
-            return self.module(x).to(self.dtype)  # ids (B, T) -> (B, T, H)
-        w, b = self.weight, self.bias  # h is cast to the head's dtype, not the head
-        return F.linear(x.to(w.dtype), w, b).to(x.dtype)  # (B, T, H) -> (B, T, V)
-
-    def __deepcopy__(self, memo) -> "_Shared":
-        return _Shared(self.module, self.dtype)
-
-
 def vocab_difference(target_tok, draft_tok, target_rows: int, draft_rows: int) -> Optional[str]:
     """None when drafter and target speak the same token ids, else what differs (sizes, a sample of
     tokens with different ids, special tokens, a probe string's encoding, LM head rows)."""
@@ -127,7 +101,7 @@ def vocab_difference(target_tok, draft_tok, target_rows: int, draft_rows: int) -
     return "; ".join(out) or None
 
 
-@register("small_lm", SmallLmConfig)
+@register("small_lm", config=SmallLmConfig, layouts=(CAUSAL_LM,))
 class SmallLm(Drafter):
     """A small HF causal LM (held as `self.lm`, peft-wrapped with LoRA) drafting on its own."""
 
@@ -154,11 +128,9 @@ class SmallLm(Drafter):
         if cfg.freeze_embeddings:
             lm.get_input_embeddings().requires_grad_(False)
             lm.get_output_embeddings().requires_grad_(False)
-        self.draft_vocab = self.lm_head = None
-        if cfg.draft_vocab_size is not None:  # placeholder map until set_draft_vocab
-            self.draft_vocab = DraftVocab(torch.arange(cfg.draft_vocab_size), target.vocab_size)
-            full = lm.get_output_embeddings()
-            self.lm_head = head_from_target(full, self.draft_vocab.d2t, torch.float32)
+        full = lm.get_output_embeddings()
+        init_draft_head(self, full, cfg.draft_vocab_size, target.vocab_size)
+        if self.lm_head is not None:
             self.lm_head.requires_grad_(not cfg.freeze_embeddings)
             full.requires_grad_(False)  # unused in training: the pruned head replaces it
         if cfg.lora.r > 0:
@@ -170,10 +142,6 @@ class SmallLm(Drafter):
         self.lm = lm
         self.to(target.device)
         self.reset()
-
-    @classmethod
-    def build(cls, cfg, target) -> "SmallLm":
-        return cls(parse_config(cfg, SmallLmConfig), target)
 
     # -- construction -----------------------------------------------------------------------------
     @staticmethod
@@ -225,8 +193,8 @@ class SmallLm(Drafter):
                              f"{target.hidden_size}, so the target's embeddings cannot be shared; "
                              f"set freeze_embeddings=false to train the drafter's own")
         if cfg.freeze_embeddings:  # the target's frozen matrices, called, not copied
-            lm.base_model.embed_tokens = _Shared(target.embed_tokens(), torch.float32)
-            lm.lm_head = _Shared(target.lm_head(), torch.float32)
+            lm.base_model.embed_tokens = Shared(target.embed_tokens(), torch.float32)
+            lm.lm_head = Shared(target.lm_head(), torch.float32)
         elif same_width:  # own, untied copies that train
             with torch.no_grad():
                 lm.get_input_embeddings().weight.copy_(target.embed_tokens().weight.float())
@@ -279,13 +247,12 @@ class SmallLm(Drafter):
 
     # -- decoding ---------------------------------------------------------------------------------
     def reset(self) -> None:
-        self._cache = DynamicCache(config=self.hf_model.config)
-        self._tokens = torch.empty(0, dtype=torch.long)  # tokens whose positions the cache holds
+        self._cache = DraftCache(config=self.hf_model.config)
 
     def _step(self, ids: torch.Tensor, start: int, mask=None) -> torch.Tensor:
         """ids (Q,) at positions start.. through the cache -> logits (Q, Vd)."""
         pos = torch.arange(start, start + ids.shape[0], device=ids.device)[None]  # (1, Q)
-        return self.logits(ids[None], mask, pos, self._cache)[0].float()
+        return self.logits(ids[None], mask, pos, self._cache.kv)[0].float()
 
     @torch.no_grad()
     def _sync(self, state: DecodeState) -> torch.Tensor:
@@ -295,14 +262,9 @@ class SmallLm(Drafter):
         T = tokens.shape[0]
         if T < 1:
             raise ValueError("small_lm: propose needs at least one committed token")
-        prev = self._tokens.to(tokens.device)
-        m = min(len(prev), T)
-        keep = min(int((prev[:m] == tokens[:m]).long().cumprod(0).sum()), T - 1)
-        if self._cache.get_seq_length() > keep:
-            self._cache.crop(keep - self._cache.get_seq_length())
-        logits = self._step(tokens[keep:], keep)[-1]  # (Vd,)
-        self._tokens = tokens.clone()
-        return logits
+        keep = min(self._cache.shared_prefix(tokens), T - 1)
+        self._cache.sync_to(tokens, keep, committed=T)
+        return self._step(tokens[keep:], keep)[-1]  # (Vd,)
 
     @torch.no_grad()
     def propose(self, state: DecodeState, k: int, sampling: SamplingParams,
@@ -314,19 +276,13 @@ class SmallLm(Drafter):
             return ChainProposal(tokens=state.tokens.new_empty(0))
         logits = self._sync(state)  # (Vd,)
         T = state.tokens.shape[0]
-        toks, qs, fed = [], [], []
-        for i in range(k):
-            d, q, conf = draft_token(logits, sampling, generator, min_confidence)  # q: (Vd,) | None
-            if i > 0 and conf < min_confidence:
-                break
-            toks.append(self.target_ids(d))
-            qs.append(q)
-            if i + 1 < k:
-                logits = self._step(toks[-1].view(1), T + i)[0]  # (Vd,)
-                fed.append(toks[-1])
-        if fed:
-            self._tokens = torch.cat([self._tokens, torch.stack(fed).to(self._tokens.device)])
-        return self.chain_proposal(toks, qs, sampling)
+
+        def step(i: int, token: torch.Tensor) -> torch.Tensor:
+            cache = self._cache
+            cache.tokens = torch.cat([cache.tokens, token.view(1).to(cache.tokens.device)])
+            return self._step(token.view(1), T + i)[0]  # (Vd,)
+
+        return self.draft_chain(logits, step, k, sampling, generator, min_confidence)
 
     @torch.no_grad()
     def propose_tree(self, state: DecodeState, sampling: SamplingParams) -> TreeProposal:
@@ -335,33 +291,19 @@ class SmallLm(Drafter):
         if not sampling.greedy:
             raise ValueError("small_lm: tree drafting supports greedy decoding only; use a chain")
         root = self._sync(state).log_softmax(-1)  # (Vd,)
-        T, dev = state.tokens.shape[0], state.tokens.device
-        slot: dict[int, int] = {}  # pool index -> its index in the cache
 
         def expand(tokens: torch.Tensor, parents: torch.Tensor, frontier: torch.Tensor):
-            base, n_f = self._cache.get_seq_length(), len(frontier)
-            allowed = torch.zeros(n_f, base + n_f, dtype=torch.bool, device=dev)  # (F, K)
-            allowed[:, :T] = True  # the committed tokens
-            depth = []
-            for i, f in enumerate(frontier.tolist()):
-                p, d = int(parents[f]), 1
-                while p >= 0:
-                    allowed[i, slot[p]], p, d = True, int(parents[p]), d + 1
-                allowed[i, base + i] = True
-                depth.append(d)
-            pos = (T - 1 + torch.tensor(depth, device=dev))[None]  # (1, F)
+            allowed, pos, base = self._cache.tree_level(frontier, parents)  # (F, K), (1, F)
             ids = self.target_ids(tokens[frontier])[None]  # (1, F)
-            out = self.logits(ids, allowed[None, None], pos, self._cache)[0].float()  # (F, Vd)
-            for i, f in enumerate(frontier.tolist()):
-                slot[f] = base + i
+            out = self.logits(ids, allowed[None, None], pos, self._cache.kv)[0].float()  # (F, Vd)
+            self._cache.add_level(frontier, base)
             return out.log_softmax(-1)
 
         try:
             tree = dynamic_tree(expand, root, self.cfg.tree_top_k, self.cfg.tree_depth,
                                 self.cfg.tree_total_tokens)
         finally:  # forget the tree's entries: the cache holds the committed tokens only
-            if self._cache.get_seq_length() > T:
-                self._cache.crop(T - self._cache.get_seq_length())
+            self._cache.forget_drafts()
         return TreeProposal(tokens=self.target_ids(tree.tokens), parents=tree.parents)
 
     # -- export -----------------------------------------------------------------------------------
@@ -376,7 +318,7 @@ class SmallLm(Drafter):
         if hasattr(lm, "merge_and_unload"):  # peft: W += (alpha / r) B A, adapters removed
             lm = lm.merge_and_unload()
         emb, head = lm.get_input_embeddings(), lm.get_output_embeddings()
-        if isinstance(emb, _Shared):
+        if isinstance(emb, Shared):
             w = emb.weight.detach().float()  # (V, H)
             lm.base_model.embed_tokens = nn.Embedding.from_pretrained(
                 w.clone(), freeze=False, padding_idx=getattr(emb.module, "padding_idx", None))

@@ -59,16 +59,6 @@ def offsets_to_d2t(offsets: torch.Tensor) -> torch.Tensor:
     return offsets + torch.arange(offsets.shape[0], device=offsets.device)  # (Vd,)
 
 
-def restrict_logits(target_logits: torch.Tensor, d2t: torch.Tensor | None) -> torch.Tensor:
-    """Target logits (..., V) -> the columns of the draft vocab (..., Vd) (identity when d2t is None)."""
-    return target_logits if d2t is None else target_logits.index_select(-1, d2t)
-
-
-def draft_to_target_ids(ids: torch.Tensor, d2t: torch.Tensor | None) -> torch.Tensor:
-    """Draft ids (...) -> target ids (...)."""
-    return ids if d2t is None else d2t[ids]
-
-
 def expand_probs(probs: torch.Tensor, d2t: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
     """Draft-vocab probabilities (..., Vd) -> target-vocab probabilities (..., V), 0 outside the draft
     vocab (the q the lossless sampling rule needs is over target ids)."""
@@ -98,15 +88,3 @@ class DraftVocab(nn.Module):
             raise ValueError("d2t must be strictly increasing target ids")
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d_mask(self.d2t, self.t2d.shape[0]))
-
-
-def head_from_target(lm_head: nn.Linear, d2t: torch.Tensor | None, dtype: torch.dtype) -> nn.Linear:
-    """A trainable Linear(H -> Vd) whose rows start as the target LM head's rows d2t."""
-    w = lm_head.weight.detach()
-    rows = w if d2t is None else w[d2t.to(w.device)]  # (Vd, H)
-    head = nn.Linear(w.shape[1], rows.shape[0], bias=lm_head.bias is not None)
-    with torch.no_grad():
-        head.weight.copy_(rows)
-        if lm_head.bias is not None:
-            head.bias.copy_(lm_head.bias.detach() if d2t is None else lm_head.bias.detach()[d2t])
-    return head.to(dtype)

@@ -10,7 +10,6 @@ COMPLETE are ever resumed from.
 """
 from __future__ import annotations
 
-import os
 import random
 import shutil
 from pathlib import Path
@@ -18,23 +17,11 @@ from typing import Any
 
 import torch
 
+from drafters.atomic import commit_folder, staging_dir, write_folder
 from drafters.base import CONFIG_FILE, WEIGHTS_FILE, save_drafter
 
 COMPLETE = "COMPLETE"
 STATE = "trainer_state.pt"
-
-
-def _fsync_tree(folder: Path) -> None:
-    """Flush every file and folder under `folder` to disk (the rename must not outrun the data)."""
-    for root, _, files in os.walk(folder):
-        for name in files:
-            with open(Path(root) / name, "rb") as f:
-                os.fsync(f.fileno())
-        fd = os.open(root, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def rng_state() -> dict[str, Any]:
@@ -46,34 +33,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
 
 
-def staging_dir(dest: Path) -> Path:
-    """The hidden folder `dest` is written into. Its name depends only on `dest`, so every rank of
-    a job writes its part into the same one."""
-    return dest.parent / f".tmp-{dest.name}"
-
-
 def commit(tmp: Path, dest: Path) -> Path:
     """Mark a filled staging folder COMPLETE, flush it and rename it to `dest` (replacing it)."""
-    (tmp / COMPLETE).write_text("ok\n")
-    _fsync_tree(tmp)
-    old = dest.parent / f".old-{dest.name}"
-    if dest.exists():  # replacing (e.g. best/): move the old one aside first, drop it after
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(dest, old)
-    os.replace(tmp, dest)
-    shutil.rmtree(old, ignore_errors=True)
-    return dest
+    return commit_folder(tmp, dest, marker=COMPLETE)
 
 
 def write_atomic(dest: Path, fill) -> Path:
     """Create folder `dest` atomically from one process: `fill(tmp)` writes into the staging
-    folder, which is then committed."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = staging_dir(dest)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    fill(tmp)
-    return commit(tmp, dest)
+    folder, which is then committed (marked COMPLETE)."""
+    return write_folder(Path(dest), fill, marker=COMPLETE)
 
 
 def save_checkpoint(run_dir: Path, step: int, backend, drafter, drafter_cfg,
@@ -102,7 +70,7 @@ def save_checkpoint(run_dir: Path, step: int, backend, drafter, drafter_cfg,
     return dest
 
 
-def export_drafter(ckpt: Path, dest: Path) -> Path:
+def publish_best(ckpt: Path, dest: Path) -> Path:
     """Copy a checkpoint's drafter (drafter.safetensors + drafter.json: the full weights, no
     optimizer state) atomically to `dest`, e.g. run_dir/best."""
     return write_atomic(Path(dest), lambda tmp: [shutil.copy2(Path(ckpt) / f, tmp / f)
@@ -121,6 +89,40 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
 def latest_checkpoint(run_dir: Path) -> Path | None:
     ckpts = complete_checkpoints(run_dir)
     return ckpts[-1] if ckpts else None
+
+
+def is_complete_drafter(folder: Path) -> bool:
+    """A committed drafter folder: a checkpoint or best/ (COMPLETE marker) with both drafter files."""
+    folder = Path(folder)
+    return all((folder / f).is_file() for f in (COMPLETE, CONFIG_FILE, WEIGHTS_FILE))
+
+
+def reference_drafter(run_dir: Path) -> Path | None:
+    """The drafter a run's final eval measured: best/, else the latest complete checkpoint."""
+    best = Path(run_dir) / "best"
+    return best if is_complete_drafter(best) else latest_checkpoint(run_dir)
+
+
+def resolve_drafter(path) -> tuple[Path, Path | None]:
+    """A run dir, checkpoint, best/ or saved-drafter folder -> (the drafter folder to use, the run
+    dir it lies in or None). A run dir gives its reference drafter (best/, else the latest
+    complete checkpoint); a half-written folder is refused."""
+    p = Path(path).expanduser()
+    if (p / CONFIG_FILE).is_file():
+        inside = p.name == "best" or p.parent.name == "checkpoints"
+        if inside and not is_complete_drafter(p):
+            raise FileNotFoundError(f"{p} is not a complete checkpoint (no {COMPLETE} marker): a "
+                                    f"crash interrupted it; use the run dir or another checkpoint")
+        run_dir = p.parent if p.name == "best" else p.parent.parent if inside else None
+    else:
+        run_dir, p = p, reference_drafter(p)
+        if p is None:
+            raise FileNotFoundError(f"{run_dir} holds no drafter: expected a training run dir "
+                                    f"(best/ or checkpoints/step-*/ with {COMPLETE}) or a folder "
+                                    f"with {CONFIG_FILE}")
+    if run_dir is not None and not (run_dir / "config.yaml").is_file():
+        run_dir = None
+    return p, run_dir
 
 
 def load_trainer_state(ckpt: Path) -> dict:

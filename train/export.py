@@ -1,20 +1,119 @@
-"""`python -m train.export ...`: drafters/export.py's job plus train/serve parity (parity=true).
+"""`python -m train.export ...`: the export job. Run dir -> its best checkpoint -> an export layout
+(drafters/export.py) + a model card with the run's measurements + optional train/serve parity.
 
-    python -m train.export run=runs/train/<run> format=hf out=exports/eagle parity=true parity_limit=10
+    python -m train.export run=runs/train/<run> format=hf out=exports/my-eagle
+    python -m train.export run=<run> format=vllm out=exports/eagle-vllm push_to_hub=org/name
+    python -m train.export run=<run> format=hf out=exports/eagle parity=true parity_limit=10
+
+`run` is a training run dir (its best/ drafter, else the latest complete checkpoint: the one the
+final eval measured; train/checkpoint.py resolve_drafter) or a checkpoint / drafter folder. The
+formats are the layouts the drafter's module registered (drafters/base.py ExportLayout).
 
 Parity: before the export is committed, its folder is loaded back by our decoder (load_export) and
 decodes the run's final-eval prompts with the final eval's settings (eval set, k, budget, greedy).
 It is compared, prompt by prompt, with final_eval/result.json written at training end: the generated
 tokens and the accepted drafts of every round must be identical (greedy decoding is deterministic),
-so tau matches exactly. A mismatch fails the export; the model card shows both taus. This module
-lives in train/ because it needs decode/, which drafters/ never imports.
+so tau matches exactly. A mismatch fails the export; the model card shows both taus. This job lives
+in train/ because it reads run dirs and needs decode/, which drafters/ never imports.
 """
 from __future__ import annotations
 
+import json
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable, Optional
 
-from drafters.export import ExportError, PushError, RunInfo, load_export, run_export, store_schema
+from omegaconf import MISSING, OmegaConf
+
+from drafters.base import load_drafter
+from drafters.card import CardFacts
+from drafters.export import ExportError, export_drafter, layout_for, full_config, load_export
+from drafters.hub import PushError, push_to_hub
+from drafters.target import TargetConfig, load_target
+from train.checkpoint import reference_drafter, resolve_drafter
+
+HF_IDS = {"packaged:smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}  # packaged target -> Hub id
+
+
+@dataclass
+class ExportConfig:
+    """`python -m train.export` (conf/export.yaml)."""
+
+    run: str = MISSING  # training run dir (best/, else latest checkpoint) or a checkpoint folder
+    format: str = "hf"  # a layout the drafter registered: hf (all), vllm, sglang, speculators, medusa, causal_lm
+    out: str = MISSING  # export folder, written atomically
+    overwrite: bool = False  # replace an existing `out`
+    dtype: str = "float32"  # float32 | bfloat16 | float16 (float32 keeps greedy parity exact)
+    base_model: Optional[str] = None  # card/Hub base_model (None = the target's Hub id, if it has one)
+    license: str = "apache-2.0"  # card license
+    k: Optional[int] = None  # speculative tokens in configs and usage lines (None = the run's eval_k)
+    push_to_hub: Optional[str] = None  # org/name: upload after exporting (token: HF_TOKEN)
+    private: bool = True  # create the Hub repo private
+    parity: bool = False  # decode MT-bench with the reloaded export before committing it
+    parity_limit: Optional[int] = None  # parity prompts (None = all of the run's final eval)
+    target: Optional[TargetConfig] = None  # the target (None = the run's config.yaml target)
+
+
+@dataclass
+class RunInfo:
+    """What the export job knows about the training run it exports from."""
+
+    drafter_dir: Path  # the saved drafter exported (drafter.json + drafter.safetensors)
+    run_dir: Optional[Path] = None  # the training run dir, when the drafter lies in one
+    config: Optional[dict] = None  # the run's config.yaml
+    final_rows: Optional[list] = None  # final_eval/result.json per-prompt rows
+    is_reference: bool = False  # drafter_dir is the drafter the final eval measured
+    facts: CardFacts = field(default_factory=CardFacts)  # the card's measurements
+
+
+def hub_id(tcfg) -> Optional[str]:
+    """The target's Hugging Face id (the card's base_model), None for local/GGUF/random targets."""
+    path = str(tcfg.path)
+    if path in HF_IDS:
+        return HF_IDS[path]
+    local = tcfg.random_init or tcfg.gguf_file or path.endswith(".gguf") or ":" in path
+    return None if local or Path(path).expanduser().exists() else path
+
+
+def last_simulated_eval(metrics: Path) -> Optional[dict[str, Any]]:
+    """The latest simulated eval in a run's metrics.jsonl: {"step", "tau", "acceptance"}."""
+    if not metrics.is_file():
+        return None
+    last = None
+    for line in metrics.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "eval/sim_tau" in row:
+            last = row
+    if last is None:
+        return None
+    acc = sorted((k for k in last if k.startswith("eval/acc_")), key=lambda k: int(k.rsplit("_", 1)[1]))
+    return {"step": last["step"], "tau": last["eval/sim_tau"], "acceptance": [last[k] for k in acc]}
+
+
+def read_run(path) -> RunInfo:
+    """A run dir or drafter folder -> the drafter to export and its run's config and results."""
+    try:
+        drafter_dir, run_dir = resolve_drafter(path)
+    except FileNotFoundError as e:
+        raise ExportError(str(e)) from None
+    info = RunInfo(drafter_dir=drafter_dir, run_dir=run_dir)
+    if run_dir is None:
+        return info
+    info.config = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=False)
+    info.facts = CardFacts(training_config=info.config,
+                           simulated=last_simulated_eval(run_dir / "metrics.jsonl"))
+    if (run_dir / "final_eval" / "result.json").is_file():
+        result = json.loads((run_dir / "final_eval" / "result.json").read_text())
+        info.facts.final, info.final_rows = result["summary"], result["prompts"]
+        md = run_dir / "final_eval" / "result.md"
+        info.facts.final_table = md.read_text().strip() if md.is_file() else None
+    ref = reference_drafter(run_dir)
+    info.is_reference = ref is not None and ref.resolve() == drafter_dir.resolve()
+    return info
 
 
 def _tau(rows: list[dict]) -> float:
@@ -27,7 +126,7 @@ def measure_parity(folder: Path, target, info: RunInfo, limit: int | None = None
     """Decode with the export in `folder` and compare with the training-end final eval."""
     from decode.evaluate import evaluate_drafter
 
-    ref, rows = info.final, info.final_rows
+    ref, rows = info.facts.final, info.final_rows
     if ref is None:
         raise ExportError(f"parity needs the run's final_eval/result.json (the tau at training end); "
                           f"{info.run_dir or info.drafter_dir} has none. Export without parity=true.")
@@ -62,21 +161,49 @@ def measure_parity(folder: Path, target, info: RunInfo, limit: int | None = None
     return result
 
 
+def run_export(cfg, check: Callable | None = None) -> dict:
+    """The export job: resolve the run, load target and drafter, export (+ parity), optionally push.
+    check(folder, target, info) -> parity dict; None = measure_parity when cfg.parity."""
+    info = read_run(cfg.run)
+    dcfg = json.loads((info.drafter_dir / "drafter.json").read_text())
+    layout_for(cfg.format, full_config(dcfg))  # refuse an unsupported format before loading anything
+    run_cfg = info.config or {}
+    tcfg = cfg.target if cfg.target is not None else run_cfg.get("target")
+    if tcfg is None:
+        raise ExportError(f"{cfg.run} is not inside a training run (no config.yaml): name the "
+                          f"target, e.g. target=smollm2 or target.path=<id or folder>")
+    tcfg = OmegaConf.merge(OmegaConf.structured(TargetConfig), tcfg)
+    target = load_target(tcfg)
+    drafter = load_drafter(info.drafter_dir, target).eval()
+    if check is None and cfg.parity:
+        check = lambda folder, target, info: measure_parity(folder, target, info, cfg.parity_limit)  # noqa: E731
+    hook = (lambda folder: check(folder, target, info)) if check is not None else None
+    result = export_drafter(drafter, dcfg, target, cfg.format, cfg.out, dtype=cfg.dtype,
+                            base_model=cfg.base_model or hub_id(tcfg), license=cfg.license,
+                            facts=info.facts, overwrite=cfg.overwrite, check=hook,
+                            speculative_tokens=cfg.k or run_cfg.get("trainer", {}).get("eval_k") or 5)
+    print(f"exported {info.drafter_dir} as {cfg.format} to {result['path']}")
+    for w in result["warnings"]:
+        print(f"warning: {w}")
+    if result["parity"] is not None:
+        print(result["parity"]["markdown"])
+    if cfg.push_to_hub:
+        print(f"pushed: {push_to_hub(result['path'], cfg.push_to_hub, private=cfg.private)}")
+    return result
+
+
 def main() -> None:
     import hydra
+    from hydra.core.config_store import ConfigStore
 
-    store_schema()
+    ConfigStore.instance().store(name="export_schema", node=ExportConfig)
 
     @hydra.main(config_path="../conf", config_name="export", version_base="1.3")
     def _run(cfg) -> None:
-        check = (lambda folder, target, info: measure_parity(folder, target, info, cfg.parity_limit)
-                 ) if cfg.parity else None
         try:
-            result = run_export(cfg, check=check)
+            run_export(cfg)
         except (ExportError, PushError) as e:
             sys.exit(f"error: {e}")
-        if result["parity"] is not None:
-            print(result["parity"]["markdown"])
 
     _run()
 

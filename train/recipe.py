@@ -295,7 +295,7 @@ class DistillRecipe:
                                     self.cfg.drafter, self.optimizer, state)
         if self.backend.is_main:
             if is_best:
-                ckpt.export_drafter(path, self.run_dir / "best")
+                ckpt.publish_best(path, self.run_dir / "best")
             ckpt.prune_checkpoints(self.run_dir, self.tcfg.keep_last)
         self.backend.barrier()
 

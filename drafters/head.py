@@ -1,0 +1,87 @@
+"""The draft head: how a drafter turns its hidden states into logits over its vocabulary.
+
+Two kinds, chosen by a drafter config's `draft_vocab_size`:
+  * None: the target's LM head, frozen and shared (never a submodule of the drafter, so never
+    trained nor saved). `frozen_logits` applies it, casting the small activation to the head's
+    dtype rather than the (V x H) head to the activation's (no copy of the head per step).
+  * Vd: a trainable Linear(H -> Vd) over the Vd most frequent target tokens, started from the full
+    head's rows d2t, plus the maps (drafters.vocab.DraftVocab). `init_draft_head` sets both up
+    under the drafter's fixed attribute names `draft_vocab` and `lm_head` (the names checkpoints
+    and export layouts use).
+`Shared` wraps any frozen target module (embedding or head) the same way, for drafters such as
+small_lm that hold the module inside a Hugging Face model.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from drafters.vocab import DraftVocab
+
+
+def frozen_logits(head: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """h (..., H) through a frozen head (Linear-like: weight, optional bias) -> (..., V) in h's dtype.
+    Gradients flow to h only."""
+    w, b = head.weight, getattr(head, "bias", None)
+    return F.linear(h.to(w.dtype), w, b).to(h.dtype)
+
+
+def head_from_target(lm_head: nn.Module, d2t: torch.Tensor | None, dtype: torch.dtype) -> nn.Linear:
+    """A trainable Linear(H -> Vd) whose rows start as the full head's rows d2t (all rows if None)."""
+    w = lm_head.weight.detach()
+    rows = w if d2t is None else w[d2t.to(w.device)]  # (Vd, H)
+    bias = getattr(lm_head, "bias", None)
+    head = nn.Linear(w.shape[1], rows.shape[0], bias=bias is not None)
+    with torch.no_grad():
+        head.weight.copy_(rows)
+        if bias is not None:
+            head.bias.copy_(bias.detach() if d2t is None else bias.detach()[d2t])
+    return head.to(dtype)
+
+
+def init_draft_head(drafter: nn.Module, full_head: nn.Module, draft_vocab_size: int | None,
+                    vocab_size: int) -> None:
+    """Give `drafter` its draft head: `draft_vocab` and `lm_head` are None with the full vocabulary
+    (the caller applies the frozen `full_head` with frozen_logits), else a placeholder map (the
+    first Vd ids, replaced by set_draft_vocab before training) and a float32 pruned head."""
+    drafter.draft_vocab = drafter.lm_head = None
+    if draft_vocab_size is not None:
+        drafter.draft_vocab = DraftVocab(torch.arange(draft_vocab_size), vocab_size)
+        drafter.lm_head = head_from_target(full_head, drafter.draft_vocab.d2t, torch.float32)
+
+
+def set_draft_vocab(drafter: nn.Module, full_head: nn.Module, d2t: torch.Tensor) -> None:
+    """Use draft vocab d2t (drafters.vocab.select_draft_vocab) and restart the pruned head from the
+    full head's rows d2t."""
+    if getattr(drafter, "draft_vocab", None) is None:
+        raise ValueError(f"{drafter.name}: set_draft_vocab needs draft_vocab_size in the config")
+    drafter.draft_vocab.set(d2t.to(drafter.draft_vocab.d2t.device))
+    with torch.no_grad():
+        drafter.lm_head.weight.copy_(full_head.weight[drafter.draft_vocab.d2t])
+
+
+class Shared(nn.Module):
+    """Calls a frozen target module (embedding or LM head) without owning it: nothing of it is in
+    parameters() or state_dict(), so it is neither trained, nor saved, nor deep-copied."""
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.__dict__["module"] = module  # a plain attribute: not registered as a submodule
+        self.dtype = dtype  # the drafter's compute dtype (the target may run in bf16)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.module.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return getattr(self.module, "bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.module, nn.Embedding):
+            return self.module(x).to(self.dtype)  # ids (B, T) -> (B, T, H)
+        return frozen_logits(self, x)  # (B, T, H) -> (B, T, V)
+
+    def __deepcopy__(self, memo) -> "Shared":
+        return Shared(self.module, self.dtype)

@@ -46,6 +46,10 @@ def init_draft_head(drafter: nn.Module, full_head: nn.Module, draft_vocab_size: 
     (the caller applies the frozen `full_head` with frozen_logits), else a placeholder map (the
     first Vd ids, replaced by set_draft_vocab before training) and a float32 pruned head."""
     drafter.draft_vocab = drafter.lm_head = None
+    if draft_vocab_size is not None and not 0 < draft_vocab_size <= vocab_size:
+        raise ValueError(f"{drafter.name}: draft_vocab_size={draft_vocab_size} must be in [1, "
+                         f"{vocab_size}] (the target's vocabulary); set a smaller one, or "
+                         f"drafter.draft_vocab_size=null for the target's own head")
     if draft_vocab_size is not None:
         drafter.draft_vocab = DraftVocab(torch.arange(draft_vocab_size), vocab_size)
         drafter.lm_head = head_from_target(full_head, drafter.draft_vocab.d2t, torch.float32)

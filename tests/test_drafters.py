@@ -5,6 +5,7 @@ Tests over "every trainable drafter" are parametrised over the registry, so a ne
 picked up with no edit here."""
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -58,6 +59,14 @@ def pruned(name: str) -> dict:
     return {"name": name, "draft_vocab_size": 48}
 
 
+def full(name: str, **settings) -> dict:
+    """The drafter with the full target vocabulary (EAGLE's schema default prunes to 8192 ids,
+    more than this tiny target has)."""
+    fields = CONFIGS[name].__dataclass_fields__
+    return {"name": name, **({"draft_vocab_size": None} if "draft_vocab_size" in fields else {}),
+            **settings}
+
+
 def randomise(drafter, seed=1) -> None:
     """Move every parameter off its init (zero-init Medusa heads would hide alignment bugs)."""
     g = torch.Generator().manual_seed(seed)
@@ -69,7 +78,7 @@ def randomise(drafter, seed=1) -> None:
 @pytest.mark.parametrize("name", TRAINABLE)
 @pytest.mark.parametrize("prune", [False, True])
 def test_forward_backward_shapes(target, name, prune):
-    d = build_drafter(pruned(name) if prune else {"name": name}, target)
+    d = build_drafter(pruned(name) if prune else full(name), target)
     batch = make_batch(target, d)
     preds = d.forward_train(batch)
     Vd = 48 if prune else V
@@ -86,7 +95,7 @@ def test_forward_backward_shapes(target, name, prune):
 @pytest.mark.parametrize("name", TRAINABLE)
 @pytest.mark.parametrize("prune", [False, True])
 def test_proposals_are_target_ids(target, name, prune):
-    d = build_drafter(pruned(name) if prune else {"name": name}, target)
+    d = build_drafter(pruned(name) if prune else full(name), target)
     randomise(d)
     if prune:  # a real map, not the placeholder 0..Vd-1
         fit_draft_vocab(d, torch.arange(V).flip(0).float(), always_include=[2])
@@ -113,7 +122,7 @@ def test_proposals_are_target_ids(target, name, prune):
 @pytest.mark.parametrize("name", TRAINABLE)
 def test_cache_handles_accept_and_reject(target, name):
     """Proposing after a partial accept (or a full reject) equals proposing from a fresh reset."""
-    cached, fresh = build_drafter({"name": name}, target), build_drafter({"name": name}, target)
+    cached, fresh = build_drafter(full(name), target), build_drafter(full(name), target)
     randomise(cached)
     fresh.load_state_dict(cached.state_dict())
     tokens = torch.randint(0, V, (9,), generator=torch.Generator().manual_seed(4))
@@ -142,7 +151,7 @@ def test_cache_handles_accept_and_reject(target, name):
 def test_eagle_training_matches_decoding(target):
     """Teacher-forced logits at t == the decode-time logits of the first draft after t; the
     unrolled step 2 at t == the decode-time second step fed the true token (the TTT mask)."""
-    d = build_drafter({"name": "eagle", "train_unroll": 3}, target)
+    d = build_drafter(full("eagle", train_unroll=3), target)
     randomise(d)
     batch = make_batch(target, d, B=1, T=12)
     preds = d.forward_train(batch)
@@ -153,7 +162,7 @@ def test_eagle_training_matches_decoding(target):
         h = d._sync(DecodeState(ids[:t + 2], batch.features[0, :t + 1]))  # (1, 1, H)
         assert torch.allclose(d.head(h)[0, 0], preds[0].logits[0, t], atol=1e-4)
         for j in (2, 3):  # feed the true next token and the drafter's own feature
-            h = d._layers(d._inputs(ids[t + j].view(1, 1), h), torch.tensor([[t + j - 1]]), None, d._cache)
+            h = d._layers(d._inputs(ids[t + j].view(1, 1), h), torch.tensor([[t + j - 1]]), None, d._cache.kv)
             assert torch.allclose(d.head(h)[0, 0], preds[j - 1].logits[0, t], atol=1e-4)
 
 
@@ -173,7 +182,7 @@ def test_eagle_tree_expands_each_node_correctly(target, monkeypatch):
 
     recording_tree.__wrapped_tree__ = eagle_module.dynamic_tree
     monkeypatch.setattr(eagle_module, "dynamic_tree", recording_tree)
-    d = build_drafter({"name": "eagle", "tree_top_k": 3, "tree_depth": 4, "tree_total_tokens": 100},
+    d = build_drafter(full("eagle", tree_top_k=3, tree_depth=4, tree_total_tokens=100),
                       target)
     randomise(d)
     tokens = torch.randint(0, V, (8,), generator=torch.Generator().manual_seed(6))
@@ -191,7 +200,7 @@ def test_eagle_tree_expands_each_node_correctly(target, monkeypatch):
         h = d._sync(st)
         for i, tok in enumerate(reversed(path)):
             h = d._layers(d._inputs(torch.tensor([[tok]]), h), torch.tensor([[len(tokens) - 1 + i]]),
-                          None, d._cache)
+                          None, d._cache.kv)
         return d.head(h)[0, 0].log_softmax(-1)
 
     for toks, pars, frontier, logp in calls:
@@ -203,7 +212,7 @@ def test_eagle_tree_expands_each_node_correctly(target, monkeypatch):
 
 
 def test_medusa_alignment_and_fresh_heads(target):
-    d = build_drafter({"name": "medusa"}, target)
+    d = build_drafter(full("medusa"), target)
     batch = make_batch(target, d)
     for p in d.forward_train(batch):  # zero-init blocks: every head is the target's LM head
         assert torch.allclose(p.logits, batch.target_logits, atol=1e-5)
@@ -222,7 +231,7 @@ def test_medusa_alignment_and_fresh_heads(target):
     assert not torch.equal(d.propose(DecodeState(st.tokens, feats), 4, GREEDY).tokens, chain.tokens)
     tree = d.propose_tree(st, GREEDY)
     assert len(tree.tokens) == 26 and int(tree.tokens[0]) == expect[0]
-    small = build_drafter({"name": "medusa", "tree_top_k": 2, "num_heads": 3}, target)
+    small = build_drafter(full("medusa", tree_top_k=2, num_heads=3), target)
     assert len(small.tree.parents) == 2 + 4 + 5  # hand-counted default paths with ranks < 2, depth <= 3
 
 
@@ -247,13 +256,13 @@ def test_pruned_head_starts_from_target_rows(target, name):
     assert fit_draft_vocab(d, counts, always_include=[2])
     assert d.d2t[0] == 2 and d.d2t.shape == (48,) and int(d.draft_vocab.t2d.sum()) == 48
     assert torch.equal(d.lm_head.weight, target.lm_head().weight[d.d2t])
-    assert not fit_draft_vocab(build_drafter({"name": name}, target), counts)
+    assert not fit_draft_vocab(build_drafter(full(name), target), counts)
 
 
 @pytest.mark.parametrize("name", TRAINABLE)
 @pytest.mark.parametrize("prune", [False, True])
 def test_save_load_round_trip(target, name, prune, tmp_path):
-    cfg = pruned(name) if prune else {"name": name}
+    cfg = pruned(name) if prune else full(name)
     d = build_drafter(cfg, target)
     randomise(d)
     if prune:
@@ -274,31 +283,42 @@ def test_save_load_round_trip(target, name, prune, tmp_path):
 
 
 def test_init_from_target_layer(target):
-    d = build_drafter({"name": "eagle", "init_from_target_layer": -1}, target)
+    d = build_drafter(full("eagle", init_from_target_layer=-1), target)
     src = target.model.model.layers[-1].state_dict()
     assert all(torch.equal(v, src[k]) for k, v in d.layers[0].state_dict().items())
 
 
-def test_shipped_yaml_compose_and_build(target):
+SHIPPED = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "conf" / "drafter").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_yaml_composes_builds_and_holds_only_differences(tiny_target_cfg, name):
+    """Every conf/drafter/*.yaml is a registered drafter, composes, builds on the tiny target (the
+    SmolLM2 vocabulary) as it is, and sets only keys whose value differs from its schema."""
+    import yaml
     from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
 
     from decode.config import store_schemas
+    from drafters.base import config_dict
+    from drafters.target import load_target
 
     store_schemas()
-    conf = __import__("pathlib").Path(__file__).resolve().parents[1] / "conf"
+    conf = Path(__file__).resolve().parents[1] / "conf"
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
-        for name in ("eagle", "medusa"):
-            cfg = compose(overrides=[f"+drafter={name}"]).drafter
-            assert cfg.name == name
-            if cfg.get("draft_vocab_size"):
-                cfg.draft_vocab_size = 48  # the tiny target's vocab is smaller than SmolLM2's
-            assert build_drafter(cfg, target).name == name
+        cfg = compose(overrides=[f"+drafter={name}"]).drafter
+    assert cfg.name == name and name in CONFIGS
+    shipped = yaml.safe_load((conf / "drafter" / f"{name}.yaml").read_text())
+    schema = config_dict(CONFIGS[name]())
+    same = {k: v for k, v in shipped.items() if k != "defaults" and schema.get(k) == v}
+    assert not same, f"conf/drafter/{name}.yaml repeats schema defaults {same}"
+    assert build_drafter(OmegaConf.to_container(cfg), load_target(tiny_target_cfg)).name == name
 
 
 @pytest.mark.parametrize("name", TRAINABLE)
 def test_training_lowers_loss(target, name):
     torch.manual_seed(0)
-    cfg = {"name": name}
+    cfg = full(name)
     if "train_unroll" in CONFIGS[name].__dataclass_fields__:
         cfg["train_unroll"] = 2
     if "source" in CONFIGS[name].__dataclass_fields__:  # small_lm: every layer of the 2-layer

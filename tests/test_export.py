@@ -1,9 +1,10 @@
-"""Exports on a tiny target: every drafter (EAGLE full and pruned vocab, Medusa full and pruned) in
-every format it supports reloads with identical weights, logits and greedy decoding; the engine
-layouts compute what the engines' own forward passes (re-implemented here from their sources,
-reading only the exported files) compute; unsupported combinations and corrupted exports are
-refused with a clear error; writes are atomic; a push while offline fails clearly and keeps the
-export; the CLI and train/serve parity work on a real tiny training run."""
+"""Exports on a tiny target: every (drafter, layout) pair the registry holds (each drafter's own
+layouts plus `hf`; full and pruned vocabularies where the layout takes them) reloads with the same
+weights, logits and greedy decoding; the engine layouts compute what the engines' own forward passes
+(re-implemented here from their sources, reading only the exported files) compute; unsupported
+pairs and corrupted exports are refused with a clear error; writes are atomic; a push while offline
+fails clearly and keeps the export; the export job (train/export.py) and train/serve parity work on
+a real tiny training run."""
 from __future__ import annotations
 
 import json
@@ -19,28 +20,40 @@ import yaml
 from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 import drafters  # noqa: F401  (registers every drafter)
 from decode.spec import generate
-from drafters.base import DecodeState, TrainBatch, build_drafter, fit_draft_vocab
-from drafters.export import ExportConfig, export_drafter, load_export, run_export, validate_export
+from drafters.base import DRAFTERS, DecodeState, TrainBatch, build_drafter, fit_draft_vocab
+from drafters.export import export_drafter, full_config, load_export, validate_export
 from drafters.export_formats import ExportError
 from drafters.hub import PushError, push_to_hub
 from drafters.sampling import SamplingParams
 from drafters.target import Target
+from train.export import ExportConfig, run_export
 
 V, H = 128, 32
 GREEDY = SamplingParams()
-CASES = {  # name -> (drafter config, the formats it exports to)
-    "eagle": ({"name": "eagle"}, ["hf"]),
-    "eagle-engine": ({"name": "eagle", "input_norm": False}, ["hf", "vllm", "sglang", "speculators"]),
-    "eagle-pruned": ({"name": "eagle", "draft_vocab_size": 48}, ["hf"]),
-    "medusa": ({"name": "medusa"}, ["hf", "medusa", "vllm"]),
-    "medusa-pruned": ({"name": "medusa", "draft_vocab_size": 48, "num_layers": 2}, ["hf", "medusa"]),
-}
-ROUND_TRIPS = [(c, f) for c, (_, fmts) in CASES.items() for f in fmts]
+
+
+def example_configs() -> list:
+    """(format, drafter config) for every registered (drafter, layout) pair: the layout's
+    `requires` on the full vocabulary, and on a pruned one when the layout accepts it."""
+    out = []
+    for name, cls in sorted(DRAFTERS.items()):
+        fields = cls.config_class.__dataclass_fields__
+        for fmt, layout in sorted(cls.layouts.items()):
+            for vd in [None, 48] if "draft_vocab_size" in fields else ["n/a"]:
+                cfg = {"name": name, **layout.requires}
+                if vd != "n/a":
+                    cfg["draft_vocab_size"] = vd
+                if layout.refusal(full_config(cfg)) is None:
+                    out.append(pytest.param(fmt, cfg, id=f"{name}-{fmt}" + ("-pruned" if vd == 48 else "")))
+    return out
+
+
+PAIRS = example_configs()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -52,6 +65,15 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A real (saveable) word-level tokenizer over the V ids t0..t{V-1}; EOS = id 2."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tk = Tokenizer(models.WordLevel({f"t{i}": i for i in range(V)}, unk_token="t0"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="t0", pad_token="t1", eos_token="t2")
+
+
 @pytest.fixture(scope="module")
 def target() -> Target:
     torch.manual_seed(0)
@@ -61,13 +83,11 @@ def target() -> Target:
     model = LlamaForCausalLM(cfg)  # a non-default rope theta: a wrong one in an export shows up
     with torch.no_grad():
         model.lm_head.weight.mul_(20.0)  # peaked distributions, so drafts get accepted
-    tok = type("Tok", (), {"eos_token_id": 2, "__len__": lambda self: V})()  # ids, EOS, length
-    return Target(model, tok, "tiny")
+    return Target(model, tiny_tokenizer(), "tiny")
 
 
-def trained(target, case: str):
-    """The case's drafter with every weight moved off its init and a real (non-arange) vocab map."""
-    cfg = CASES[case][0]
+def trained(target, cfg: dict):
+    """The drafter with every weight moved off its init and a real (non-arange) vocab map."""
     d = build_drafter(cfg, target)
     g = torch.Generator().manual_seed(1)
     if cfg.get("draft_vocab_size"):
@@ -78,11 +98,16 @@ def trained(target, case: str):
     return d.eval(), cfg
 
 
+EAGLE_ENGINE = {"name": "eagle", "input_norm": False, "draft_vocab_size": None}
+EAGLE_PRUNED = {"name": "eagle", "draft_vocab_size": 48}
+MEDUSA = {"name": "medusa"}
+
+
 def batch(target, drafter, T=20) -> TrainBatch:
     ids = torch.randint(0, V, (1, T), generator=torch.Generator().manual_seed(5))
     out = target.forward(ids, layers=drafter.feature_layers)
     ones = torch.ones(1, T, dtype=torch.long)
-    return TrainBatch(ids, ones, ones, out.logits, out.features.clone())
+    return TrainBatch(ids, ones, ones, out.logits, None if out.features is None else out.features.clone())
 
 
 # -- the engines' forward passes, rebuilt from the exported files only -----------------------
@@ -159,51 +184,79 @@ def medusa_original_logits(folder: Path, feats: torch.Tensor) -> list[torch.Tens
         return [h(feats) for h in heads]
 
 
+def engine_logits(folder: Path, target, b: TrainBatch) -> list[torch.Tensor] | None:
+    """What the engine that reads this folder computes (picked by its config's architecture, as
+    the engines do): EAGLE-1 heads -> [(1, T-1, V)], Medusa heads -> one (1, T, V) per head (and
+    the original repo's heads when medusa_lm_head.pt is there). None: no engine re-implemented."""
+    arch = json.loads((folder / "config.json").read_text())["architectures"][0]
+    with torch.no_grad():
+        if arch in ("LlamaForCausalLM", "LlamaForCausalLMEagle", "EagleSpeculator"):
+            return [eagle1_engine_logits(folder, target, b)]
+        if arch == "MedusaModel":
+            out = medusa_vllm_logits(folder, b.features)
+            if (folder / "medusa_lm_head.pt").is_file():
+                assert all(torch.allclose(x, y, atol=1e-5) for x, y in
+                           zip(out, medusa_original_logits(folder, b.features)))
+            return out
+    return None
+
+
 # -- round trips -------------------------------------------------------------------------------
-@pytest.mark.parametrize("case,fmt", ROUND_TRIPS)
-def test_round_trip_logits_decoding_and_engine_forward(tmp_path, target, case, fmt):
-    src, cfg = trained(target, case)
+@pytest.mark.parametrize("fmt,cfg", PAIRS)
+def test_round_trip_logits_decoding_and_engine_forward(tmp_path, target, fmt, cfg):
+    src, cfg = trained(target, cfg)
     out = export_drafter(src, cfg, target, fmt, tmp_path / "x", base_model="org/tiny",
                          speculative_tokens=4)["path"]
     back = load_export(out, target).eval()
     b = batch(target, src)
     with torch.no_grad():
         want, got = src.forward_train(b), back.forward_train(b)
-    assert all(torch.equal(p.logits, q.logits) for p, q in zip(want, got))
+    assert all(torch.allclose(p.logits, q.logits, atol=1e-5) for p, q in zip(want, got))
     prompt = torch.randint(0, V, (12,), generator=torch.Generator().manual_seed(7))
     r1 = generate(target, src, prompt, max_new_tokens=24, k=4)
     r2 = generate(target, back, prompt, max_new_tokens=24, k=4)
     assert torch.equal(r1.tokens, r2.tokens) and r1.accepted == r2.accepted
     tokens = torch.cat([prompt, r1.tokens])  # the same drafts, chain and tree, mid-generation
-    feats = target.forward(tokens[None, :-1], layers=src.feature_layers, logits=False).features[0]
+    feats = target.forward(tokens[None, :-1], layers=src.feature_layers, logits=False).features
     for d in (src, back):
         d.reset()
-    state = DecodeState(tokens=tokens, features=feats)
+    state = DecodeState(tokens=tokens, features=None if feats is None else feats[0])
     assert torch.equal(src.propose(state, 4, GREEDY).tokens, back.propose(state, 4, GREEDY).tokens)
     t1, t2 = src.propose_tree(state, GREEDY), back.propose_tree(state, GREEDY)
     assert torch.equal(t1.tokens, t2.tokens) and torch.equal(t1.parents, t2.parents)
     card = (out / "README.md").read_text()
     meta = yaml.safe_load(card.split("---")[1])
     assert meta["base_model"] == "org/tiny" and cfg["name"] in meta["tags"] and meta["license"]
-    with torch.no_grad():
-        if cfg["name"] == "eagle" and fmt != "hf":
-            assert torch.allclose(eagle1_engine_logits(out, target, b), want[0].logits[:, :-1], atol=1e-5)
-        if cfg["name"] == "medusa" and fmt != "hf":
-            f = b.features
-            ours = [src.head_logits(f, k) for k in range(src.cfg.num_heads)]  # (1, T, Vd)
-            cols = src.d2t if src.d2t is not None else torch.arange(V)
-            for mine, theirs in zip(ours, medusa_vllm_logits(out, f)):
-                assert torch.allclose(theirs[..., cols], mine, atol=1e-5)
-                assert bool(torch.isinf(theirs).sum() == theirs[..., 0].numel() * (V - len(cols)))
-            if (out / "medusa_lm_head.pt").is_file():
-                for mine, theirs in zip(ours, medusa_original_logits(out, f)):
-                    assert torch.allclose(theirs, mine, atol=1e-5)
-            else:
-                assert src.d2t is not None or src.cfg.num_layers > 1  # only where it cannot hold them
+    assert f"exported as `{fmt}`" in card and len(meta["tags"]) == len(set(meta["tags"]))
+    standalone = DRAFTERS[cfg["name"]].layouts[fmt].save is not None  # loaded by transformers above
+    theirs = None if fmt == "hf" or standalone else engine_logits(out, target, b)
+    if theirs is not None:  # the engine's forward = ours, on the draft vocab
+        cols = src.d2t if src.d2t is not None else torch.arange(V)  # (Vd,) target ids
+        for pred, logits in zip(want, theirs):  # logits (1, n, V) over positions 0..n-1
+            n = logits.shape[1]
+            assert torch.allclose(logits[..., cols], pred.logits[:, :n], atol=1e-5)
+            assert int(torch.isinf(logits).sum()) == logits[..., 0].numel() * (V - len(cols))
+
+
+def test_every_non_hf_tensor_layout_has_an_engine_check(tmp_path, target):
+    """The engine layouts registered today are all re-implemented above (a new one is flagged)."""
+    seen = set()
+    for param in PAIRS:
+        fmt, cfg = param.values
+        if fmt == "hf" or cfg.get("draft_vocab_size"):
+            continue
+        src, cfg = trained(target, cfg)
+        layout = DRAFTERS[cfg["name"]].layouts[fmt]
+        if layout.save is not None:  # a standalone model, checked by transformers itself
+            continue
+        out = export_drafter(src, cfg, target, fmt, tmp_path / f"{cfg['name']}-{fmt}")["path"]
+        assert engine_logits(out, target, batch(target, src)) is not None, (cfg["name"], fmt)
+        seen.add(fmt)
+    assert seen
 
 
 def test_config_values_engines_read(tmp_path, target):
-    src, cfg = trained(target, "eagle-engine")
+    src, cfg = trained(target, EAGLE_ENGINE)
     vllm = json.loads((export_drafter(src, cfg, target, "vllm", tmp_path / "v")["path"] / "config.json").read_text())
     assert vllm["architectures"] == ["LlamaForCausalLM"]  # vLLM's EAGLEConfig adds the Eagle prefix
     assert vllm["rope_theta"] == 50000.0 and vllm["num_hidden_layers"] == 1 and vllm["vocab_size"] == V
@@ -220,17 +273,20 @@ def test_config_values_engines_read(tmp_path, target):
 
 
 @pytest.mark.parametrize("cfg,fmt,says", [
-    ({"name": "eagle", "draft_vocab_size": 48}, "vllm", "draft_vocab_size=null"),
-    ({"name": "eagle"}, "sglang", "input_norm=false"),
-    ({"name": "eagle", "input_norm": False, "feature_layer": 1}, "vllm", "feature_layer=-1"),
-    ({"name": "eagle", "input_norm": False, "num_layers": 2}, "speculators", "num_layers=1"),
-    ({"name": "eagle", "input_norm": False}, "eagle3", "EAGLE-3 drafter"),
-    ({"name": "eagle", "input_norm": False}, "medusa", "for medusa drafters"),
-    ({"name": "medusa"}, "sglang", "no Medusa loader"),
-    ({"name": "medusa"}, "onnx", "unknown format"),
+    (EAGLE_PRUNED, "vllm", "draft_vocab_size=null"),
+    ({"name": "eagle", "draft_vocab_size": None}, "sglang", "input_norm=false"),
+    ({**EAGLE_ENGINE, "feature_layer": 1}, "vllm", "feature_layer=-1"),
+    ({**EAGLE_ENGINE, "num_layers": 2}, "speculators", "num_layers=1"),
+    (EAGLE_ENGINE, "eagle3", "unknown format 'eagle3' for drafter 'eagle'; its formats: hf, "
+                             "sglang, speculators, vllm"),
+    (EAGLE_ENGINE, "medusa", "unknown format 'medusa' for drafter 'eagle'"),
+    (MEDUSA, "sglang", "unknown format 'sglang' for drafter 'medusa'; its formats: hf, medusa, vllm"),
+    (MEDUSA, "onnx", "unknown format"),
+    ({"name": "ngram"}, "hf", "registers no export layouts"),
+    ({"name": "eagle", "draft_vocab_size": 4096}, "hf", r"draft_vocab_size=4096 must be in \[1, 128\]"),
 ])
 def test_unsupported_combinations_are_refused(tmp_path, target, cfg, fmt, says):
-    with pytest.raises(ExportError, match=says):
+    with pytest.raises((ExportError, ValueError), match=says):
         export_drafter(build_drafter(cfg, target), cfg, target, fmt, tmp_path / "x")
     assert list(tmp_path.iterdir()) == []  # nothing written, no temp folder left
 
@@ -248,35 +304,35 @@ def _edit_config(folder, fn):
     (folder / "config.json").write_text(json.dumps(c))
 
 
-CORRUPTIONS = {
-    "missing key": ("eagle-pruned", "hf", lambda f: _edit_tensors(f, lambda t: t.pop("fc.weight")),
+CORRUPTIONS = {  # exports of one configuration per layout validator, corrupted
+    "missing key": (EAGLE_PRUNED, "hf", lambda f: _edit_tensors(f, lambda t: t.pop("fc.weight")),
                     "required tensor 'fc.weight' is missing"),
-    "extra key": ("eagle-engine", "vllm", lambda f: _edit_tensors(
+    "extra key": (EAGLE_ENGINE, "vllm", lambda f: _edit_tensors(
         f, lambda t: t.update({"layers.0.input_layernorm.weight": torch.ones(H)})),
         "unexpected tensor 'layers.0.input_layernorm.weight'"),
-    "wrong shape": ("eagle-pruned", "hf", lambda f: _edit_tensors(
+    "wrong shape": (EAGLE_PRUNED, "hf", lambda f: _edit_tensors(
         f, lambda t: t.update({"lm_head.weight": t["lm_head.weight"][:40].clone()})),
         r"lm_head.weight has shape \(40, 32\), expected \(48, 32\)"),
-    "wrong dtype": ("medusa", "medusa", lambda f: _edit_tensors(
+    "wrong dtype": (MEDUSA, "medusa", lambda f: _edit_tensors(
         f, lambda t: t.update({"blocks.0.layers.0.weight": t["blocks.0.layers.0.weight"].half()})),
         "has dtype torch.float16, expected torch.float32"),
-    "d2t not increasing": ("eagle-pruned", "hf", lambda f: _edit_tensors(
+    "d2t not increasing": (EAGLE_PRUNED, "hf", lambda f: _edit_tensors(
         f, lambda t: t["d2t"].__setitem__(slice(0, 2), torch.tensor([5, -1]))), "strictly increasing"),
-    "d2t out of range": ("eagle-pruned", "hf", lambda f: _edit_tensors(
+    "d2t out of range": (EAGLE_PRUNED, "hf", lambda f: _edit_tensors(
         f, lambda t: t["d2t"].__setitem__(-1, 500)), r"outside \[0, 128\)"),
-    "t2d disagrees": ("eagle-pruned", "hf", lambda f: _edit_tensors(
+    "t2d disagrees": (EAGLE_PRUNED, "hf", lambda f: _edit_tensors(
         f, lambda t: t["t2d"].__setitem__(int((~t["t2d"]).nonzero()[0]), True)), "t2d disagrees with d2t"),
-    "token_map repeats": ("medusa-pruned", "medusa", lambda f: _edit_tensors(
+    "token_map repeats": ({"name": "medusa", "draft_vocab_size": 48, "num_layers": 2}, "medusa", lambda f: _edit_tensors(
         f, lambda t: t["token_map"].__setitem__(1, t["token_map"][0])), "strictly increasing"),
-    "config value": ("medusa", "medusa", lambda f: _edit_config(f, lambda c: c.update(num_heads=3)),
+    "config value": (MEDUSA, "medusa", lambda f: _edit_config(f, lambda c: c.update(num_heads=3)),
                      "num_heads = 3, expected 4"),
-    "config key": ("eagle-engine", "vllm", lambda f: _edit_config(f, lambda c: c.pop("rope_theta")),
+    "config key": (EAGLE_ENGINE, "vllm", lambda f: _edit_config(f, lambda c: c.pop("rope_theta")),
                    "required key 'rope_theta' is missing"),
-    "not ours": ("eagle", "hf", lambda f: _edit_config(f, lambda c: c.pop("specdistill")),
+    "not ours": ({"name": "eagle", "draft_vocab_size": None}, "hf", lambda f: _edit_config(f, lambda c: c.pop("specdistill")),
                  "not an export written by drafters.export"),
-    "weights file": ("medusa", "medusa", lambda f: (f / "medusa_lm_head.pt").unlink() or
+    "weights file": (MEDUSA, "medusa", lambda f: (f / "medusa_lm_head.pt").unlink() or
                      (f / "model.safetensors").unlink(), "weights file model.safetensors is missing"),
-    "sglang bias": ("eagle-engine", "sglang", lambda f: _edit_tensors(
+    "sglang bias": (EAGLE_ENGINE, "sglang", lambda f: _edit_tensors(
         f, lambda t: t["fc.bias"].fill_(0.5)), "fc.bias must be zero"),
 }
 
@@ -295,7 +351,7 @@ def test_validation_rejects_a_corrupted_export(tmp_path, target, name):
 
 
 def test_export_for_another_target_and_vocab_warnings(tmp_path, target):
-    src, cfg = trained(target, "eagle-pruned")
+    src, cfg = trained(target, EAGLE_PRUNED)
     out = export_drafter(src, cfg, target, "hf", tmp_path / "x")["path"]
     other = Target(LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=48, intermediate_size=64,
                                                 num_hidden_layers=1, num_attention_heads=4)),
@@ -303,7 +359,7 @@ def test_export_for_another_target_and_vocab_warnings(tmp_path, target):
     with pytest.raises(ExportError, match="was exported for target tiny"):
         load_export(out, other)
     short = Target(target.model, type("Tok", (), {"eos_token_id": 2, "__len__": lambda s: 64})(), "t")
-    no_eos = trained(target, "eagle-pruned")[0]
+    no_eos = trained(target, EAGLE_PRUNED)[0]
     no_eos.set_draft_vocab(torch.arange(80, 128))  # excludes EOS 2; ids >= 64 are not tokens
     warnings = export_drafter(no_eos, cfg, short, "hf", tmp_path / "y")["warnings"]
     assert any("EOS ids [2]" in w for w in warnings) and any("padding rows" in w for w in warnings)
@@ -311,7 +367,7 @@ def test_export_for_another_target_and_vocab_warnings(tmp_path, target):
 
 # -- atomic writes, Hub push -------------------------------------------------------------------
 def test_export_is_atomic(tmp_path, target):
-    src, cfg = trained(target, "eagle")
+    src, cfg = trained(target, {"name": "eagle", "draft_vocab_size": None})
 
     def crash(folder):
         assert (folder / "model.safetensors").is_file()  # called on the complete temp folder
@@ -332,7 +388,7 @@ def test_export_is_atomic(tmp_path, target):
 
 
 def test_push_to_hub_offline_fails_clearly_and_keeps_the_export(tmp_path, target, monkeypatch):
-    src, cfg = trained(target, "medusa")
+    src, cfg = trained(target, MEDUSA)
     out = export_drafter(src, cfg, target, "medusa", tmp_path / "x")["path"]
     assert os.environ["HF_HUB_OFFLINE"] == "1"
     with pytest.raises(PushError, match=f"HF_HUB_OFFLINE is set.*complete at {out}"):
@@ -375,16 +431,16 @@ def test_cli_exports_a_run_with_parity_and_a_card(tmp_path, tiny_run):
 
 
 def test_module_cli_runs(tmp_path, tiny_run):
-    """`python -m drafters.export` through Hydra; nothing lands in the working directory."""
+    """`python -m train.export` through Hydra; nothing lands in the working directory."""
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "drafters.export", f"run={tiny_run}", "format=speculators",
+    cmd = [sys.executable, "-m", "train.export", f"run={tiny_run}", "format=speculators",
            f"out={tmp_path / 'spec'}"]
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "exported" in done.stdout and sorted(p.name for p in tmp_path.iterdir()) == ["spec"]
     cfg = OmegaConf.merge(OmegaConf.structured(ExportConfig),
                           {"run": str(tiny_run), "format": "eagle3", "out": str(tmp_path / "e3")})
-    with pytest.raises(ExportError, match="needs an EAGLE-3 drafter"):  # refused before any loading
+    with pytest.raises(ExportError, match="unknown format 'eagle3'"):  # refused before any loading
         run_export(cfg)
 
 

@@ -16,7 +16,8 @@ from conftest import TINY_MODEL
 from data.capture import pad_batch
 from decode.spec import generate
 from drafters.base import (DecodeState, TrainBatch, build_drafter, load_drafter, save_drafter)
-from drafters.hf_export import export_hf, load_hf_export
+from drafters.card import CardFacts
+from drafters.export import ExportError, export_drafter, load_export
 from drafters.sampling import SamplingParams
 from drafters.target import TargetConfig, load_target
 from train.losses import distill_loss
@@ -208,17 +209,16 @@ def test_hf_export_reloads_and_assists_target_generate(target, tmp_path):
         for n, p in d.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.05)
-    run = tmp_path / "run"
-    (run / "final_eval").mkdir(parents=True)
-    (run / "final_eval" / "result.json").write_text(json.dumps({"summary": {
-        "eval": "mtbench", "generations": 2, "k": 4, "temperature": 0.0, "max_new_tokens": 16,
-        "tau": 2.345, "speedup": 1.21, "outputs_identical_to_plain": True,
-        "spec_accept_cond": [0.8, 0.6]}, "prompts": []}))
-    out = export_hf(d, tmp_path / "export", target.tokenizer, run_dir=run, k=4)
+    facts = CardFacts(final={"eval": "mtbench", "generations": 2, "k": 4, "max_new_tokens": 16},
+                      final_table="| tau | speedup |\n|---:|---:|\n| 2.345 | 1.21x |",
+                      simulated={"step": 8, "tau": 1.5, "acceptance": [0.8, 0.6]})
+    cfg = {"name": "small_lm", "num_layers": 2, "lora": {"r": 2}}
+    out = export_drafter(d, cfg, target, "causal_lm", tmp_path / "export", facts=facts,
+                         speculative_tokens=4)["path"]
     files = {p.name for p in out.iterdir()}
     assert {"config.json", "model.safetensors", "README.md", "tokenizer.json"} <= files
-    card = (out / "README.md").read_text()
-    assert "2.345" in card and "1.21x" in card and "0.800, 0.600" in card
+    card = (out / "README.md").read_text()  # the measurements the caller handed over
+    assert "| 2.345 | 1.21x |" in card and "0.800, 0.600" in card and "step 8" in card
     exported = AutoModelForCausalLM.from_pretrained(out).eval()
     assert exported.config.tie_word_embeddings and exported.config.num_hidden_layers == 2
     ids = prompt_ids(target)[None]
@@ -226,7 +226,7 @@ def test_hf_export_reloads_and_assists_target_generate(target, tmp_path):
         torch.testing.assert_close(exported(ids).logits, d.eval().logits(ids), atol=1e-5, rtol=0)
     assert exported.config.specdistill["drafter"]["name"] == "small_lm"
     with torch.no_grad():  # our decoder can load the folder back as a drafter
-        torch.testing.assert_close(load_hf_export(out, target).logits(ids), d.logits(ids),
+        torch.testing.assert_close(load_export(out, target).logits(ids), d.logits(ids),
                                    atol=1e-5, rtol=0)
     calls = []
     exported.register_forward_hook(lambda *a: calls.append(1))
@@ -236,6 +236,9 @@ def test_hf_export_reloads_and_assists_target_generate(target, tmp_path):
     assert calls and torch.equal(plain, assisted)
     with pytest.raises(ValueError, match="full vocabulary"):
         small(target, draft_vocab_size=64).to_hf_model()
+    with pytest.raises(ExportError, match="format causal_lm needs .*draft_vocab_size=null"):
+        export_drafter(small(target, draft_vocab_size=64), {"name": "small_lm", "draft_vocab_size": 64},
+                       target, "causal_lm", tmp_path / "pruned")
 
 
 @pytest.mark.parametrize("tree", [False, True])
@@ -319,18 +322,17 @@ def test_recipe_mixes_on_policy_batches(tmp_path):
     assert all(0 < r["positions/s0"] <= 2 * 6 for r in steps)  # only the continuations count
 
 
-def test_export_job_routes_small_lm_to_hf(target, tmp_path):
-    from drafters.export import ExportError, export_drafter, load_export
-
-    d = small(target)
+def test_small_lm_exports_in_the_layouts_it_registered(target, tmp_path):
     cfg = {"name": "small_lm", "num_layers": 1}
-    with pytest.raises(ExportError, match="format=hf"):
+    d = small(target, num_layers=1)
+    with pytest.raises(ExportError, match="unknown format 'vllm'.*its formats: causal_lm, hf"):
         export_drafter(d, cfg, target, "vllm", tmp_path / "v")
-    out = export_drafter(d, cfg, target, "hf", tmp_path / "hf")["path"]
-    back = load_export(out, target)  # what `python -m decode ckpt=<export>` calls
     ids = prompt_ids(target)[None]
-    with torch.no_grad():
-        torch.testing.assert_close(back.logits(ids), d.logits(ids))
+    for fmt in ("hf", "causal_lm"):
+        out = export_drafter(d, cfg, target, fmt, tmp_path / fmt)["path"]
+        back = load_export(out, target)  # what `python -m decode ckpt=<export>` calls
+        with torch.no_grad():
+            torch.testing.assert_close(back.logits(ids), d.logits(ids))
 
 
 def test_offline_capture_for_a_drafter_without_features(tmp_path):

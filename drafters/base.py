@@ -120,9 +120,11 @@ class Drafter(nn.Module):
     tags: ClassVar[tuple[str, ...]] = ()  # extra model-card tags (e.g. "eagle1")
     feature_layers: tuple[int, ...] = ()  # target hidden states the drafter reads at decode time
 
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, cfg: DrafterConfig | None = None, target=None) -> None:
         super().__init__()
         self.vocab_size = vocab_size  # the target vocabulary the proposals are expressed in
+        self.cfg = cfg  # its config (a `config_class` instance)
+        self.target = target  # the frozen target: a plain attribute, not a submodule, never saved
 
     @classmethod
     def build(cls, cfg, target) -> "Drafter":
@@ -353,9 +355,7 @@ def trainable_drafters() -> list[str]:
 
 
 # =================================================================================================
-# Construction, saving and loading of drafters
-#
-# Every drafter class has `@classmethod build(cls, cfg, target) -> Drafter` (Drafter.build by
+# Construction, saving and loading of drafters. Every drafter class has `@classmethod build(cls, cfg, target) -> Drafter` (Drafter.build by
 # default), where cfg is its config dataclass, an OmegaConf node or a plain dict. Saving and loading
 # a drafter folder (drafter.safetensors + drafter.json): drafters/folder.py, re-exported here.
 # =================================================================================================

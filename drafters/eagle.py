@@ -196,12 +196,10 @@ class Eagle(Drafter):
     tags = ("eagle1",)
 
     def __init__(self, cfg: EagleConfig, target) -> None:
-        super().__init__(target.vocab_size)
+        super().__init__(target.vocab_size, cfg, target)
         if cfg.num_layers < 1 or cfg.train_unroll < 1:
             raise ValueError(f"eagle: num_layers ({cfg.num_layers}) and train_unroll "
                              f"({cfg.train_unroll}) must be >= 1")
-        self.cfg = cfg
-        self.target = target  # plain attribute: not a submodule, never saved
         self.feature_layers = (cfg.feature_layer,)
         H = target.hidden_size
         self.llama_config = drafter_llama_config(target, cfg.num_layers)

@@ -178,12 +178,10 @@ class Medusa(Drafter):
     feature_layers = (-1,)
 
     def __init__(self, cfg: MedusaConfig, target) -> None:
-        super().__init__(target.vocab_size)
+        super().__init__(target.vocab_size, cfg, target)
         if cfg.num_heads < 1 or cfg.num_layers < 0:
             raise ValueError(f"medusa: num_heads ({cfg.num_heads}) must be >= 1 and num_layers "
                              f"({cfg.num_layers}) >= 0")
-        self.cfg = cfg
-        self.target = target  # plain attribute: not a submodule, never saved
         H = target.hidden_size
         self.heads = nn.ModuleList(nn.Sequential(*[MedusaResBlock(H) for _ in range(cfg.num_layers)])
                                    for _ in range(cfg.num_heads))

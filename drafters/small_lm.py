@@ -106,7 +106,7 @@ class SmallLm(Drafter):
     """A small HF causal LM (held as `self.lm`, peft-wrapped with LoRA) drafting on its own."""
 
     def __init__(self, cfg: SmallLmConfig, target) -> None:
-        super().__init__(target.vocab_size)
+        super().__init__(target.vocab_size, cfg, target)
         if cfg.source not in SOURCES:
             raise ValueError(f"small_lm: source must be one of {SOURCES}, not {cfg.source!r}")
         if cfg.fresh_config and cfg.source != "fresh":
@@ -122,7 +122,7 @@ class SmallLm(Drafter):
         if cfg.lora.r > 0 and not cfg.freeze_embeddings:
             raise ValueError("small_lm: with LoRA (lora.r > 0) only adapters train; set "
                              "freeze_embeddings=true or lora.r=0 for a full fine-tune")
-        self.cfg, self.target = cfg, target  # target: a plain attribute, never saved
+        self.cfg = cfg  # with `layers` resolved
         lm = (self._pretrained(cfg, target) if cfg.source == "pretrained"
               else self._from_target(cfg, target))
         if cfg.freeze_embeddings:

@@ -16,7 +16,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from data import quiet  # noqa: F401  (re-exported: the one progress-bar switch)
+from data import quiet
 from data.prompts import load_prompts
 from decode.metrics import RunMetrics
 from decode.spec import generate

@@ -24,13 +24,13 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from data import quiet
 from data.capture import (CaptureConfig, OfflineFeatures, autocast, capture, capture_split,
                           target_logits)
 from data.dataset import load_chat_dataset
 from data.regenerate import self_distilled
-from decode.acceptance import simulate_acceptance
+from decode.simulate import simulate_acceptance
 from drafters.base import TrainBatch, build_drafter, fit_draft_vocab, load_drafter
-from decode.evaluate import quiet
 from drafters.target import cache_root, load_target
 from train import checkpoint as ckpt
 from train.backends import build_backend, peer_failure_message

@@ -4,12 +4,14 @@ The config path is relative to this file, so the job composes from conf/ both fr
 and after `pip install -e .`.
 """
 import hydra
+from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
-from decode.config import store_schemas
+from drafters.schemas import store_drafter_schemas
 from train.config import TrainConfig
 
-store_schemas("train_schema", TrainConfig)
+store_drafter_schemas()
+ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 
 
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")

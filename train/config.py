@@ -8,7 +8,7 @@ from omegaconf import MISSING, OmegaConf
 
 from data.dataset import DataConfig
 from drafters.target import TargetConfig
-from train.backends import rank_zero_log, rank_zero_only, run_id
+from train.distributed import rank_zero_log, rank_zero_only, run_id
 
 # conf/train.yaml: `${run_id:}` names the run dir all ranks share; Hydra's .hydra/ and log file are
 # written by rank 0 only. Cached: the id is fixed once per process.
@@ -97,7 +97,7 @@ class TrainConfig:
     logger: LoggerConfig = MISSING
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)  # trainer.backend=deepspeed only
     # one folder per job (config, ckpts, logs), shared by all ranks: the job's id under a launcher
-    # (RUN_ID, torchrun --rdzv-id, SLURM_JOB_ID), else its start time (train/backends.py: run_id)
+    # (RUN_ID, torchrun --rdzv-id, SLURM_JOB_ID), else its start time (train/distributed.py: run_id)
     run_dir: str = "runs/train/${run_id:}"
     resume: bool = False  # continue from the latest complete checkpoint in run_dir
     seed: int = 0  # seeds torch, the data order and sampling

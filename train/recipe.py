@@ -33,7 +33,8 @@ from decode.simulate import simulate_acceptance
 from drafters.base import TrainBatch, build_drafter, fit_draft_vocab, load_drafter
 from drafters.target import cache_root, load_target
 from train import checkpoint as ckpt
-from train.backends import build_backend, peer_failure_message
+from train.backends import build_backend
+from train.distributed import peer_failure_message
 from train.batches import BatchIterator
 from train.loggers import Loggers
 from train.losses import distill_loss

@@ -244,3 +244,14 @@ def test_no_eval_conversations_skips_evals_and_keeps_best(tmp_path, chat_file, c
     rows = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
     assert not any("eval/sim_tau" in r for r in rows)
     assert (tmp_path / "run" / "best" / "drafter.safetensors").is_file()
+
+
+def test_rows_of_redone_steps_are_not_logged_twice(two_ckpts, chat_file):  # noqa: F811
+    tmp_path, _ = two_ckpts
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    with open(metrics, "a") as f:  # logged by the interrupted job after its last checkpoint
+        f.write(json.dumps({"step": 5, "loss": 99.0}) + "\n")
+    before = [json.loads(x) for x in open(metrics)]
+    _resume(tmp_path, chat_file)
+    after = [json.loads(x) for x in open(metrics)]
+    assert after == [r for r in before if r["step"] <= 4] and len(after) < len(before)

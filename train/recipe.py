@@ -209,6 +209,7 @@ class DistillRecipe:
         self.batches.load_state_dict(state["data"])
         ckpt.set_rng_state(state["rng"])
         self.step, self.best_tau = state["step"], state.get("best_tau", -1.0)
+        self.loggers.rewind(self.step)  # the steps after it are redone: no metrics row twice
         log.info("resumed from %s (step %d)", last, self.step)
 
     # ------------------------------------------------------------------------------------- train

@@ -51,3 +51,11 @@ def store_schemas(primary_name: str | None = None, primary: type | None = None) 
     store_drafter_schemas()
     if primary is not None:
         ConfigStore.instance().store(name=primary_name, node=primary)
+
+
+# Allowed ranges of numeric settings, checked before any work (drafters/cli.py check_ranges).
+DECODE_RULES = {
+    "max_new_tokens": (1, None), "temperature": (0, None), "top_k": (0, None),
+    "top_p": (0, 1, "open"), "k": (0, None), "min_confidence": (0, 1), "eval.limit": (1, None),
+    "eval.turns": (1, 2),
+}

@@ -16,9 +16,12 @@ ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    from drafters.cli import user_errors
     from train.recipe import run
 
-    run(cfg)
+    with user_errors("python -m train", interrupt_hint=f"Continue this run with: python -m train "
+                     f"run_dir={cfg.run_dir} resume=true (plus the same overrides)"):
+        run(cfg)
 
 
 if __name__ == "__main__":

@@ -31,9 +31,13 @@ from data.regenerate import self_distilled
 from decode.simulate import simulate_acceptance
 from drafters.base import TrainBatch, build_drafter, fit_draft_vocab, load_drafter
 from drafters.target import cache_root, load_target
+from drafters.cli import check_ranges
 from train import checkpoint as ckpt
 from train.backends import build_backend
+from train.config import TRAIN_RULES
 from train.distributed import peer_failure_message
+from train.resume import check_resume_config
+from train.runlock import RunLock
 from train.batches import BatchIterator
 from train.loggers import Loggers
 from train.losses import distill_loss
@@ -94,8 +98,9 @@ class DistillRecipe:
         self._setup_optimizer(self.tcfg)  # 3. optimizer, schedule, the backend-wrapped model
         self.offline = self._setup_features(self.tcfg)  # 4. offline features (None: online)
         self._setup_batches(cfg)  # 5. the data order, and on-policy batches (DistillSpec)
-        if cfg.resume:  # 6. resume from the latest complete checkpoint
+        if cfg.resume:  # 6. resume from the newest checkpoint that verifies
             self._resume()
+        self._write_config()  # 7. only now: a failed setup leaves the run's config.yaml as it was
         log.info("drafter %s: %.2f M trainable parameters", cfg.drafter.name,
                  sum(p.numel() for p in self.params) / 1e6)
 
@@ -173,12 +178,25 @@ class DistillRecipe:
                 raise PermissionError(f"cannot create run_dir {self.run_dir}: {e}; set run_dir=...") from e
             if not os.access(self.run_dir, os.W_OK):
                 raise PermissionError(f"run_dir {self.run_dir} is not writable; set run_dir=...")
+            self.lock = RunLock(self.run_dir).acquire()  # one job per run dir
             if not self.cfg.resume and ckpt.latest_checkpoint(self.run_dir) is not None:
                 raise FileExistsError(f"run_dir {self.run_dir} already holds checkpoints of another "
                                       f"run: pass resume=true to continue it or a new run_dir=")
             self._check_disk_space(MIN_FREE_BYTES)
-            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg, resolve=True))
+        self._resume_from = None
+        if self.cfg.resume:  # every rank: verify before any heavy work, refuse a changed run
+            self._resume_from = ckpt.resumable_checkpoint(self.run_dir)
+            if self._resume_from is not None:
+                check_resume_config(self._resume_from, self.cfg)
         self.backend.barrier()
+
+    def _write_config(self) -> None:
+        """Rank 0 writes the resolved config.yaml; the previous one is kept as config.prev.yaml."""
+        if self.backend.is_main:
+            path = self.run_dir / "config.yaml"
+            if path.is_file():
+                os.replace(path, self.run_dir / "config.prev.yaml")
+            path.write_text(OmegaConf.to_yaml(self.cfg, resolve=True))
 
     def _check_disk_space(self, need: int) -> None:
         """Fail before training when the run dir's disk cannot hold the rolling checkpoints."""
@@ -192,7 +210,7 @@ class DistillRecipe:
                           f"need about {need / 2**20:.0f} MiB. Free space or set run_dir= to another disk.")
 
     def _resume(self) -> None:
-        last = ckpt.latest_checkpoint(self.run_dir)
+        last = self._resume_from
         if last is None:
             log.warning("resume=true but no complete checkpoint in %s: starting fresh", self.run_dir)
             return
@@ -202,6 +220,7 @@ class DistillRecipe:
         self.batches.load_state_dict(state["data"])
         ckpt.set_rng_state(state["rng"])
         self.step, self.best_tau = state["step"], state.get("best_tau", -1.0)
+        self.loggers.rewind(self.step)  # the steps after it are redone: no metrics row twice
         log.info("resumed from %s (step %d)", last, self.step)
 
     # ------------------------------------------------------------------------------------- train
@@ -285,6 +304,10 @@ class DistillRecipe:
             if not self.backend.is_main:
                 return {}
             n = min(self.tcfg.eval_conversations, len(self.eval_ds))
+            if n == 0:  # no held-out data: no eval (and best/ follows the latest checkpoint)
+                log.warning("no eval conversations (data.eval_fraction=%s of this data gives 0): "
+                            "evals skipped, best/ = the latest checkpoint", self.cfg.data.eval_fraction)
+                return {}
             res = simulate_acceptance(self.target, self.drafter, self.eval_ds.select(range(n)),
                                       k=self.tcfg.eval_k, positions=8)
         flat = {"eval/sim_tau": res["sim_tau"], "eval/mean_accepted": res["mean_accepted"],
@@ -298,10 +321,10 @@ class DistillRecipe:
         """Collective: every rank writes its part of checkpoints/step-N/ (train/checkpoint.py);
         rank 0 keeps the best drafter by simulated tau in best/ and prunes old checkpoints."""
         tau = float(self.last_eval.get("sim_tau", -1.0)) if getattr(self, "last_eval", None) else -1.0
-        is_best = tau > self.best_tau  # tau is only known on rank 0; only rank 0 acts on it
+        is_best = tau > self.best_tau or len(self.eval_ds) == 0  # no eval data: best = latest
         self.best_tau = max(self.best_tau, tau)
         state = {"scheduler": self.scheduler.state_dict(), "data": self.batches.state_dict(),
-                 "best_tau": self.best_tau}
+                 "best_tau": self.best_tau, "config": OmegaConf.to_container(self.cfg, resolve=True)}
         path = ckpt.save_checkpoint(self.run_dir, self.step, self.backend, self.drafter,
                                     self.cfg.drafter, self.optimizer, state)
         if self.backend.is_main:
@@ -330,20 +353,29 @@ class DistillRecipe:
     def cleanup(self) -> None:
         self.loggers.close()
         self.backend.close()
+        self.release_lock()
+
+    def release_lock(self) -> None:
+        if getattr(self, "lock", None) is not None:
+            self.lock.release()
 
 
 def run(cfg: DictConfig) -> None:
+    check_ranges(cfg, TRAIN_RULES)
     recipe = DistillRecipe(cfg)
     try:
         recipe.setup()
         recipe.train()
-    except Exception as e:  # a dead or hung peer surfaces as an opaque gloo/nccl error: say so
-        msg = peer_failure_message(e, cfg.trainer.dist_timeout_s)
+    except BaseException as e:  # a dead or hung peer surfaces as an opaque gloo/nccl error: say so
+        recipe.release_lock()
+        msg = peer_failure_message(e, cfg.trainer.dist_timeout_s) if isinstance(e, Exception) else None
         if msg is None:
             raise
         raise RuntimeError(msg) from e
-    result = recipe.final_eval()
-    if result is not None:
-        print(result["markdown"], flush=True)
-        (Path(cfg.run_dir) / "summary.json").write_text(json.dumps(result["summary"], indent=2))
-    recipe.cleanup()
+    try:
+        result = recipe.final_eval()
+        if result is not None:
+            print(result["markdown"], flush=True)
+            (Path(cfg.run_dir) / "summary.json").write_text(json.dumps(result["summary"], indent=2))
+    finally:
+        recipe.cleanup()

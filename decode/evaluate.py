@@ -69,6 +69,33 @@ def first_difference(target, prompt_ids: torch.Tensor, plain: torch.Tensor,
             "near_tie": abs(margin) <= near_tie_tolerance(target.dtype, float(logits[a]))}
 
 
+def _budget(target, ids: torch.Tensor, max_new_tokens: int, what: str) -> int:
+    """max_new_tokens, or what the target's context leaves after the prompt (recorded as capped)."""
+    budget = min(max_new_tokens, target.max_length - len(ids))
+    if budget < 1:
+        raise ValueError(f"{what} has {len(ids)} tokens: no room left in the target's context "
+                         f"({target.max_length}); shorten it or use a target with a longer context")
+    return budget
+
+
+def _lossless_check(rows: list[dict]) -> dict:
+    """Greedy: every output must equal plain decoding's, except at floating-point near-ties of
+    the target's logits (first_difference); anything else fails the check (and the command)."""
+    mismatches = sum(r["identical_to_plain"] is False for r in rows)
+    ties = sum(bool(r.get("first_difference", {}).get("near_tie")) for r in rows)
+    if mismatches > ties:
+        log.error("%d greedy generations differ from plain decoding beyond a floating-point near-tie: "
+                  "the decoder is not lossless here; see first_difference in result.json",
+                  mismatches - ties)
+    elif mismatches:
+        log.warning("%d greedy generations differ from plain decoding, each at a near-tie of the "
+                    "target's logits (first_difference.margin in result.json): a floating-point "
+                    "tie-break, not a loss of exactness", mismatches)
+    return {"outputs_identical_to_plain": mismatches == 0, "mismatched_generations": mismatches,
+            "mismatches_near_ties": ties,  # floating-point tie-breaks, not bugs
+            "lossless_check": "passed" if mismatches == ties else "failed"}
+
+
 def evaluate_drafter(target, drafter: Drafter | None, *, eval_kind: str = "mtbench",
                      path: str | None = None, limit: int | None = None, turns: int = 1,
                      max_new_tokens: int = 256, k: int = 5, tree: bool = False,
@@ -80,18 +107,12 @@ def evaluate_drafter(target, drafter: Drafter | None, *, eval_kind: str = "mtben
     sampling = sampling or SamplingParams()
     prompts = load_prompts(eval_kind, path=path, limit=limit, turns=turns)
     spec_results, plain_results, rows = [], [], []
-    mismatches, ties, capped = 0, 0, 0
     gen = torch.Generator(device=target.device).manual_seed(seed)
     for p in tqdm(prompts, desc=f"decode {eval_kind}", disable=quiet()):
         answers: list[list[int]] = []
         for turn in range(len(p.turns)):
             ids = render(target, p.turns[:turn + 1], answers)
-            budget = min(max_new_tokens, target.max_length - len(ids))
-            if budget < 1:
-                raise ValueError(f"prompt {p.id} (turn {turn + 1}) has {len(ids)} tokens: no room "
-                                 f"left in the target's context ({target.max_length}); shorten "
-                                 f"it or use a target with a longer context")
-            capped += budget < max_new_tokens
+            budget = _budget(target, ids, max_new_tokens, f"prompt {p.id} (turn {turn + 1})")
             kwargs = dict(max_new_tokens=budget, sampling=sampling)
             plain = generate(target, None, ids, **kwargs, generator=gen) if compare_plain else None
             spec = generate(target, drafter, ids, k=k, tree=tree, min_confidence=min_confidence,
@@ -99,10 +120,7 @@ def evaluate_drafter(target, drafter: Drafter | None, *, eval_kind: str = "mtben
             same, where = None, None
             if plain is not None and sampling.greedy:
                 same = torch.equal(plain.tokens, spec.tokens)
-                mismatches += not same
-                if not same:
-                    where = first_difference(target, ids, plain.tokens, spec.tokens)
-                    ties += bool(where and where["near_tie"])
+                where = None if same else first_difference(target, ids, plain.tokens, spec.tokens)
             spec_results.append(spec)
             if plain is not None:
                 plain_results.append(plain)
@@ -114,6 +132,7 @@ def evaluate_drafter(target, drafter: Drafter | None, *, eval_kind: str = "mtben
                          "new_tokens": len(out), "target_forwards": spec.target_forwards,
                          "accepted": spec.accepted, "drafted": spec.drafted,
                          "stop_reason": spec.stop_reason, "identical_to_plain": same,
+                         "budget_capped": budget < max_new_tokens,
                          **({"first_difference": where} if where else {})})
     spec_m = RunMetrics.from_results(spec_results)
     summary = {"eval": eval_kind, "prompts": len(prompts), "generations": len(rows),
@@ -128,10 +147,8 @@ def evaluate_drafter(target, drafter: Drafter | None, *, eval_kind: str = "mtben
         summary["speedup"] = spec_m.tokens_per_s / plain_m.tokens_per_s if plain_m.tokens_per_s else 0.0
         summary["plain_target_forwards"] = plain_m.target_forwards
         if sampling.greedy:
-            summary["outputs_identical_to_plain"] = mismatches == 0
-            summary["mismatched_generations"] = mismatches
-            summary["mismatches_near_ties"] = ties  # floating-point tie-breaks, not bugs
-            summary["lossless_check"] = "passed" if mismatches == ties else "failed"
+            summary.update(_lossless_check(rows))
+    capped = sum(r["budget_capped"] for r in rows)
     if capped:
         summary["max_new_tokens_capped"] = capped  # generations whose budget the context cut
         log.warning("max_new_tokens=%d does not fit the target's context (max_length %d) for %d of "
@@ -144,14 +161,6 @@ def evaluate_drafter(target, drafter: Drafter | None, *, eval_kind: str = "mtben
         (out_dir / "result.json").write_text(json.dumps({"summary": summary, "prompts": rows},
                                                          indent=1))
         (out_dir / "result.md").write_text(markdown + "\n")
-    if mismatches > ties:
-        log.error("%d greedy generations differ from plain decoding beyond a floating-point near-tie: "
-                  "the decoder is not lossless here; see first_difference in result.json",
-                  mismatches - ties)
-    elif mismatches:
-        log.warning("%d greedy generations differ from plain decoding, each at a near-tie of the "
-                    "target's logits (first_difference.margin in result.json): a floating-point "
-                    "tie-break, not a loss of exactness", mismatches)
     return {"summary": summary, "markdown": markdown, "prompts": rows}
 
 

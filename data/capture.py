@@ -10,13 +10,14 @@ vocabulary when the drafter has one), so nothing of size T x V is ever stored.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from omegaconf import MISSING
@@ -208,6 +209,32 @@ class OfflineFeatures:
             if feats is not None:
                 feats[j, :len(f)] = f
         return feats, final
+
+
+def capture_dir(root: Path, target, rows, data_cache: str, layers, autocast_dtype: Optional[str]) -> Path:
+    """Where offline features of this (target, data split, layers, autocast) live when no folder is
+    given: under the cache root, so a second run on the same data skips the capture. `rows` is the
+    train split (its ids pin eval_fraction and seed); `data_cache` names the tokenised data cache."""
+    split = hashlib.sha1("\n".join(rows["id"]).encode()).hexdigest()
+    key = [target.source.split(" (")[0], data_cache, split, list(layers), str(target.dtype)]
+    if autocast_dtype:
+        key.append(autocast_dtype)
+    return Path(root) / "features" / hashlib.sha1(json.dumps(key).encode()).hexdigest()[:20]
+
+
+def offline_features(target, rows, folder: Path, cfg: CaptureConfig, *, is_main: bool = True,
+                     barrier: Callable[[], None] = lambda: None,
+                     progress: bool = True) -> OfflineFeatures:
+    """The training loop's offline features: rank 0 captures `rows` into `folder` (resumable; a
+    no-op when complete), every rank waits at `barrier`, then opens it and checks it holds `rows`."""
+    if is_main:
+        capture_split(target, rows, cfg, folder, progress=progress)
+    barrier()
+    features = OfflineFeatures(folder, cfg.layers, target)
+    if len(features) != len(rows):
+        raise ValueError(f"capture {folder} holds {len(features)} conversations, the train split "
+                         f"{len(rows)}: capture the same data (or drop trainer.features_dir)")
+    return features
 
 
 def pad_batch(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:

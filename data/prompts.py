@@ -64,10 +64,13 @@ def _turns(obj: dict[str, Any], where: str) -> list[str]:
         turns = obj["turns"]
         if not (isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns)):
             raise PromptFormatError(f"{where}: `turns` must be a non-empty list of strings.")
-        return turns
-    if isinstance(obj.get("prompt"), str):
-        return [obj["prompt"]]
-    raise PromptFormatError(f"{where}: needs a `prompt` (string) or `turns` (list of strings) field.")
+    elif isinstance(obj.get("prompt"), str):
+        turns = [obj["prompt"]]
+    else:
+        raise PromptFormatError(f"{where}: needs a `prompt` (string) or `turns` (list of strings) field.")
+    if any(not t.strip() for t in turns):  # an empty prompt would only measure the chat template
+        raise PromptFormatError(f"{where}: an empty prompt; give it text or remove the record.")
+    return turns
 
 
 def load_prompts(kind: str, path: Optional[str] = None, limit: Optional[int] = None,

@@ -10,8 +10,10 @@ store_schemas("decode_schema", DecodeConfig)
 @hydra.main(config_path="../conf", config_name="decode", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     from decode.evaluate import run
+    from drafters.cli import user_errors
 
-    run(cfg)
+    with user_errors("python -m decode"):
+        run(cfg)
 
 
 if __name__ == "__main__":

@@ -8,12 +8,16 @@ Sampling (Leviathan et al. 2023, Chen et al. 2023): accept draft d_i with probab
 min(1, p_i(d_i) / q_i(d_i)); at the first rejection sample from norm(max(0, p_i - q_i)); when all
 drafts are accepted sample the bonus from p_{k+1}. The output is then distributed exactly as the
 target's own sampling, whatever q is. p and q must be warped with the same SamplingParams.
+
+The trainer's simulated acceptance on held-out conversations is decode/simulate.py.
 """
 from __future__ import annotations
 
 import torch
 
 from drafters.sampling import SamplingParams, sample, warp
+
+GREEDY = SamplingParams()  # temperature 0: the argmax rule
 
 
 def accepted_prefix(ok: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from drafters.base import CONFIGS, drafter_class
+from drafters.schemas import store_drafter_schemas
 from drafters.target import TargetConfig
 
 
@@ -46,11 +46,16 @@ class DecodeConfig:
 
 
 def store_schemas(primary_name: str | None = None, primary: type | None = None) -> None:
-    """Put the drafter schemas (group `drafter`, as `schema_<name>`) and a primary schema in the
-    ConfigStore. Called by `python -m decode` and `python -m train` before Hydra composes."""
-    cs = ConfigStore.instance()
-    drafter_class("ngram")  # importing drafters/ fills the registry
-    for name, schema in CONFIGS.items():
-        cs.store(group="drafter", name=f"schema_{name}", node=schema)
+    """Put the drafter schemas (drafters/schemas.py) and a primary schema in the ConfigStore.
+    Called by `python -m decode` before Hydra composes."""
+    store_drafter_schemas()
     if primary is not None:
-        cs.store(name=primary_name, node=primary)
+        ConfigStore.instance().store(name=primary_name, node=primary)
+
+
+# Allowed ranges of numeric settings, checked before any work (drafters/cli.py check_ranges).
+DECODE_RULES = {
+    "max_new_tokens": (1, None), "temperature": (0, None), "top_k": (0, None),
+    "top_p": (0, 1, "open"), "k": (0, None), "min_confidence": (0, 1), "eval.limit": (1, None),
+    "eval.turns": (1, 2),
+}

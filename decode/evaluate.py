@@ -16,7 +16,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from data import quiet  # noqa: F401  (re-exported: the one progress-bar switch)
+from data import quiet
 from data.prompts import load_prompts
 from decode.metrics import RunMetrics
 from decode.spec import generate
@@ -39,6 +39,63 @@ def render(target, turns: list[str], answers: list[list[int]]) -> torch.Tensor:
     return enc["input_ids"][0]
 
 
+def near_tie_tolerance(dtype: torch.dtype, logit: float) -> float:
+    """How far apart two logits can be and still swap places by rounding alone: a forward over
+    several tokens and one-token forwards sum in different orders, so at the target's dtype the
+    two paths differ by a few units in the last place of each activation, compounded over the
+    layers. 4 units in the last place at the logit's size (fp32: 5e-7 at |logit| ~ 1; bf16: 0.6 at
+    |logit| ~ 20) bounds that, and a real bug (a wrong token: margins of whole logits) is never
+    taken for a tie."""
+    return 4 * torch.finfo(dtype).eps * max(1.0, abs(logit))
+
+
+@torch.no_grad()
+def first_difference(target, prompt_ids: torch.Tensor, plain: torch.Tensor,
+                     spec: torch.Tensor) -> dict | None:
+    """Where a greedy speculative output first leaves plain decoding, and the target's logit
+    margin there between the plain token and the speculative one (one forward over the prompt and
+    the shared prefix): a near-tie (margin within the dtype's rounding) is a floating-point
+    tie-break, anything larger is a bug. None when neither output leaves the other."""
+    n = min(len(plain), len(spec))
+    diff = (plain[:n] != spec[:n]).nonzero()
+    if len(diff) == 0:
+        return None
+    i = int(diff[0])
+    ids = torch.cat([prompt_ids.to(plain.device), plain[:i]])[None]  # (1, P + i)
+    logits = target.model(ids.to(target.device), logits_to_keep=1).logits[0, -1].float()  # (V,)
+    a, b = int(plain[i]), int(spec[i])
+    margin = float(logits[a] - logits[b])
+    return {"position": i, "plain_token": a, "spec_token": b, "margin": margin,
+            "near_tie": abs(margin) <= near_tie_tolerance(target.dtype, float(logits[a]))}
+
+
+def _budget(target, ids: torch.Tensor, max_new_tokens: int, what: str) -> int:
+    """max_new_tokens, or what the target's context leaves after the prompt (recorded as capped)."""
+    budget = min(max_new_tokens, target.max_length - len(ids))
+    if budget < 1:
+        raise ValueError(f"{what} has {len(ids)} tokens: no room left in the target's context "
+                         f"({target.max_length}); shorten it or use a target with a longer context")
+    return budget
+
+
+def _lossless_check(rows: list[dict]) -> dict:
+    """Greedy: every output must equal plain decoding's, except at floating-point near-ties of
+    the target's logits (first_difference); anything else fails the check (and the command)."""
+    mismatches = sum(r["identical_to_plain"] is False for r in rows)
+    ties = sum(bool(r.get("first_difference", {}).get("near_tie")) for r in rows)
+    if mismatches > ties:
+        log.error("%d greedy generations differ from plain decoding beyond a floating-point near-tie: "
+                  "the decoder is not lossless here; see first_difference in result.json",
+                  mismatches - ties)
+    elif mismatches:
+        log.warning("%d greedy generations differ from plain decoding, each at a near-tie of the "
+                    "target's logits (first_difference.margin in result.json): a floating-point "
+                    "tie-break, not a loss of exactness", mismatches)
+    return {"outputs_identical_to_plain": mismatches == 0, "mismatched_generations": mismatches,
+            "mismatches_near_ties": ties,  # floating-point tie-breaks, not bugs
+            "lossless_check": "passed" if mismatches == ties else "failed"}
+
+
 def evaluate_drafter(target, drafter: Drafter | None, *, eval_kind: str = "mtbench",
                      path: str | None = None, limit: int | None = None, turns: int = 1,
                      max_new_tokens: int = 256, k: int = 5, tree: bool = False,
@@ -50,21 +107,20 @@ def evaluate_drafter(target, drafter: Drafter | None, *, eval_kind: str = "mtben
     sampling = sampling or SamplingParams()
     prompts = load_prompts(eval_kind, path=path, limit=limit, turns=turns)
     spec_results, plain_results, rows = [], [], []
-    mismatches = 0
     gen = torch.Generator(device=target.device).manual_seed(seed)
     for p in tqdm(prompts, desc=f"decode {eval_kind}", disable=quiet()):
         answers: list[list[int]] = []
         for turn in range(len(p.turns)):
             ids = render(target, p.turns[:turn + 1], answers)
-            budget = min(max_new_tokens, target.max_length - len(ids))
+            budget = _budget(target, ids, max_new_tokens, f"prompt {p.id} (turn {turn + 1})")
             kwargs = dict(max_new_tokens=budget, sampling=sampling)
             plain = generate(target, None, ids, **kwargs, generator=gen) if compare_plain else None
             spec = generate(target, drafter, ids, k=k, tree=tree, min_confidence=min_confidence,
                             generator=gen, **kwargs)
-            same = None
+            same, where = None, None
             if plain is not None and sampling.greedy:
                 same = torch.equal(plain.tokens, spec.tokens)
-                mismatches += not same
+                where = None if same else first_difference(target, ids, plain.tokens, spec.tokens)
             spec_results.append(spec)
             if plain is not None:
                 plain_results.append(plain)
@@ -75,7 +131,9 @@ def evaluate_drafter(target, drafter: Drafter | None, *, eval_kind: str = "mtben
                          "text": target.tokenizer.decode(out, skip_special_tokens=False),
                          "new_tokens": len(out), "target_forwards": spec.target_forwards,
                          "accepted": spec.accepted, "drafted": spec.drafted,
-                         "stop_reason": spec.stop_reason, "identical_to_plain": same})
+                         "stop_reason": spec.stop_reason, "identical_to_plain": same,
+                         "budget_capped": budget < max_new_tokens,
+                         **({"first_difference": where} if where else {})})
     spec_m = RunMetrics.from_results(spec_results)
     summary = {"eval": eval_kind, "prompts": len(prompts), "generations": len(rows),
                "drafter": drafter.name if drafter is not None else "none", "k": k, "tree": tree,
@@ -89,8 +147,13 @@ def evaluate_drafter(target, drafter: Drafter | None, *, eval_kind: str = "mtben
         summary["speedup"] = spec_m.tokens_per_s / plain_m.tokens_per_s if plain_m.tokens_per_s else 0.0
         summary["plain_target_forwards"] = plain_m.target_forwards
         if sampling.greedy:
-            summary["outputs_identical_to_plain"] = mismatches == 0
-            summary["mismatched_generations"] = mismatches
+            summary.update(_lossless_check(rows))
+    capped = sum(r["budget_capped"] for r in rows)
+    if capped:
+        summary["max_new_tokens_capped"] = capped  # generations whose budget the context cut
+        log.warning("max_new_tokens=%d does not fit the target's context (max_length %d) for %d of "
+                    "%d generations: they were capped to what fits (max_new_tokens_capped in "
+                    "result.json)", max_new_tokens, target.max_length, capped, len(rows))
     markdown = results_markdown(summary, spec_m)
     if out_dir is not None:
         out_dir = Path(out_dir)
@@ -98,9 +161,6 @@ def evaluate_drafter(target, drafter: Drafter | None, *, eval_kind: str = "mtben
         (out_dir / "result.json").write_text(json.dumps({"summary": summary, "prompts": rows},
                                                          indent=1))
         (out_dir / "result.md").write_text(markdown + "\n")
-    if mismatches:
-        log.error("%d greedy generations differ from plain decoding: the decoder is not lossless "
-                  "here; see identical_to_plain in result.json", mismatches)
     return {"summary": summary, "markdown": markdown, "prompts": rows}
 
 
@@ -158,8 +218,11 @@ def load_decode_drafter(cfg: DictConfig, target) -> Drafter | None:
 
 
 def run(cfg: DictConfig) -> None:
+    from decode.config import DECODE_RULES
+    from drafters.cli import check_ranges
     from drafters.target import load_target
 
+    check_ranges(cfg, DECODE_RULES)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
@@ -175,3 +238,6 @@ def run(cfg: DictConfig) -> None:
                               compare_plain=cfg.compare_plain, seed=cfg.seed, out_dir=run_dir)
     print(result["markdown"], flush=True)
     print(f"results: {run_dir / 'result.json'}", flush=True)
+    if result["summary"].get("lossless_check") == "failed":  # a bug, not a tie: fail the command
+        raise SystemExit(f"python -m decode: error: the lossless check failed (greedy outputs differ "
+                         f"from plain decoding beyond near-ties); see {run_dir / 'result.json'}")

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decode.acceptance import GREEDY
+from decode.accept import GREEDY
 from drafters.base import DecodeState, Drafter
 from drafters.sampling import SamplingParams, warp
 

@@ -1,4 +1,5 @@
-"""The lossless speculative decoding loop: one function, `generate`, with numbered steps.
+"""The lossless speculative decoding loop: `generate` loops, commits and stops; one function per
+round kind (`_chain_round`, `_tree_round`) and one commit step (`_commit`), with numbered steps.
 
 Each round the drafter proposes tokens (a chain of up to k, or a tree), the target verifies all of
 them in ONE forward over [last committed token, drafts], the acceptance rule keeps the longest valid
@@ -77,6 +78,160 @@ def _timed(fn, sync: bool):
     return out, time.perf_counter() - t0
 
 
+@dataclass
+class _Loop:
+    """What the rounds of one `generate` call share: the models, the settings, and the buffers.
+
+    T counts the committed tokens (prompt included); end = P + max_new_tokens is where buf ends."""
+
+    target: Any  # drafters.target.Target
+    drafter: Drafter | None  # None when plain decoding
+    sampling: SamplingParams
+    generator: torch.Generator | None
+    layers: tuple[int, ...]  # target layers whose features the drafter reads (() = none)
+    sync: bool  # wait for the GPU around timed calls
+    res: GenerationResult
+    buf: torch.Tensor  # (end,) long: committed tokens in buf[:T]
+    cache: DynamicCache  # the target's KV cache of buf[:T-1] between rounds
+    P: int  # prompt length
+    end: int  # P + max_new_tokens
+    T: int = 0  # committed tokens, prompt included
+    feats: torch.Tensor | None = None  # (end, F) target features of buf[:T-1], allocated at prefill
+
+    def forward(self, ids: torch.Tensor, **kw) -> Any:
+        """One timed, counted target forward over ids (1, n) with the KV cache."""
+        out, dt = _timed(lambda: self.target.forward(ids, layers=self.layers, cache=self.cache,
+                                                     **kw), self.sync)
+        self.res.time_verify += dt
+        self.res.target_forwards += 1
+        return out
+
+    def state(self) -> DecodeState:
+        """What the drafter sees: the committed tokens and the features of all but the last."""
+        feats = self.feats[:self.T - 1] if self.feats is not None else None
+        return DecodeState(tokens=self.buf[:self.T], features=feats)
+
+
+def _check_inputs(target: Any, drafter: Drafter | None, P: int, max_new_tokens: int, k: int,
+                  sampling: SamplingParams, tree: bool) -> None:
+    """Step 0 of `generate`: fail before any work, with the numbers and the fix."""
+    if P == 0:
+        raise ValueError("prompt_ids is empty; give at least one token (e.g. BOS or a chat template)")
+    if max_new_tokens < 0 or k < 0:
+        raise ValueError(f"max_new_tokens ({max_new_tokens}) and k ({k}) must be >= 0")
+    if P + max_new_tokens > target.max_length:
+        raise ValueError(
+            f"prompt of {P} tokens + max_new_tokens={max_new_tokens} = {P + max_new_tokens} exceeds "
+            f"the target's max_length {target.max_length}; shorten the prompt or lower "
+            f"max_new_tokens to at most {max(target.max_length - P, 0)}")
+    if drafter is None or k == 0:
+        return
+    if drafter.vocab_size != target.vocab_size:
+        raise ValueError(f"drafter {drafter.name!r} proposes tokens of a vocabulary of "
+                         f"{drafter.vocab_size}, the target's has {target.vocab_size}; train or "
+                         f"load the drafter for this target")
+    if tree:
+        if not sampling.greedy:
+            raise ValueError("tree decoding is greedy only (its acceptance walk needs temperature=0); "
+                             "use a chain (tree=False) or temperature=0")
+        if not drafter.supports_tree:
+            raise ValueError(f"drafter {drafter.name!r} does not propose trees; use tree=False")
+
+
+def _prefill(loop: _Loop, prompt: torch.Tensor) -> torch.Tensor:
+    """Step 1: the prompt (P,) goes through the target; its last logits give the first token (1,)."""
+    out = loop.forward(prompt[None], logits_to_keep=1)
+    if loop.layers:
+        loop.feats = out.features.new_empty(loop.end, out.features.shape[-1])  # (end, F)
+        loop.feats[:loop.P] = out.features[0]  # (P, F)
+    empty = prompt.new_empty(1, 0)  # (1, 0): no drafts
+    _, first = accept_chain(empty, None, out.logits[:, -1:], loop.sampling, loop.generator)  # (1,)
+    loop.T = loop.P
+    return first
+
+
+def _commit(loop: _Loop, new: torch.Tensor, kept: torch.Tensor | None, eos: torch.Tensor,
+            stop: _StopChecker | None) -> bool:
+    """Step 2: append the new tokens (n,) to buf (and the features (n, F) of the verified inputs
+    they follow), cutting at EOS, a stop string or the budget. True when generation is over."""
+    res, T = loop.res, loop.T
+    n_new = len(new)
+    is_eos = torch.isin(new, eos)  # (n,)
+    if bool(is_eos.any()):
+        n_new = int(is_eos.long().argmax()) + 1  # first EOS, included
+    n_new = min(n_new, loop.end - T)
+    loop.buf[T:T + n_new] = new[:n_new]
+    if kept is not None and loop.feats is not None:  # features of the verified inputs now committed
+        loop.feats[T - 1:T - 1 + n_new] = kept[:n_new]  # rows of [last, accepted drafts]
+    if stop is not None:
+        for j in range(T, T + n_new):
+            if stop.hit(loop.buf[loop.P:j + 1]):
+                n_new, res.stop_reason = j + 1 - T, "stop_string"
+                break
+    loop.T = T = T + n_new
+    if not res.stop_reason:
+        if n_new and bool(is_eos[n_new - 1]):
+            res.stop_reason = "eos"
+        elif T == loop.end:
+            res.stop_reason = "max_new_tokens"
+    return bool(res.stop_reason)
+
+
+def _tree_round(loop: _Loop, budget: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Steps 3a-6 for a tree: draft a tree, verify every branch in ONE forward, keep the longest
+    accepted branch. Returns (new (n+1,) accepted nodes + bonus, kept (n+1, F) features or None)."""
+    res, dev, cache_len = loop.res, loop.buf.device, loop.T - 1
+    # 3a. draft: a tree of N nodes, cut to the depth the budget can still commit
+    prop, dt = _timed(lambda: loop.drafter.propose_tree(loop.state(), loop.sampling), loop.sync)
+    res.time_draft += dt
+    nodes, parents = prop.tokens.to(dev), prop.parents.to(dev)  # (N,), (N,)
+    check_tree(nodes, parents)
+    nodes, parents, anc = prune_depth(nodes, parents, ancestors(parents), budget)
+    # 4. verify: [last committed, nodes] with a tree attention mask, in one forward
+    ids, mask, pos = tree_inputs(loop.buf[loop.T - 1:loop.T], nodes, anc, cache_len)
+    out = loop.forward(ids, attention_mask=mask, position_ids=pos)
+    # 5. accept the deepest branch that matches the target's argmax, plus its bonus token
+    keep, bonus = accept_path(nodes, parents, anc, out.logits[0].argmax(-1))
+    # 6. the cache keeps tokens[:T-1] + the accepted branch only
+    compact_cache(loop.cache, cache_len, keep)
+    res.drafted.append(int(anc.sum(-1).max()) if len(nodes) else 0)
+    res.accepted.append(len(keep) - 1)
+    kept = out.features[0, keep] if loop.layers else None  # (n+1, F)
+    return torch.cat([ids[0, keep[1:]], bonus]), kept  # (n+1,)
+
+
+def _chain_round(loop: _Loop, budget: int, k: int,
+                 min_confidence: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Steps 3b-6 for a chain (no drafter: plain decoding, one token): draft up to k tokens, verify
+    them in ONE forward, keep the longest valid prefix plus the target's correction / bonus token.
+    Returns (new (n+1,) tokens to commit, kept (n+1, F) features of the verified inputs or None)."""
+    res, dev = loop.res, loop.buf.device
+    # 3b. draft up to k tokens (none when plain decoding or at the end of the budget)
+    draft, q = loop.buf.new_empty(0), None  # (0,)
+    if loop.drafter is not None and budget > 0:
+        prop, dt = _timed(lambda: loop.drafter.propose(loop.state(), min(k, budget), loop.sampling,
+                                                       loop.generator, min_confidence), loop.sync)
+        res.time_draft += dt
+        m = min(len(prop.tokens), k, budget)
+        draft = prop.tokens[:m].to(dev)  # (m,)
+        q = prop.probs[:m] if prop.probs is not None else None  # (m, V)
+    m = len(draft)
+    # 4. verify: ONE target forward over [last committed, d_1 .. d_m] with the KV cache
+    ids = torch.cat([loop.buf[loop.T - 1:loop.T], draft])[None]  # (1, m+1)
+    out = loop.forward(ids)
+    # 5. accept the longest valid prefix and add the target's correction / bonus token
+    n_t, nxt = accept_chain(draft[None], None if q is None else q[None], out.logits,
+                            loop.sampling, loop.generator)  # (1,), (1,)
+    n = int(n_t)
+    res.drafted.append(m)
+    res.accepted.append(n)
+    # 6. cut the rejected drafts from the KV cache (accepted ones are never recomputed)
+    if m > n:
+        loop.cache.crop(n - m)
+    kept = out.features[0, :n + 1] if loop.layers else None  # (n+1, F)
+    return torch.cat([draft[:n], nxt]), kept  # (n+1,)
+
+
 @torch.inference_mode()
 def generate(
     target: Any,  # drafters.target.Target
@@ -102,137 +257,36 @@ def generate(
     dev = target.device
     prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1).to(dev)  # (P,)
     P = len(prompt)
-    # -- 0. guards: fail before any work, with the numbers and the fix -----------------------------
-    if P == 0:
-        raise ValueError("prompt_ids is empty; give at least one token (e.g. BOS or a chat template)")
-    if max_new_tokens < 0 or k < 0:
-        raise ValueError(f"max_new_tokens ({max_new_tokens}) and k ({k}) must be >= 0")
-    if P + max_new_tokens > target.max_length:
-        raise ValueError(
-            f"prompt of {P} tokens + max_new_tokens={max_new_tokens} = {P + max_new_tokens} exceeds "
-            f"the target's max_length {target.max_length}; shorten the prompt or lower "
-            f"max_new_tokens to at most {max(target.max_length - P, 0)}")
+    # 0. guards: fail before any work, with the numbers and the fix
+    _check_inputs(target, drafter, P, max_new_tokens, k, sampling, tree)
     speculative = drafter is not None and k > 0
-    if speculative and drafter.vocab_size != target.vocab_size:
-        raise ValueError(f"drafter {drafter.name!r} proposes tokens of a vocabulary of "
-                         f"{drafter.vocab_size}, the target's has {target.vocab_size}; train or "
-                         f"load the drafter for this target")
-    if speculative and tree:
-        if not sampling.greedy:
-            raise ValueError("tree decoding is greedy only (its acceptance walk needs temperature=0); "
-                             "use a chain (tree=False) or temperature=0")
-        if not drafter.supports_tree:
-            raise ValueError(f"drafter {drafter.name!r} does not propose trees; use tree=False")
-    sync = dev.type == "cuda"
-    res = GenerationResult(tokens=prompt.new_empty(0).cpu())
-    eos = torch.tensor(sorted(target.eos_token_ids), dtype=torch.long, device=dev)  # (E,)
-    stop = _StopChecker(target.tokenizer, stop_strings) if any(stop_strings) else None
-    layers = tuple(drafter.feature_layers) if speculative else ()
-    buf = torch.empty(P + max_new_tokens, dtype=torch.long, device=dev)  # committed tokens
-    buf[:P] = prompt
-    feats: torch.Tensor | None = None  # (P + max_new_tokens, F), allocated at the first forward
-    cache = DynamicCache()
-    res.cache = cache
+    res = GenerationResult(tokens=prompt.new_empty(0).cpu(), cache=DynamicCache())
+    loop = _Loop(target=target, drafter=drafter if speculative else None, sampling=sampling,
+                 generator=generator, layers=tuple(drafter.feature_layers) if speculative else (),
+                 sync=dev.type == "cuda", res=res, cache=res.cache,
+                 buf=torch.empty(P + max_new_tokens, dtype=torch.long, device=dev),  # (end,)
+                 P=P, end=P + max_new_tokens)
+    loop.buf[:P] = prompt
     if max_new_tokens == 0:
         res.stop_reason = "max_new_tokens"
         res.time_total = time.perf_counter() - t_start
         return res
+    eos = torch.tensor(sorted(target.eos_token_ids), dtype=torch.long, device=dev)  # (E,)
+    stop = _StopChecker(target.tokenizer, stop_strings) if any(stop_strings) else None
     if speculative:
         drafter.reset()
-
-    # -- 1. prefill: the prompt goes through the target; its last logits give the first token -----
-    out, dt = _timed(lambda: target.forward(prompt[None], layers=layers, cache=cache,
-                                            logits_to_keep=1), sync)
-    res.time_verify += dt
-    res.target_forwards += 1
-    if layers:
-        feats = out.features.new_empty(P + max_new_tokens, out.features.shape[-1])
-        feats[:P] = out.features[0]  # (P, F)
-    empty = prompt.new_empty(1, 0)  # (1, 0): no drafts
-    _, first = accept_chain(empty, None, out.logits[:, -1:], sampling, generator)  # (1,)
-    new, kept, T = first, None, P  # tokens to commit; feature rows of the verified inputs to keep
-
-    while True:
-        # -- 2. commit: append the new tokens, cutting at EOS, a stop string or the budget ---------
-        n_new = len(new)
-        is_eos = torch.isin(new, eos)  # (len(new),)
-        if bool(is_eos.any()):
-            n_new = int(is_eos.long().argmax()) + 1  # first EOS, included
-        n_new = min(n_new, P + max_new_tokens - T)
-        buf[T:T + n_new] = new[:n_new]
-        if kept is not None and feats is not None:  # features of the verified inputs now committed
-            feats[T - 1:T - 1 + n_new] = kept[:n_new]  # rows of [last, accepted drafts]
-        if stop is not None:
-            for j in range(T, T + n_new):
-                if stop.hit(buf[P:j + 1]):
-                    n_new, res.stop_reason = j + 1 - T, "stop_string"
-                    break
-        T += n_new
-        if not res.stop_reason:
-            if n_new and bool(is_eos[n_new - 1]):
-                res.stop_reason = "eos"
-            elif T == P + max_new_tokens:
-                res.stop_reason = "max_new_tokens"
-        if res.stop_reason:
-            break
-        state = DecodeState(tokens=buf[:T], features=feats[:T - 1] if feats is not None else None)
-        budget = P + max_new_tokens - T - 1  # drafts beyond this could never be committed
-        cache_len = T - 1
-
-        # -- 3a. tree round: draft a tree, verify every branch in one forward, keep the best one ---
+    # 1. prefill; then rounds of 2. commit, 3-6. draft, verify, accept, cut the cache
+    new, kept = _prefill(loop, prompt), None
+    while not _commit(loop, new, kept, eos, stop):
+        budget = loop.end - loop.T - 1  # drafts beyond this could never be committed
         if speculative and tree and budget > 0:
-            prop, dt = _timed(lambda: drafter.propose_tree(state, sampling), sync)
-            res.time_draft += dt
-            nodes, parents = prop.tokens.to(dev), prop.parents.to(dev)  # (N,), (N,)
-            check_tree(nodes, parents)
-            nodes, parents, anc = prune_depth(nodes, parents, ancestors(parents), budget)
-            ids, mask, pos = tree_inputs(buf[T - 1:T], nodes, anc, cache_len)
-            out, dt = _timed(lambda: target.forward(ids, layers=layers, cache=cache,
-                                                    attention_mask=mask, position_ids=pos), sync)
-            res.time_verify += dt
-            res.target_forwards += 1
-            keep, bonus = accept_path(nodes, parents, anc, out.logits[0].argmax(-1))
-            compact_cache(cache, cache_len, keep)  # the cache now holds tokens[:T-1] + the branch
-            new = torch.cat([ids[0, keep[1:]], bonus])  # (n+1,) accepted nodes + bonus
-            kept = out.features[0, keep] if layers else None  # (n+1, F)
-            res.drafted.append(int(anc.sum(-1).max()) if len(nodes) else 0)
-            res.accepted.append(len(keep) - 1)
-            continue
-
-        # -- 3b. chain round: draft up to k tokens (none when plain decoding) ----------------------
-        draft, q = empty[0], None  # (0,)
-        if speculative and budget > 0:
-            prop, dt = _timed(lambda: drafter.propose(state, min(k, budget), sampling, generator,
-                                                      min_confidence), sync)
-            res.time_draft += dt
-            m = min(len(prop.tokens), k, budget)
-            draft = prop.tokens[:m].to(dev)  # (m,)
-            q = prop.probs[:m] if prop.probs is not None else None  # (m, V)
-        m = len(draft)
-
-        # -- 4. verify: ONE target forward over [last committed, d_1 .. d_m] with the KV cache -----
-        ids = torch.cat([buf[T - 1:T], draft])[None]  # (1, m+1)
-        out, dt = _timed(lambda: target.forward(ids, layers=layers, cache=cache), sync)
-        res.time_verify += dt
-        res.target_forwards += 1
-
-        # -- 5. accept the longest valid prefix and add the target's correction / bonus token ------
-        n_t, nxt = accept_chain(draft[None], None if q is None else q[None], out.logits,
-                                sampling, generator)  # (1,), (1,)
-        n = int(n_t)
-        new = torch.cat([draft[:n], nxt])  # (n+1,)
-        kept = out.features[0, :n + 1] if layers else None  # (n+1, F)
-        res.drafted.append(m)
-        res.accepted.append(n)
-
-        # -- 6. cut the rejected drafts from the KV cache (accepted ones are never recomputed) ------
-        if m > n:
-            cache.crop(n - m)
-
-    # -- 7. leave the cache holding tokens[:-1], so a caller can continue from it ------------------
-    extra = cache.get_seq_length() - (T - 1)
+            new, kept = _tree_round(loop, budget)
+        else:
+            new, kept = _chain_round(loop, budget, k, min_confidence)
+    # 7. leave the cache holding tokens[:-1], so a caller can continue from it
+    extra = loop.cache.get_seq_length() - (loop.T - 1)
     if extra > 0:
-        cache.crop(-extra)
-    res.tokens = buf[P:T].cpu()
+        loop.cache.crop(-extra)
+    res.tokens = loop.buf[P:loop.T].cpu()
     res.time_total = time.perf_counter() - t_start
     return res

@@ -26,17 +26,20 @@ Decode-time contract (see decode/spec.py for the loop that drives it):
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, ClassVar
 
 import torch
 from torch import nn
 
-from drafters.sampling import SamplingParams, draft_token
-from drafters.head import set_draft_vocab as _set_draft_vocab
-from drafters.vocab import d2t_to_offsets, expand_probs, offsets_to_d2t, select_draft_vocab
 from drafters.folder import (CONFIG_FILE, DECODE_TIME_PREFIX, WEIGHTS_FILE,  # noqa: F401  (re-exported)
-                             load_drafter, save_drafter)
+                             config_dict, parse_config, save_drafter)
+from drafters.head import fit_draft_vocab  # noqa: F401  (re-exported)
+from drafters.head import set_draft_vocab as _set_draft_vocab
+from drafters.sampling import SamplingParams, draft_token
+from drafters.vocab import d2t_to_offsets, expand_probs, offsets_to_d2t
 
 
 @dataclass
@@ -355,30 +358,11 @@ def trainable_drafters() -> list[str]:
 
 
 # =================================================================================================
-# Construction, saving and loading of drafters. Every drafter class has `@classmethod build(cls, cfg, target) -> Drafter` (Drafter.build by
-# default), where cfg is its config dataclass, an OmegaConf node or a plain dict. Saving and loading
-# a drafter folder (drafter.safetensors + drafter.json): drafters/folder.py, re-exported here.
+# Construction, saving and loading of drafters. Every drafter class has `@classmethod build(cls,
+# cfg, target) -> Drafter` (Drafter.build by default), cfg being its config dataclass, an OmegaConf
+# node or a plain dict. A drafter folder (drafter.safetensors + drafter.json): drafters/folder.py
+# (save_drafter, config_dict and parse_config re-exported here) and load_drafter below.
 # =================================================================================================
-def config_dict(cfg) -> dict:
-    """A drafter config (dataclass, OmegaConf node or dict) as a plain, JSON-ready dict."""
-    from omegaconf import OmegaConf
-
-    if isinstance(cfg, dict):
-        return dict(cfg)
-    node = cfg if OmegaConf.is_config(cfg) else OmegaConf.structured(cfg)
-    return OmegaConf.to_container(node, resolve=True)
-
-
-def parse_config(cfg, schema: type[DrafterConfig]):
-    """Any config form -> an instance of `schema`, type-checked by OmegaConf (typos fail here)."""
-    from omegaconf import OmegaConf
-
-    if isinstance(cfg, schema):
-        return cfg
-    merged = OmegaConf.merge(OmegaConf.structured(schema), config_dict(cfg))
-    return OmegaConf.to_object(merged)
-
-
 def build_drafter(cfg, target) -> Drafter:
     """Build the drafter named by cfg.name (cfg: its config in any form) on top of `target`."""
     name = config_dict(cfg).get("name")
@@ -387,12 +371,24 @@ def build_drafter(cfg, target) -> Drafter:
     return drafter_class(name).build(cfg, target)
 
 
-def fit_draft_vocab(drafter: Drafter, token_counts: torch.Tensor, always_include=()) -> bool:
-    """Give a drafter with a pruned head (`draft_vocab` set) the draft vocab of the most frequent
-    training tokens (drafters.vocab.select_draft_vocab); False (no-op) for a full-vocab drafter.
-    The trainer calls it once before training; a loaded drafter already has its map."""
-    vocab = getattr(drafter, "draft_vocab", None)
-    if vocab is None:
-        return False
-    drafter.set_draft_vocab(select_draft_vocab(token_counts, vocab.size, always_include))
-    return True
+def load_drafter(folder, target, decode_overrides: dict | None = None) -> Drafter:
+    """Rebuild a saved drafter on `target` and load its weights strictly. `decode_overrides`
+    replaces decode-time settings (the `tree_*` keys) of the saved config; any other key is
+    refused, since the weights were trained with it."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    for f in (CONFIG_FILE, WEIGHTS_FILE):
+        if not (folder / f).is_file():
+            raise FileNotFoundError(f"{folder} holds no {f}; a saved drafter folder has "
+                                    f"{CONFIG_FILE} and {WEIGHTS_FILE} (written by save_drafter)")
+    cfg = json.loads((folder / CONFIG_FILE).read_text())
+    for key, value in (decode_overrides or {}).items():
+        if not key.startswith(DECODE_TIME_PREFIX) or key not in cfg:
+            raise ValueError(f"drafter.{key} cannot change after training (only the decode-time "
+                             f"{sorted(k for k in cfg if k.startswith(DECODE_TIME_PREFIX))} can)")
+        cfg[key] = value
+    drafter = build_drafter(cfg, target)
+    state = load_file(str(folder / WEIGHTS_FILE), device=str(target.device))
+    drafter.load_state_dict(state, strict=True)
+    return drafter

@@ -1,4 +1,5 @@
-"""A drafter <-> a folder: what checkpoints, best/ and `python -m decode ckpt=` hold.
+"""A drafter <-> a folder: what checkpoints, best/ and `python -m decode ckpt=` hold (saving here,
+loading in drafters/base.py load_drafter, which needs the registry).
 
 A saved drafter is a folder with
   drafter.safetensors  the drafter's own parameters and buffers (e.g. the draft-vocab maps), never
@@ -14,6 +15,7 @@ import json
 import os
 from pathlib import Path
 
+DECODE_TIME_PREFIX = "tree_"  # drafter settings that only shape decoding (tree size), not weights
 WEIGHTS_FILE = "drafter.safetensors"
 CONFIG_FILE = "drafter.json"
 
@@ -33,8 +35,6 @@ def save_drafter(drafter, cfg, folder) -> None:
     """Write drafter.safetensors + drafter.json into `folder` (created if missing), atomically."""
     from safetensors.torch import save_file
 
-    from drafters.base import config_dict
-
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()}
@@ -50,31 +50,21 @@ def save_drafter(drafter, cfg, folder) -> None:
     _atomic_write(folder / CONFIG_FILE, write_json)
 
 
-DECODE_TIME_PREFIX = "tree_"  # drafter settings that only shape decoding (tree size), not weights
+def config_dict(cfg) -> dict:
+    """A drafter config (dataclass, OmegaConf node or dict) as a plain, JSON-ready dict."""
+    from omegaconf import OmegaConf
+
+    if isinstance(cfg, dict):
+        return dict(cfg)
+    node = cfg if OmegaConf.is_config(cfg) else OmegaConf.structured(cfg)
+    return OmegaConf.to_container(node, resolve=True)
 
 
-def load_drafter(folder, target, decode_overrides: dict | None = None):
-    """Rebuild a saved drafter on `target` and load its weights strictly. `decode_overrides`
-    replaces decode-time settings (the `tree_*` keys) of the saved config; any other key is
-    refused, since the weights were trained with it."""
-    from safetensors.torch import load_file
+def parse_config(cfg, schema):
+    """Any config form -> an instance of `schema`, type-checked by OmegaConf (typos fail here)."""
+    from omegaconf import OmegaConf
 
-    from drafters.base import build_drafter
-
-    folder = Path(folder)
-    for f in (CONFIG_FILE, WEIGHTS_FILE):
-        if not (folder / f).is_file():
-            raise FileNotFoundError(f"{folder} holds no {f}; a saved drafter folder has "
-                                    f"{CONFIG_FILE} and {WEIGHTS_FILE} (written by save_drafter)")
-    cfg = json.loads((folder / CONFIG_FILE).read_text())
-    for key, value in (decode_overrides or {}).items():
-        if not key.startswith(DECODE_TIME_PREFIX) or key not in cfg:
-            raise ValueError(f"drafter.{key} cannot change after training (only the decode-time "
-                             f"{sorted(k for k in cfg if k.startswith(DECODE_TIME_PREFIX))} can)")
-        cfg[key] = value
-    drafter = build_drafter(cfg, target)
-    state = load_file(str(folder / WEIGHTS_FILE), device=str(target.device))
-    drafter.load_state_dict(state, strict=True)
-    return drafter
-
-
+    if isinstance(cfg, schema):
+        return cfg
+    merged = OmegaConf.merge(OmegaConf.structured(schema), config_dict(cfg))
+    return OmegaConf.to_object(merged)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafters.vocab import DraftVocab
+from drafters.vocab import DraftVocab, select_draft_vocab
 
 
 def frozen_logits(head: nn.Module, h: torch.Tensor) -> torch.Tensor:
@@ -63,6 +63,17 @@ def set_draft_vocab(drafter: nn.Module, full_head: nn.Module, d2t: torch.Tensor)
     drafter.draft_vocab.set(d2t.to(drafter.draft_vocab.d2t.device))
     with torch.no_grad():
         drafter.lm_head.weight.copy_(full_head.weight[drafter.draft_vocab.d2t])
+
+
+def fit_draft_vocab(drafter: nn.Module, token_counts: torch.Tensor, always_include=()) -> bool:
+    """Give a drafter with a pruned head (`draft_vocab` set) the draft vocab of the most frequent
+    training tokens (drafters.vocab.select_draft_vocab); False (no-op) for a full-vocab drafter.
+    The trainer calls it once before training; a loaded drafter already has its map."""
+    vocab = getattr(drafter, "draft_vocab", None)
+    if vocab is None:
+        return False
+    drafter.set_draft_vocab(select_draft_vocab(token_counts, vocab.size, always_include))
+    return True
 
 
 class Shared(nn.Module):

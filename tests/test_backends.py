@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import train.__main__  # noqa: F401  (stores the schemas, registers the resolvers)
-from train import backends
+from train import backends, distributed
 from train.batches import BatchIterator
 from train.deepspeed_backend import deepspeed_config
 from train.recipe import DistillRecipe
@@ -36,16 +36,16 @@ def clean_env(monkeypatch):
 
 def test_run_id_prefers_the_jobs_own_id(clean_env):
     clean_env.setenv("SLURM_JOB_ID", "777")
-    assert backends.run_id() == "777"
+    assert distributed.run_id() == "777"
     clean_env.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun's default: not an id
-    assert backends.run_id() == "777"
+    assert distributed.run_id() == "777"
     clean_env.setenv("TORCHELASTIC_RUN_ID", "rdzv-5")
-    assert backends.run_id() == "rdzv-5"
+    assert distributed.run_id() == "rdzv-5"
     clean_env.setenv("RUN_ID", "mine")
-    assert backends.run_id() == "mine"
+    assert distributed.run_id() == "mine"
     clean_env.setenv("RUN_ID", "../escape")
     with pytest.raises(ValueError, match="letters, digits"):
-        backends.run_id()
+        distributed.run_id()
 
 
 def test_run_id_under_torchrun_is_the_agents_start_time(clean_env):
@@ -54,11 +54,11 @@ def test_run_id_under_torchrun_is_the_agents_start_time(clean_env):
 
     clean_env.setenv("TORCHELASTIC_RUN_ID", "none")
     started = psutil.Process(os.getppid()).create_time()
-    assert backends.run_id() == datetime.datetime.fromtimestamp(started).strftime(
+    assert distributed.run_id() == datetime.datetime.fromtimestamp(started).strftime(
         "%Y-%m-%d_%H-%M-%S")
     clean_env.setenv("GROUP_WORLD_SIZE", "2")  # two nodes: their agents' clocks would disagree
     with pytest.raises(ValueError, match="rdzv-id"):
-        backends.run_id()
+        distributed.run_id()
 
 
 def test_composed_run_dir_and_rank_zero_hydra_outputs(clean_env):
@@ -68,12 +68,12 @@ def test_composed_run_dir_and_rank_zero_hydra_outputs(clean_env):
     assert cfg.run_dir == "runs/train/job42"
     assert cfg.hydra.output_subdir == ".hydra"
     clean_env.setenv("RANK", "1")
-    assert backends.rank_zero_only(".hydra") is None
-    assert backends.rank_zero_log("/x/train.log") == os.devnull
+    assert distributed.rank_zero_only(".hydra") is None
+    assert distributed.rank_zero_log("/x/train.log") == os.devnull
     clean_env.delenv("RANK")
     clean_env.setenv("SUBMITIT_EXECUTOR", "slurm")
     clean_env.setenv("SLURM_PROCID", "3")
-    assert backends.env_rank() == 3
+    assert distributed.env_rank() == 3
 
 
 def test_submitit_tasks_get_torch_ranks(clean_env):
@@ -86,7 +86,7 @@ def test_submitit_tasks_get_torch_ranks(clean_env):
         clean_env.setenv(k, v)
     for k in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         clean_env.delenv(k, raising=False)
-    backends.export_slurm_task_env()
+    distributed.export_slurm_task_env()
     assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("5", "8", "1")
     assert os.environ["MASTER_ADDR"] == "gpu-a01"
 
@@ -134,16 +134,16 @@ def test_rank_shards_are_disjoint_and_make_up_the_single_process_batch():
 
 
 def test_peer_failure_message_names_the_cause(monkeypatch):
-    monkeypatch.setattr(backends.dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(backends.dist, "get_rank", lambda: 0)
-    monkeypatch.setattr(backends.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(distributed.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(distributed.dist, "get_world_size", lambda: 2)
     err = RuntimeError("[gloo/transport/tcp/pair.cc:534] Timed out waiting 5000ms for recv")
-    msg = backends.peer_failure_message(err, 5)
+    msg = distributed.peer_failure_message(err, 5)
     assert "another rank died or hung" in msg and "dist_timeout_s=5" in msg and "Timed out" in msg
     dead = RuntimeError("[gloo/transport/tcp/pair.cc:598] Connection closed by peer [127.0.0.1]")
-    assert "another rank died or hung" in backends.peer_failure_message(dead, 5)
-    assert backends.peer_failure_message(ValueError("bad config"), 5) is None
-    assert backends.peer_failure_message(RuntimeError("shape mismatch"), 5) is None
+    assert "another rank died or hung" in distributed.peer_failure_message(dead, 5)
+    assert distributed.peer_failure_message(ValueError("bad config"), 5) is None
+    assert distributed.peer_failure_message(RuntimeError("shape mismatch"), 5) is None
 
 
 # ----------------------------------------------------------------------- run-dir checks (setup)
@@ -189,8 +189,8 @@ def test_torch_backend_timeout_is_the_trainer_setting(monkeypatch):
     seen = {}
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
-    monkeypatch.setattr(backends.dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(backends.dist, "init_process_group",
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(distributed.dist, "init_process_group",
                         lambda backend, timeout: seen.update(backend=backend, timeout=timeout))
     backends.build_backend(OmegaConf.create({"backend": "torch", "dist_timeout_s": 7}), "cpu")
     assert seen["backend"] == "gloo" and seen["timeout"].total_seconds() == 7

@@ -1,5 +1,6 @@
-"""train/bench.py without running it: every mode's job composes as the same training job (only the
-per-rank batch differs), launch commands, and the median-over-rounds summary."""
+"""train/benchmarks/throughput.py without running it: every mode's job composes as the same
+training job (only the per-rank batch differs), launch commands, and the median-over-rounds
+summary."""
 from argparse import Namespace
 from pathlib import Path
 
@@ -7,7 +8,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 import train.__main__  # noqa: F401  (stores the schemas)
-from train import bench
+from train.benchmarks import throughput as bench
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 ARGS = Namespace(device="cpu", conversations=50, max_length=256, global_batch=4, steps=3)

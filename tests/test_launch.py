@@ -12,7 +12,7 @@ from hydra import compose, initialize_config_dir
 from torch.distributed.run import get_args_parser
 
 import train.__main__  # noqa: F401  (stores the schemas)
-from train.backends import run_id
+from train.distributed import run_id
 
 ROOT = Path(__file__).resolve().parents[1]
 SBATCH = ROOT / "launch" / "slurm.sbatch"

@@ -370,9 +370,9 @@ def test_offline_capture_for_a_drafter_without_features(tmp_path):
 
 
 def test_bench_grid_replay_equals_the_real_decoder(tmp_path):
-    """`python -m train.bench_small_lm --tiny`: one trained run, its real-decoder eval and its greedy
+    """`python -m train.benchmarks.small_lm --tiny`: one trained run, its real-decoder eval and its greedy
     replay on the same prompts and answer length, which must give the decoder's tau exactly."""
-    from train.bench_small_lm import main
+    from train.benchmarks.small_lm import main
 
     out = tmp_path / "bench"
     rows = main(["--tiny", "--out", str(out), "--steps", "2", "--layers", "1", "--losses",
@@ -399,7 +399,7 @@ def test_bench_grid_replay_equals_the_real_decoder(tmp_path):
 
 
 def test_bench_standard_errors_count_prompts_not_rounds():
-    from train.bench_small_lm import paired_gap, ratio_se
+    from train.benchmarks.small_lm import paired_gap, ratio_se
 
     assert ratio_se([3, 1], [1, 1]) == pytest.approx((2.0, 1.0))  # residuals +1, -1 over 2 prompts
     assert ratio_se([2, 4], [1, 2]) == pytest.approx((2.0, 0.0))  # every prompt at the ratio
@@ -414,7 +414,7 @@ def test_bench_init_divergence_is_zero_for_the_whole_target(tiny_target_cfg):
     """A drafter built from every target layer IS the target: KL 0 and full agreement; fewer
     layers start away from it."""
     from drafters.target import load_target
-    from train.bench_small_lm import init_divergence
+    from train.benchmarks.small_lm import init_divergence
 
     target = load_target(tiny_target_cfg)
     answers = [{"prompt": [5, 6, 7, 8], "answer": [9, 10, 11, 12, 13]},

@@ -4,19 +4,24 @@ The config path is relative to this file, so the job composes from conf/ both fr
 and after `pip install -e .`.
 """
 import hydra
+from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
-from decode.config import store_schemas
+from drafters.schemas import store_drafter_schemas
 from train.config import TrainConfig
 
-store_schemas("train_schema", TrainConfig)
+store_drafter_schemas()
+ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 
 
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    from drafters.cli import user_errors
     from train.recipe import run
 
-    run(cfg)
+    with user_errors("python -m train", interrupt_hint=f"Continue this run with: python -m train "
+                     f"run_dir={cfg.run_dir} resume=true (plus the same overrides)"):
+        run(cfg)
 
 
 if __name__ == "__main__":

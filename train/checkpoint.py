@@ -10,6 +10,9 @@ COMPLETE are ever resumed from.
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import random
 import shutil
 from pathlib import Path
@@ -22,6 +25,57 @@ from drafters.base import CONFIG_FILE, WEIGHTS_FILE, save_drafter
 
 COMPLETE = "COMPLETE"
 STATE = "trainer_state.pt"
+MANIFEST = "MANIFEST.json"  # every file's size and sha256, written before COMPLETE
+log = logging.getLogger(__name__)
+
+
+class CheckpointError(RuntimeError):
+    """No checkpoint of a run verifies; the message lists each damaged one and why."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _files(folder: Path) -> list[Path]:
+    """Every file under `folder` except the manifest and the COMPLETE marker, sorted."""
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.name not in (MANIFEST, COMPLETE))
+
+
+def write_manifest(folder: Path) -> None:
+    """Record size and sha256 of every file in `folder` (called on the staging folder)."""
+    entries = {p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)}
+               for p in _files(folder)}
+    (folder / MANIFEST).write_text(json.dumps(entries, indent=1, sort_keys=True) + "\n")
+
+
+def verify(folder: Path, required: tuple[str, ...] = ()) -> list[str]:
+    """What is wrong with a committed folder (checkpoint, best/): [] when every file the manifest
+    vouches for is there with its size and hash, and every `required` file exists. A folder written
+    before manifests existed is checked for `required` files only."""
+    folder = Path(folder)
+    problems = [f"{folder / f}: missing" for f in required if not (folder / f).is_file()]
+    if not (folder / MANIFEST).is_file():
+        return problems
+    try:
+        entries = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError) as e:
+        return problems + [f"{folder / MANIFEST}: unreadable ({e})"]
+    for rel, want in sorted(entries.items()):
+        f = folder / rel
+        if not f.is_file():
+            if f"{f}: missing" not in problems:
+                problems.append(f"{f}: missing")
+        elif f.stat().st_size != want["size"]:
+            problems.append(f"{f}: {f.stat().st_size} bytes, the manifest says {want['size']} "
+                            f"(truncated or overwritten)")
+        elif _sha256(f) != want["sha256"]:
+            problems.append(f"{f}: content differs from the manifest's sha256 (corrupted)")
+    return problems
 
 
 def rng_state() -> dict[str, Any]:
@@ -34,14 +88,20 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def commit(tmp: Path, dest: Path) -> Path:
-    """Mark a filled staging folder COMPLETE, flush it and rename it to `dest` (replacing it)."""
+    """Record the staging folder's manifest, mark it COMPLETE, flush it and rename it to `dest`
+    (replacing it)."""
+    write_manifest(tmp)
     return commit_folder(tmp, dest, marker=COMPLETE)
 
 
 def write_atomic(dest: Path, fill) -> Path:
     """Create folder `dest` atomically from one process: `fill(tmp)` writes into the staging
-    folder, which is then committed (marked COMPLETE)."""
-    return write_folder(Path(dest), fill, marker=COMPLETE)
+    folder, which is then committed (manifest, COMPLETE)."""
+    def fill_and_record(tmp: Path) -> None:
+        fill(tmp)
+        write_manifest(tmp)
+
+    return write_folder(Path(dest), fill_and_record, marker=COMPLETE)
 
 
 def save_checkpoint(run_dir: Path, step: int, backend, drafter, drafter_cfg,
@@ -82,7 +142,7 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
     folder = Path(run_dir) / "checkpoints"
     if not folder.is_dir():
         return []
-    found = [p for p in folder.glob("step-*") if (p / COMPLETE).is_file() and (p / STATE).is_file()]
+    found = [p for p in folder.glob("step-*") if (p / COMPLETE).is_file()]  # damage: verify()
     return sorted(found, key=lambda p: int(p.name.split("-")[1]))
 
 
@@ -92,15 +152,18 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 def is_complete_drafter(folder: Path) -> bool:
-    """A committed drafter folder: a checkpoint or best/ (COMPLETE marker) with both drafter files."""
+    """A committed drafter folder (a checkpoint or best/): COMPLETE marker, both drafter files,
+    and every file its manifest vouches for intact (verify)."""
     folder = Path(folder)
-    return all((folder / f).is_file() for f in (COMPLETE, CONFIG_FILE, WEIGHTS_FILE))
+    return (folder / COMPLETE).is_file() and not verify(folder, (CONFIG_FILE, WEIGHTS_FILE))
 
 
 def reference_drafter(run_dir: Path) -> Path | None:
     """The drafter a run's final eval measured: best/, else the latest complete checkpoint."""
     best = Path(run_dir) / "best"
-    return best if is_complete_drafter(best) else latest_checkpoint(run_dir)
+    if is_complete_drafter(best):
+        return best
+    return next((c for c in reversed(complete_checkpoints(run_dir)) if is_complete_drafter(c)), None)
 
 
 def resolve_drafter(path) -> tuple[Path, Path | None]:
@@ -123,6 +186,30 @@ def resolve_drafter(path) -> tuple[Path, Path | None]:
     if run_dir is not None and not (run_dir / "config.yaml").is_file():
         run_dir = None
     return p, run_dir
+
+
+REQUIRED = (WEIGHTS_FILE, CONFIG_FILE, STATE)  # every checkpoint has these, whatever the backend
+
+
+def resumable_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint that verifies (None: the run has none). A damaged newer one
+    is named with what is wrong and skipped, loudly; when every one is damaged, CheckpointError
+    lists them all."""
+    damaged = []
+    for ck in reversed(complete_checkpoints(run_dir)):
+        problems = verify(ck, REQUIRED)
+        if not problems:
+            if damaged:
+                log.warning("RESUMING FROM AN OLDER CHECKPOINT %s: the newer ones are damaged:\n  %s",
+                            ck.name, "\n  ".join(damaged))
+            return ck
+        damaged += problems
+        log.error("checkpoint %s is damaged: %s", ck, "; ".join(problems))
+    if damaged:
+        raise CheckpointError("no checkpoint in {} verifies:\n  {}\nRestore the files, or delete "
+                              "{}/checkpoints and start a new run (resume=false)".format(
+                                  run_dir, "\n  ".join(damaged), run_dir))
+    return None
 
 
 def load_trainer_state(ckpt: Path) -> dict:

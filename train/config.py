@@ -8,7 +8,7 @@ from omegaconf import MISSING, OmegaConf
 
 from data.dataset import DataConfig
 from drafters.target import TargetConfig
-from train.backends import rank_zero_log, rank_zero_only, run_id
+from train.distributed import rank_zero_log, rank_zero_only, run_id
 
 # conf/train.yaml: `${run_id:}` names the run dir all ranks share; Hydra's .hydra/ and log file are
 # written by rank 0 only. Cached: the id is fixed once per process.
@@ -97,7 +97,35 @@ class TrainConfig:
     logger: LoggerConfig = MISSING
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)  # trainer.backend=deepspeed only
     # one folder per job (config, ckpts, logs), shared by all ranks: the job's id under a launcher
-    # (RUN_ID, torchrun --rdzv-id, SLURM_JOB_ID), else its start time (train/backends.py: run_id)
+    # (RUN_ID, torchrun --rdzv-id, SLURM_JOB_ID), else its start time (train/distributed.py: run_id)
     run_dir: str = "runs/train/${run_id:}"
     resume: bool = False  # continue from the latest complete checkpoint in run_dir
     seed: int = 0  # seeds torch, the data order and sampling
+
+
+# Allowed ranges of numeric settings, checked before any work (drafters/cli.py check_ranges):
+# (lo, hi) inclusive, None = open end, "open" = lo excluded.
+TRAIN_RULES = {
+    "trainer.max_steps": (1, None), "trainer.batch_size": (1, None), "trainer.grad_accum": (1, None),
+    "trainer.lr": (0, None, "open"), "trainer.weight_decay": (0, None),
+    "trainer.warmup_steps": (0, None), "trainer.min_lr_ratio": (0, 1), "trainer.grad_clip": (0, None),
+    "trainer.loss_temperature": (0, None, "open"), "trainer.feature_weight": (0, None),
+    "trainer.eval_k": (1, None), "trainer.on_policy_fraction": (0, 1),
+    "trainer.on_policy_max_new_tokens": (1, None), "trainer.on_policy_temperature": (0, None),
+    "trainer.on_policy_start_step": (0, None), "trainer.eval_every": (0, None),
+    "trainer.save_every": (0, None), "trainer.keep_last": (1, None), "trainer.log_every": (1, None),
+    "trainer.eval_conversations": (1, None), "trainer.final_eval_limit": (1, None),
+    "trainer.final_eval_max_new_tokens": (1, None), "trainer.dist_timeout_s": (1, None),
+    "data.max_length": (2, None), "data.eval_fraction": (0, 1), "data.max_conversations": (1, None),
+    "data.num_proc": (1, None),
+}
+
+# Settings that may change when a run resumes (everything else must match the checkpoint's run):
+# how long it runs (a new max_steps stretches the cosine schedule to the new end from the current
+# step), how often it evaluates, saves and logs, the final eval, where metrics go, the device.
+RESUMABLE_CHANGES = (
+    "run_dir", "resume", "logger", "target.device", "trainer.max_steps", "trainer.eval_every",
+    "trainer.save_every", "trainer.keep_last", "trainer.log_every", "trainer.eval_conversations",
+    "trainer.eval_k", "trainer.final_eval", "trainer.final_eval_limit",
+    "trainer.final_eval_max_new_tokens", "trainer.dist_timeout_s", "data.num_proc", "data.cache_dir",
+)

@@ -33,7 +33,8 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch import nn
 
-from train.backends import ProcessGroupMixin, _device, export_slurm_task_env, init_distributed
+from train.distributed import (ProcessGroupMixin, export_slurm_task_env, init_distributed,
+                               rank_device)
 
 TAG = "deepspeed"  # engine checkpoint subfolder inside checkpoints/step-XXXXXXX/
 
@@ -105,7 +106,7 @@ class DeepSpeedBackend(ProcessGroupMixin):
             importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
         export_slurm_task_env()
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        self.device = _device(device, self.local_rank)
+        self.device = rank_device(device, self.local_rank)
         timeout_s = trainer_cfg.dist_timeout_s
         init_distributed(self.device, timeout_s, always=True)  # DeepSpeed needs a group, even of one
         deepspeed.init_distributed(dist_backend=dist.get_backend(),

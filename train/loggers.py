@@ -106,6 +106,16 @@ class JsonlLogger:
     def close(self) -> None:
         self.file.close()
 
+    def rewind(self, step: int) -> None:
+        """Drop rows logged after `step` (a resumed run redoes those steps: no row twice)."""
+        self.file.close()
+        rows = self.path.read_text().splitlines(keepends=True) if self.path.is_file() else []
+        keep = [r for r in rows if r.strip() and json.loads(r).get("step", 0) <= step]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(keep))
+        os.replace(tmp, self.path)
+        self.file = open(self.path, "a", buffering=1)
+
 
 def wandb_key_configured() -> bool:
     """Whether W&B could authenticate: WANDB_API_KEY, or a netrc entry for the W&B API host."""
@@ -275,6 +285,12 @@ class Loggers:
     def log(self, metrics: dict[str, Any], step: int) -> None:
         for lg in self.loggers:
             lg.log(metrics, step)
+
+    def rewind(self, step: int) -> None:
+        """After a resume from `step`: forget what was logged after it (files that can)."""
+        for lg in self.loggers:
+            if hasattr(lg, "rewind"):
+                lg.rewind(step)
 
     def log_decoder_eval(self, summary: dict[str, Any], step: int, prefix: str = "final") -> None:
         """A real-decoder eval (decode/evaluate.py summary): scalars, accepted-length histogram and

@@ -8,8 +8,8 @@ Pruned draft vocabulary (d2t given): the target distribution is restricted to th
 renormalised, p' = p|Vd / p(Vd). The drafter cannot put mass outside Vd, so against the full p
 every divergence carries a term it can never reduce; against p' each loss is 0 exactly when
 q = p', which is also the best q for acceptance: with q = p' >= p on Vd, sum min(p, q) = p(Vd),
-the highest acceptance any q restricted to Vd can reach. The eval helpers below, in contrast, use
-the full p: they measure what the decoder will really accept.
+the highest acceptance any q restricted to Vd can reach. `greedy_accept` below compares with the
+full p's argmax unless told to restrict: what the decoder will really accept.
 """
 from __future__ import annotations
 
@@ -149,7 +149,7 @@ def distill_loss(predictions: list[DraftPrediction], batch: TrainBatch, divergen
     return total, parts
 
 
-# -- acceptance, for evaluation ------------------------------------------------------------------
+# -- greedy acceptance (the loss's top1 metric, and benchmarks) ---------------------------------
 def greedy_accept(draft_logits: torch.Tensor, target_logits: torch.Tensor,
                   d2t: torch.Tensor | None = None, restrict: bool = False) -> torch.Tensor:
     """(N,) bool: would greedy decoding accept the draft's argmax? The draft id is mapped to a
@@ -161,27 +161,3 @@ def greedy_accept(draft_logits: torch.Tensor, target_logits: torch.Tensor,
     if restrict:
         return d == target_logits.index_select(-1, d2t).argmax(-1)
     return d2t[d] == target_logits.argmax(-1)
-
-
-def expected_accept(draft_logits: torch.Tensor, target_logits: torch.Tensor, temperature: float = 1.0,
-                    d2t: torch.Tensor | None = None) -> torch.Tensor:
-    """(N,) sum_x min(p(x), q(x)): the probability that speculative sampling at this temperature
-    accepts the drafted token, with p over the FULL target vocab (q is 0 outside the draft vocab)."""
-    q = F.softmax(draft_logits.float() / temperature, dim=-1)  # (N, Vd)
-    p = F.softmax(target_logits.float() / temperature, dim=-1)  # (N, V)
-    if d2t is not None:
-        p = p.index_select(-1, d2t)  # mass outside the draft vocab is never accepted
-    return torch.minimum(p, q).sum(-1)  # (N,)
-
-
-def acceptance(predictions: list[DraftPrediction], batch: TrainBatch, temperature: float = 1.0,
-               d2t: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """Mean greedy and expected acceptance per shift over the counted positions (eval metrics)."""
-    out = {}
-    for pred in predictions:
-        draft, target, _, _ = aligned(pred, batch)
-        if draft.shape[0] == 0:
-            continue
-        out[f"greedy_accept/s{pred.shift}"] = greedy_accept(draft, target, d2t).float().mean()
-        out[f"expected_accept/s{pred.shift}"] = expected_accept(draft, target, temperature, d2t).mean()
-    return out

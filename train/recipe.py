@@ -11,7 +11,6 @@ The recipe depends only on the drafter interface (drafters/base.py) and the back
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -24,16 +23,21 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from data.capture import (CaptureConfig, OfflineFeatures, autocast, capture, capture_split,
-                          target_logits)
+from data import quiet
+from data.capture import (CaptureConfig, OfflineFeatures, autocast, capture, capture_dir,
+                          offline_features, target_logits)
 from data.dataset import load_chat_dataset
 from data.regenerate import self_distilled
-from decode.acceptance import simulate_acceptance
+from decode.simulate import simulate_acceptance
 from drafters.base import TrainBatch, build_drafter, fit_draft_vocab, load_drafter
-from decode.evaluate import quiet
 from drafters.target import cache_root, load_target
+from drafters.cli import check_ranges
 from train import checkpoint as ckpt
-from train.backends import build_backend, peer_failure_message
+from train.backends import build_backend
+from train.config import TRAIN_RULES
+from train.distributed import peer_failure_message
+from train.resume import check_resume_config
+from train.runlock import RunLock
 from train.batches import BatchIterator
 from train.loggers import Loggers
 from train.losses import distill_loss
@@ -80,31 +84,54 @@ class DistillRecipe:
 
     # ------------------------------------------------------------------------------------- setup
     def setup(self) -> None:
-        cfg, tcfg = self.cfg, self.tcfg
+        """Build everything `train()` needs, one named step each; the pieces live in the library."""
+        cfg = self.cfg
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
-        self.backend = build_backend(tcfg, cfg.target.device, cfg.get("deepspeed"))
+        self.backend = build_backend(self.tcfg, cfg.target.device, cfg.get("deepspeed"))
         self._prepare_run_dir()
         self.loggers = Loggers(cfg.logger, self.run_dir, self.backend.is_main, config=cfg)
-        # 1. The frozen target and the chat data rendered with its template.
-        with self.backend.main_first():  # rank 0 fills the target and data caches, then the rest
-            self.target = load_target(cfg.target)
+        self.target, self.data = self._setup_data(cfg)  # 1. the frozen target and its chat data
+        self.train_ds, self.eval_ds = self.data.train, self.data.eval
+        self.drafter = self._setup_drafter(cfg)  # 2. the drafter on the backend's device
+        self.params = [p for p in self.drafter.parameters() if p.requires_grad]
+        self._setup_optimizer(self.tcfg)  # 3. optimizer, schedule, the backend-wrapped model
+        self.offline = self._setup_features(self.tcfg)  # 4. offline features (None: online)
+        self._setup_batches(cfg)  # 5. the data order, and on-policy batches (DistillSpec)
+        if cfg.resume:  # 6. resume from the newest checkpoint that verifies
+            self._resume()
+        self._write_config()  # 7. only now: a failed setup leaves the run's config.yaml as it was
+        log.info("drafter %s: %.2f M trainable parameters", cfg.drafter.name,
+                 sum(p.numel() for p in self.params) / 1e6)
+
+    def _setup_data(self, cfg: DictConfig):
+        """The frozen target, and the chat data rendered with its template (self-distilled: the
+        target's own answers, when data.regenerate is set). Rank 0 fills the caches first."""
+        with self.backend.main_first():
+            target = load_target(cfg.target)
             data_cfg = cfg.data
-            if data_cfg.get("regenerate") is not None:  # self-distillation: the target's answers
-                data_cfg = self_distilled(self.target, data_cfg, progress=not quiet())
-            self.data = data = load_chat_dataset(data_cfg, self.target.tokenizer)
-        self.train_ds, self.eval_ds = data.train, data.eval
-        log.info("data: %d train / %d eval conversations", len(self.train_ds), len(self.eval_ds))
-        # 2. The drafter, its optimizer and schedule.
-        self.drafter = build_drafter(cfg.drafter, self.target)
-        if fit_draft_vocab(self.drafter, token_counts(self.train_ds, self.target.vocab_size),
+            if data_cfg.get("regenerate") is not None:
+                data_cfg = self_distilled(target, data_cfg, progress=not quiet())
+            data = load_chat_dataset(data_cfg, target.tokenizer)
+        log.info("data: %d train / %d eval conversations", len(data.train), len(data.eval))
+        return target, data
+
+    def _setup_drafter(self, cfg: DictConfig):
+        """The drafter built on the target, its draft vocabulary fitted to the training data's
+        assistant tokens (when it prunes its head), moved to the backend's device."""
+        drafter = build_drafter(cfg.drafter, self.target)
+        if fit_draft_vocab(drafter, token_counts(self.train_ds, self.target.vocab_size),
                            always_include=self.target.eos_token_ids):
             log.info("draft vocabulary: the %d most frequent assistant tokens of the training data",
-                     len(self.drafter.d2t))
-        self.drafter.to(self.backend.device)
-        self.params = [p for p in self.drafter.parameters() if p.requires_grad]
-        if not self.params:
+                     len(drafter.d2t))
+        drafter.to(self.backend.device)
+        if not any(p.requires_grad for p in drafter.parameters()):
             raise ValueError(f"drafter {cfg.drafter.name!r} has no trainable parameters")
+        return drafter
+
+    def _setup_optimizer(self, tcfg) -> None:
+        """AdamW over the trainable parameters, warm-up + cosine schedule, the backend-wrapped
+        model; first a check that the disk holds the rolling checkpoints of this many parameters."""
         n_params = sum(p.numel() for p in self.params)  # before ZeRO-3 partitions them
         self._check_disk_space(CKPT_BYTES_PER_PARAM * n_params * (tcfg.keep_last + 2))
         self.optimizer = torch.optim.AdamW(self.params, lr=tcfg.lr, weight_decay=tcfg.weight_decay,
@@ -112,45 +139,34 @@ class DistillRecipe:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(tcfg.warmup_steps, tcfg.max_steps, tcfg.min_lr_ratio))
         self.model = self.backend.prepare(self.drafter, self.optimizer)
-        self.offline = None
-        if tcfg.features == "offline":
-            folder = Path(tcfg.features_dir) if tcfg.features_dir else self._capture_dir(data)
-            if self.backend.is_main:  # capture once (resumable; a no-op when complete)
-                capture_split(self.target, self.train_ds,
-                              CaptureConfig(layers=list(self.drafter.feature_layers),
-                                            autocast=tcfg.capture_autocast), folder,
-                              progress=not quiet())
-            self.backend.barrier()
-            self.offline = OfflineFeatures(folder, self.drafter.feature_layers, self.target)
-            if len(self.offline) != len(self.train_ds):
-                raise ValueError(f"capture {folder} holds {len(self.offline)} conversations, "
-                                 f"the train split {len(self.train_ds)}: capture the same data")
-        elif tcfg.features != "online":
-            raise ValueError(f"trainer.features must be online or offline, not {tcfg.features!r}")
-        pad = self.target.tokenizer.pad_token_id
-        self.batches = BatchIterator(self.train_ds, tcfg.batch_size, cfg.seed,
-                                     pad if pad is not None else 0,
-                                     self.backend.rank, self.backend.world_size)
-        self.on_policy = None  # DistillSpec: replaces a share of micro-batches (train/on_policy.py)
-        if tcfg.on_policy_fraction > 0:
-            self.on_policy = OnPolicyMixer.from_config(self.drafter, cfg, self.backend.rank,
-                                                       pad if pad is not None else 0,
-                                                       self.target.eos_token_ids)
-        # 3. Resume from the latest complete checkpoint.
-        if cfg.resume:
-            self._resume()
-        log.info("drafter %s: %.2f M trainable parameters", cfg.drafter.name, n_params / 1e6)
 
-    def _capture_dir(self, data) -> Path:
-        """Where features of this (target, data, layers) are captured when no features_dir is
-        given: under the cache root, so a second run on the same data skips the capture."""
-        split = hashlib.sha1("\n".join(self.train_ds["id"]).encode()).hexdigest()  # eval_fraction, seed
-        key = [self.target.source.split(" (")[0], data.cache_path.name, split,
-               list(self.drafter.feature_layers), str(self.target.dtype)]
-        if self.tcfg.capture_autocast:
-            key.append(self.tcfg.capture_autocast)
-        key = hashlib.sha1(json.dumps(key).encode()).hexdigest()[:20]
-        return cache_root(self.cfg.target) / "features" / key
+    def _setup_features(self, tcfg) -> OfflineFeatures | None:
+        """trainer.features=offline: the target's features of the train split, captured once
+        (data/capture.py) into trainer.features_dir or a folder keyed by what they depend on."""
+        if tcfg.features == "online":
+            return None
+        if tcfg.features != "offline":
+            raise ValueError(f"trainer.features must be online or offline, not {tcfg.features!r}")
+        layers = list(self.drafter.feature_layers)
+        folder = Path(tcfg.features_dir) if tcfg.features_dir else capture_dir(
+            cache_root(self.cfg.target), self.target, self.train_ds, self.data.cache_path.name,
+            layers, tcfg.capture_autocast)
+        return offline_features(self.target, self.train_ds, folder,
+                                CaptureConfig(layers=layers, autocast=tcfg.capture_autocast),
+                                is_main=self.backend.is_main, barrier=self.backend.barrier,
+                                progress=not quiet())
+
+    def _setup_batches(self, cfg: DictConfig) -> None:
+        """This rank's micro-batches of the train split, and the on-policy mixer that replaces a
+        share of them with the drafter's own text (train/on_policy.py) when on_policy_fraction > 0."""
+        pad = self.target.tokenizer.pad_token_id
+        pad = pad if pad is not None else 0
+        self.batches = BatchIterator(self.train_ds, self.tcfg.batch_size, cfg.seed, pad,
+                                     self.backend.rank, self.backend.world_size)
+        self.on_policy = None
+        if self.tcfg.on_policy_fraction > 0:
+            self.on_policy = OnPolicyMixer.from_config(self.drafter, cfg, self.backend.rank, pad,
+                                                       self.target.eos_token_ids)
 
     def _prepare_run_dir(self) -> None:
         """Rank 0 checks the one run dir all ranks share (writable, some free space, no other
@@ -162,12 +178,25 @@ class DistillRecipe:
                 raise PermissionError(f"cannot create run_dir {self.run_dir}: {e}; set run_dir=...") from e
             if not os.access(self.run_dir, os.W_OK):
                 raise PermissionError(f"run_dir {self.run_dir} is not writable; set run_dir=...")
+            self.lock = RunLock(self.run_dir).acquire()  # one job per run dir
             if not self.cfg.resume and ckpt.latest_checkpoint(self.run_dir) is not None:
                 raise FileExistsError(f"run_dir {self.run_dir} already holds checkpoints of another "
                                       f"run: pass resume=true to continue it or a new run_dir=")
             self._check_disk_space(MIN_FREE_BYTES)
-            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg, resolve=True))
+        self._resume_from = None
+        if self.cfg.resume:  # every rank: verify before any heavy work, refuse a changed run
+            self._resume_from = ckpt.resumable_checkpoint(self.run_dir)
+            if self._resume_from is not None:
+                check_resume_config(self._resume_from, self.cfg)
         self.backend.barrier()
+
+    def _write_config(self) -> None:
+        """Rank 0 writes the resolved config.yaml; the previous one is kept as config.prev.yaml."""
+        if self.backend.is_main:
+            path = self.run_dir / "config.yaml"
+            if path.is_file():
+                os.replace(path, self.run_dir / "config.prev.yaml")
+            path.write_text(OmegaConf.to_yaml(self.cfg, resolve=True))
 
     def _check_disk_space(self, need: int) -> None:
         """Fail before training when the run dir's disk cannot hold the rolling checkpoints."""
@@ -181,7 +210,7 @@ class DistillRecipe:
                           f"need about {need / 2**20:.0f} MiB. Free space or set run_dir= to another disk.")
 
     def _resume(self) -> None:
-        last = ckpt.latest_checkpoint(self.run_dir)
+        last = self._resume_from
         if last is None:
             log.warning("resume=true but no complete checkpoint in %s: starting fresh", self.run_dir)
             return
@@ -191,6 +220,7 @@ class DistillRecipe:
         self.batches.load_state_dict(state["data"])
         ckpt.set_rng_state(state["rng"])
         self.step, self.best_tau = state["step"], state.get("best_tau", -1.0)
+        self.loggers.rewind(self.step)  # the steps after it are redone: no metrics row twice
         log.info("resumed from %s (step %d)", last, self.step)
 
     # ------------------------------------------------------------------------------------- train
@@ -274,6 +304,10 @@ class DistillRecipe:
             if not self.backend.is_main:
                 return {}
             n = min(self.tcfg.eval_conversations, len(self.eval_ds))
+            if n == 0:  # no held-out data: no eval (and best/ follows the latest checkpoint)
+                log.warning("no eval conversations (data.eval_fraction=%s of this data gives 0): "
+                            "evals skipped, best/ = the latest checkpoint", self.cfg.data.eval_fraction)
+                return {}
             res = simulate_acceptance(self.target, self.drafter, self.eval_ds.select(range(n)),
                                       k=self.tcfg.eval_k, positions=8)
         flat = {"eval/sim_tau": res["sim_tau"], "eval/mean_accepted": res["mean_accepted"],
@@ -287,10 +321,10 @@ class DistillRecipe:
         """Collective: every rank writes its part of checkpoints/step-N/ (train/checkpoint.py);
         rank 0 keeps the best drafter by simulated tau in best/ and prunes old checkpoints."""
         tau = float(self.last_eval.get("sim_tau", -1.0)) if getattr(self, "last_eval", None) else -1.0
-        is_best = tau > self.best_tau  # tau is only known on rank 0; only rank 0 acts on it
+        is_best = tau > self.best_tau or len(self.eval_ds) == 0  # no eval data: best = latest
         self.best_tau = max(self.best_tau, tau)
         state = {"scheduler": self.scheduler.state_dict(), "data": self.batches.state_dict(),
-                 "best_tau": self.best_tau}
+                 "best_tau": self.best_tau, "config": OmegaConf.to_container(self.cfg, resolve=True)}
         path = ckpt.save_checkpoint(self.run_dir, self.step, self.backend, self.drafter,
                                     self.cfg.drafter, self.optimizer, state)
         if self.backend.is_main:
@@ -319,20 +353,29 @@ class DistillRecipe:
     def cleanup(self) -> None:
         self.loggers.close()
         self.backend.close()
+        self.release_lock()
+
+    def release_lock(self) -> None:
+        if getattr(self, "lock", None) is not None:
+            self.lock.release()
 
 
 def run(cfg: DictConfig) -> None:
+    check_ranges(cfg, TRAIN_RULES)
     recipe = DistillRecipe(cfg)
     try:
         recipe.setup()
         recipe.train()
-    except Exception as e:  # a dead or hung peer surfaces as an opaque gloo/nccl error: say so
-        msg = peer_failure_message(e, cfg.trainer.dist_timeout_s)
+    except BaseException as e:  # a dead or hung peer surfaces as an opaque gloo/nccl error: say so
+        recipe.release_lock()
+        msg = peer_failure_message(e, cfg.trainer.dist_timeout_s) if isinstance(e, Exception) else None
         if msg is None:
             raise
         raise RuntimeError(msg) from e
-    result = recipe.final_eval()
-    if result is not None:
-        print(result["markdown"], flush=True)
-        (Path(cfg.run_dir) / "summary.json").write_text(json.dumps(result["summary"], indent=2))
-    recipe.cleanup()
+    try:
+        result = recipe.final_eval()
+        if result is not None:
+            print(result["markdown"], flush=True)
+            (Path(cfg.run_dir) / "summary.json").write_text(json.dumps(result["summary"], indent=2))
+    finally:
+        recipe.cleanup()

@@ -1,4 +1,5 @@
-"""Simulated acceptance on held-out conversations (the trainer's periodic eval).
+"""Simulated acceptance on held-out conversations (the trainer's periodic eval). The acceptance
+rules themselves, used by the decoder, live in decode/accept.py.
 
 At sampled assistant positions t of a conversation, the drafter sees the true prefix tokens[:t+1]
 (and the target's features of it), drafts k tokens unrolled on its OWN outputs, and the target
@@ -12,10 +13,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from decode.accept import GREEDY
 from drafters.base import DecodeState, Drafter
-from drafters.sampling import SamplingParams
-
-GREEDY = SamplingParams()
 
 
 @torch.inference_mode()

@@ -1,7 +1,7 @@
 """Benchmark of issue 5: small_lm drafters built from the target, by size, divergence and data.
 
-    python -m train.bench_small_lm --out runs/bench_small_lm            # the full grid (CPU: hours)
-    python -m train.bench_small_lm --tiny --steps 2 --out /tmp/bench    # seconds: checks the script
+    python -m train.benchmarks.small_lm --out runs/bench_small_lm            # the full grid (CPU: hours)
+    python -m train.benchmarks.small_lm --tiny --steps 2 --out /tmp/bench    # seconds: checks the script
 
 Grid: drafter layers (2, 4) x divergence (forward_kl, reverse_kl, jsd, tv) x data (fixed
 ShareGPT, or with on-policy drafter continuations mixed in at --on-policy-fraction), every run on
@@ -40,7 +40,7 @@ def compose(overrides: list[str]):
 
     import train.__main__  # noqa: F401  (stores the train schemas)
 
-    conf = Path(__file__).resolve().parents[1] / "conf"
+    conf = Path(__file__).resolve().parents[2] / "conf"
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
         return hydra_compose(config_name="train", overrides=overrides)
 

@@ -1,0 +1,179 @@
+"""The package layout as tests, read from the source with `ast` (nothing is imported):
+
+* the arrows point one way: drafters/ imports neither train/ nor decode/; data/ imports neither;
+  decode/ does not import train/;
+* no import cycles between the project's modules, counting module-level AND function-level imports
+  (a function-level import only hides a cycle until the function runs);
+* no non-test source file over 400 lines; no function over 80 lines in decode/ and drafters/.
+
+Imports under `if TYPE_CHECKING:` are not run and do not count. `from pkg import name` counts as an
+import of the module pkg.name when that is a module of the project, else of pkg itself.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("drafters", "data", "decode", "train")  # the project's top-level packages
+MAX_FILE_LINES = 400
+MAX_FUNCTION_LINES = 80
+SHORT_FUNCTION_PACKAGES = ("decode", "drafters")
+# package -> the project packages it must never import (see README's layout section)
+FORBIDDEN = {"drafters": {"train", "decode"}, "data": {"train", "decode"}, "decode": {"train"}}
+
+
+def module_name(path: Path) -> str:
+    """drafters/eagle.py -> drafters.eagle; decode/__init__.py -> decode."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def source_files() -> dict[str, Path]:
+    """Every module of the project's packages, by dotted name."""
+    return {module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+
+
+MODULES = source_files()
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _import_nodes(tree: ast.AST):
+    """Every Import / ImportFrom at any depth (functions, classes, try blocks), skipping the
+    bodies of `if TYPE_CHECKING:`."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            stack.extend(node.orelse)
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def imports_of(name: str) -> set[str]:
+    """The project modules that module `name` imports (module or function level)."""
+    path = MODULES[name]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in _import_nodes(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        else:
+            base = node.module or ""
+            if node.level:  # relative: from . import x / from ..pkg import y
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base
+                       for a in node.names]
+        for target in targets:
+            while target and target not in MODULES:  # `import a.b.c` where c is not a module
+                target = target.rpartition(".")[0]
+            if target and target.split(".")[0] in PACKAGES:
+                found.add(target)
+    found.discard(name)
+    return found
+
+
+GRAPH = {name: imports_of(name) for name in MODULES}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack, stack, out = set(), [], []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+# -- the checker itself has teeth --------------------------------------------------------------------
+def test_the_checker_sees_function_level_and_relative_imports_and_finds_cycles():
+    assert len(MODULES) > 30 and "decode.spec" in MODULES and "train.recipe" in MODULES
+    assert "decode.accept" in GRAPH["decode.spec"]  # a module-level `from decode.accept import`
+    assert "train.deepspeed_backend" in GRAPH["train.backends"]  # inside build_backend
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+# -- the rules ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_imports_point_one_way(package):
+    bad = sorted(f"{name} imports {target}" for name, targets in GRAPH.items()
+                 if name.split(".")[0] == package
+                 for target in targets if target.split(".")[0] in FORBIDDEN[package])
+    assert not bad, (f"{package}/ must not import {sorted(FORBIDDEN[package])} (layering: target -> "
+                     f"data -> drafter -> trainer -> decoder); move the code down a floor or pass "
+                     f"what it needs as an argument:\n  " + "\n  ".join(bad))
+
+
+def test_no_import_cycles():
+    found = cycles(GRAPH)
+    edges = ["; ".join(f"{m} -> {', '.join(sorted(set(GRAPH[m]) & set(c)))}" for m in c)
+             for c in found]
+    assert not found, ("import cycles between modules (function-level imports included); break "
+                       "each by moving what both sides need into a third module:\n  "
+                       + "\n  ".join(edges))
+
+
+def test_no_source_file_over_the_limit():
+    long = sorted(f"{p.relative_to(ROOT)}: {n} lines" for p in MODULES.values()
+                  if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES)
+    assert not long, (f"source files over {MAX_FILE_LINES} lines; split them by function:\n  "
+                      + "\n  ".join(long))
+
+
+def test_no_long_function_in_decode_and_drafters():
+    long = []
+    for name, path in MODULES.items():
+        if name.split(".")[0] not in SHORT_FUNCTION_PACKAGES:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1  # decorators excluded, docstring included
+                if n > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {n} lines")
+    assert not long, (f"functions over {MAX_FUNCTION_LINES} lines in "
+                      f"{'/, '.join(SHORT_FUNCTION_PACKAGES)}/; split them into named steps:\n  "
+                      + "\n  ".join(sorted(long)))
+
+
+def test_train_config_plumbing_does_not_reach_into_decode():
+    """`python -m train` stores its schemas from drafters/ and train/ (drafters/schemas.py), not
+    through decode/config.py: composing a training config must not import the decoder."""
+    for name in ("train.__main__", "train.config"):
+        assert not {t for t in GRAPH[name] if t.split(".")[0] == "decode"}, GRAPH[name]

@@ -1,0 +1,55 @@
+"""Resume compatibility: a run continues only with the settings its checkpoints were trained with.
+
+Each checkpoint's trainer_state.pt records the run's resolved config. On `resume=true` the new
+config is compared with it key by key; any difference outside train/config.py RESUMABLE_CHANGES
+(architecture, data, target, optimisation) is refused with every conflicting key named, before
+any heavy work and before config.yaml is rewritten. Checkpoints written before configs were
+recorded are compared on the drafter's architecture (drafter.json) only.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from drafters.base import CONFIG_FILE
+from drafters.cli import UserError
+from train.checkpoint import load_trainer_state
+from train.config import RESUMABLE_CHANGES
+
+
+def _flatten(node, prefix: str = "") -> dict[str, object]:
+    if isinstance(node, dict):
+        out = {}
+        for k, v in node.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: node}
+
+
+def _may_change(key: str) -> bool:
+    return any(key == k or key.startswith(k + ".") for k in RESUMABLE_CHANGES)
+
+
+def config_conflicts(old: dict, new: dict) -> list[str]:
+    """`key: checkpoint value -> new value` for every setting that differs and may not change."""
+    a, b = _flatten(old), _flatten(new)
+    return [f"{k}: {a.get(k, '<unset>')!r} -> {b.get(k, '<unset>')!r}"
+            for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k) and not _may_change(k)]
+
+
+def check_resume_config(ckpt: Path, cfg: DictConfig) -> None:
+    """Refuse to resume `ckpt` with a config that changes what its weights were trained with."""
+    new = OmegaConf.to_container(cfg, resolve=True)
+    old = load_trainer_state(ckpt).get("config")
+    if old is None:  # an older checkpoint: only its drafter config is on record
+        old_drafter = json.loads((Path(ckpt) / CONFIG_FILE).read_text())
+        conflicts = config_conflicts({"drafter": old_drafter}, {"drafter": new["drafter"]})
+    else:
+        conflicts = config_conflicts(old, new)
+    if conflicts:
+        raise UserError(
+            f"resume=true with settings that differ from the checkpoint {ckpt} was trained with:\n  "
+            + "\n  ".join(conflicts) + "\nUse the run's own settings (see its config.yaml) or start "
+            "a new run_dir=. Settings that may change on resume: " + ", ".join(RESUMABLE_CHANGES))

@@ -81,6 +81,9 @@ def evaluate_drafter(target, drafter: Drafter | None, *, eval_kind: str = "mtben
                "drafter": drafter.name if drafter is not None else "none", "k": k, "tree": tree,
                "temperature": sampling.temperature, "max_new_tokens": max_new_tokens,
                **{f"spec_{n}": v for n, v in asdict(spec_m).items()}}
+    # "lossless" = identical to plain decoding with the same target at the same dtype: record which
+    summary.update(target.dtype_choice.as_dict() if hasattr(target, "dtype_choice") else
+                   {"target_dtype": str(target.dtype).removeprefix("torch.")})
     summary["tau"] = spec_m.tau
     summary["tau_draft"] = spec_m.tau_draft
     if plain_results:

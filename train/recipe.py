@@ -88,7 +88,7 @@ class DistillRecipe:
         self.loggers = Loggers(cfg.logger, self.run_dir, self.backend.is_main, config=cfg)
         # 1. The frozen target and the chat data rendered with its template.
         with self.backend.main_first():  # rank 0 fills the target and data caches, then the rest
-            self.target = load_target(cfg.target)
+            self.target = load_target(cfg.target, training=True)  # auto = float32: see resolve_dtype
             data_cfg = cfg.data
             if data_cfg.get("regenerate") is not None:  # self-distillation: the target's answers
                 data_cfg = self_distilled(self.target, data_cfg, progress=not quiet())

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -46,7 +47,7 @@ class TargetConfig:
     # auto = bfloat16 where the hardware runs it natively (CPU flags avx512_bf16 / amx_bf16, or a
     # CUDA device with bf16), float32 elsewhere; training always resolves auto to float32
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    threads: int = 0  # torch CPU threads (0 = torch's, capped at the cores allowed: affinity, cgroup)
+    threads: int = 0  # torch CPU threads (0 = torch's, capped at the idle cores allowed: idle_cores)
     device: str = "cpu"  # "cpu", "cuda", "cuda:1", ...
     revision: Optional[str] = None  # HF revision (branch, tag or commit) for hub ids
     trust_remote_code: bool = False  # allow custom modelling code from the hub
@@ -121,11 +122,25 @@ def available_cores() -> int:
     return n
 
 
+def idle_cores() -> int:
+    """available_cores() minus the 1-minute load average of the machine (rounded up, at least 1).
+
+    Why: torch's OpenMP threads meet at a barrier after every op, so one thread descheduled by
+    another process stalls them all. On the shared 2-core machine at load ~8, a SmolLM2 bf16
+    one-token step took 5.3 s with 2 threads and 0.26 s with 1 (BENCHMARKS.md, issue 13)."""
+    n = available_cores()
+    try:
+        load = os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return n
+    return max(1, min(n, math.ceil(n - load)))
+
+
 def set_threads(threads: int = 0) -> int:
-    """Set torch's CPU threads to `threads`; with 0, only lower them to available_cores() when
-    torch would run more (a caller that chose fewer, e.g. a test on tiny models, keeps its choice).
-    Returns the number now in use."""
-    n = threads or min(torch.get_num_threads(), available_cores())
+    """Set torch's CPU threads to `threads`; with 0, lower them to idle_cores() when torch would
+    run more (never raised: a caller that chose fewer, e.g. a test on tiny models, keeps its
+    choice). Returns the number now in use."""
+    n = threads or min(torch.get_num_threads(), idle_cores())
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
     return n
@@ -343,7 +358,9 @@ def load_target(cfg: TargetConfig, training: bool = False) -> Target:
     dtype = DTYPES[choice.dtype]
     log.info("target dtype %s (target.dtype=%s; %s)", choice.dtype, choice.requested, choice.check)
     if str(cfg.device) == "cpu":
-        log.info("torch CPU threads: %d", set_threads(int(getattr(cfg, "threads", 0) or 0)))
+        n = set_threads(int(getattr(cfg, "threads", 0) or 0))
+        log.info("torch CPU threads: %d (cores allowed %d, 1-min load %.1f)", n, available_cores(),
+                 os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan"))
     path = str(cfg.path)
     t0 = time.perf_counter()
     if cfg.random_init:

@@ -67,14 +67,20 @@ def test_load_target_runs_at_the_resolved_dtype(tiny_target_cfg, monkeypatch, ca
     assert load_target(tiny_target_cfg).dtype == torch.float32
 
 
-def test_threads_are_never_raised_implicitly():
+def test_threads_follow_the_idle_cores_and_are_never_raised_implicitly(monkeypatch):
+    monkeypatch.setattr(target_mod, "available_cores", lambda: 4)
+    for load, idle in ((0.2, 4), (1.5, 3), (3.9, 1), (9.0, 1)):
+        monkeypatch.setattr(target_mod.os, "getloadavg", lambda: (load, 0.0, 0.0))
+        assert target_mod.idle_cores() == idle
     before = torch.get_num_threads()  # 1 (fixture)
-    assert set_threads(0) == 1 and torch.get_num_threads() == 1
+    monkeypatch.setattr(target_mod.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    assert set_threads(0) == 1 and torch.get_num_threads() == 1  # 4 idle cores: not raised
     try:
-        assert set_threads(2) == 2 and torch.get_num_threads() == 2
+        assert set_threads(2) == 2 and torch.get_num_threads() == 2  # explicit
+        monkeypatch.setattr(target_mod.os, "getloadavg", lambda: (3.5, 0.0, 0.0))
+        assert set_threads(0) == 1 and torch.get_num_threads() == 1  # a busy machine: lowered
     finally:
         torch.set_num_threads(before)
-    assert 1 <= target_mod.available_cores() <= (torch.multiprocessing.cpu_count() or 1)
 
 
 # -- lossless at bf16 ------------------------------------------------------------------------------

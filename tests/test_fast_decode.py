@@ -170,3 +170,34 @@ def test_first_difference_margin_is_the_targets_logit_gap(bf16_target):
     assert d["margin"] == pytest.approx(float(logits[ref[3]] - logits[got[3]])) and d["margin"] >= 0
     assert d["ulp"] > 0
     assert bench.first_difference(bf16_target, prompt, ref, ref[:5])["margin"] is None
+
+
+def test_prefill_logits_at_the_last_position_equal_the_full_logits_sliced(tiny_target_cfg):
+    """The decoder's prefill asks logits only where it reads them (logits_to_keep=1)."""
+    t = load_target(tiny_target_cfg)
+    ids = torch.arange(3, 40)[None]  # (1, 37)
+    full = t.forward(ids).logits  # (1, 37, V)
+    last = t.forward(ids, logits_to_keep=1).logits  # (1, 1, V)
+    assert last.shape == (1, 1, t.vocab_size)
+    torch.testing.assert_close(last, full[:, -1:])
+
+
+@pytest.mark.slow
+def test_smollm2_bf16_greedy_is_plain_greedy_up_to_near_ties():
+    """SmolLM2 at bf16 on MT-bench prompts: plain decoding equals HF greedy generate at bf16
+    (the same one-token kernel shapes), and n-gram speculative decoding equals plain decoding,
+    except where a bf16 near-tie flips (margin within two bf16 spacings of the top logit)."""
+    from data.prompts import load_prompts
+    from decode.evaluate import render
+    from drafters.target import TargetConfig
+
+    target = load_target(TargetConfig(path="packaged:smollm2", dtype="bfloat16"))
+    ngram = Ngram(NgramConfig(), target.vocab_size)
+    for p in load_prompts("mtbench", limit=2):
+        ids = render(target, p.turns[:1], [])
+        plain = generate(target, None, ids, max_new_tokens=40).tokens
+        hf = target.model.generate(ids[None], max_new_tokens=40, do_sample=False)[0, len(ids):]
+        assert plain.tolist() == hf.tolist()
+        spec = generate(target, ngram, ids, max_new_tokens=40, k=5).tokens
+        d = bench.first_difference(target, ids, plain, spec)
+        assert d["margin"] is None or abs(d["margin"]) <= 2 * d["ulp"], (p.id, d)

@@ -201,3 +201,20 @@ def test_smollm2_bf16_greedy_is_plain_greedy_up_to_near_ties():
         spec = generate(target, ngram, ids, max_new_tokens=40, k=5).tokens
         d = bench.first_difference(target, ids, plain, spec)
         assert d["margin"] is None or abs(d["margin"]) <= 2 * d["ulp"], (p.id, d)
+
+
+def test_bench_tables_compare_at_the_same_dtype_and_list_differences():
+    from decode.metrics import RunMetrics
+
+    m = {("float32", "plain (ours)"): RunMetrics(tokens_per_s=10.0, rounds=5),
+         ("float32", "HF greedy"): RunMetrics(tokens_per_s=8.0),
+         ("bfloat16", "plain (ours)"): RunMetrics(tokens_per_s=15.0, rounds=5),
+         ("bfloat16", "ngram k=5"): RunMetrics(tokens_per_s=12.0, rounds=4, tau=1.25,
+                                               time_draft=0.02)}
+    mismatch = {key: 0 for key in m} | {("bfloat16", "ngram k=5"): 1}
+    rows = bench.modes_markdown(m, mismatch, "float32")
+    assert "| float32 | HF greedy | - | 8.0 | 0.80x | 1.00x | 0.80x | - | yes |" in rows
+    assert "| bfloat16 | ngram k=5 | 1.25 | 12.0 | 0.80x | - | 1.20x | 5.0 | NO (1) |" in rows
+    diffs = {("bfloat16", "ngram k=5"): [{"prompt": 2, "position": 7, "ref_token": 5,
+                                          "got_token": 9, "margin": 0.0, "ulp": 0.125}]}
+    assert "| bfloat16 | ngram k=5 | 2 | 7 | 5 | 9 | 0.0000 | 0.1250 |" in bench.diffs_markdown(diffs)

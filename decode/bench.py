@@ -26,7 +26,7 @@ import torch
 from transformers import DynamicCache
 
 from data.prompts import load_prompts
-from decode.evaluate import render
+from decode.evaluate import is_near_tie, render
 from decode.metrics import RunMetrics
 from decode.spec import GenerationResult, generate
 from drafters.base import build_drafter, load_drafter
@@ -88,24 +88,6 @@ def curve_markdown(curve: dict) -> list[str]:
     return lines
 
 
-@torch.inference_mode()
-def first_difference(target, prompt: torch.Tensor, ref: torch.Tensor, got: torch.Tensor) -> dict:
-    """Where `got` first differs from the plain output `ref`, and the target's logits there
-    (one fresh forward over prompt + the common prefix, at the target's dtype): the margin
-    logit[ref token] - logit[got token], and the dtype's spacing at that logit (its noise)."""
-    n = min(len(ref), len(got))
-    j = next((i for i in range(n) if ref[i] != got[i]), n)
-    if j == n:  # one is a prefix of the other (an EOS or budget cut): no token pair to compare
-        return {"position": j, "margin": None, "ulp": None}
-    ids = torch.cat([prompt.cpu(), ref[:j].cpu()])[None].to(target.device)  # (1, P + j)
-    logits = target.forward(ids, logits_to_keep=1).logits[0, -1].float()  # (V,)
-    a, b = int(ref[j]), int(got[j])
-    top = float(logits.max())
-    ulp = float(torch.finfo(target.dtype).eps) * 2 ** float(torch.log2(torch.tensor(abs(top) + 1e-9)).floor())
-    return {"position": j, "ref_token": a, "got_token": b, "margin": float(logits[a] - logits[b]),
-            "top_logit": top, "ulp": ulp}
-
-
 def build_modes(target, drafters: list, args) -> dict:
     """name -> fn(prompt ids) -> GenerationResult, for one target (dtype)."""
     n = args.max_new_tokens
@@ -153,8 +135,8 @@ def run_modes(targets: dict, modes: dict, prompts, target_any) -> tuple[dict, di
                 ref = results[(dn, "plain (ours)")][-1].tokens
                 if not torch.equal(r.tokens, ref):
                     mismatch[(dn, name)] += 1
-                    diffs[(dn, name)].append({"prompt": i, **first_difference(
-                        targets[dn], ids, ref, r.tokens)})
+                    diffs[(dn, name)].append({"prompt": i, **targets[dn].first_difference(
+                        ids, ref, r.tokens)})
         print(f"prompt {i + 1}/{len(prompts)} done", flush=True)
     return results, mismatch, diffs
 
@@ -184,10 +166,11 @@ def diffs_markdown(diffs: dict) -> list[str]:
     if not rows:
         return ["every output identical to plain decoding at its dtype (or a prefix cut at EOS)"]
     lines = ["| dtype | mode | prompt | position | plain token | other token | margin | "
-             "dtype spacing at top logit |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+             "dtype spacing at top logit | near-tie |", "|---|---|---:|---:|---:|---:|---:|---:|:---:|"]
     for (dn, m), d in rows:
         lines.append(f"| {dn} | {m} | {d['prompt']} | {d['position']} | {d['ref_token']} | "
-                     f"{d['got_token']} | {d['margin']:.4f} | {d['ulp']:.4f} |")
+                     f"{d['got_token']} | {d['margin']:.4f} | {d['ulp']:.4f} | "
+                     f"{'yes' if is_near_tie(d) else 'NO'} |")
     return lines
 
 

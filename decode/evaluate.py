@@ -26,6 +26,15 @@ from drafters.sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 
+NEAR_TIE_ULPS = 2  # a first difference whose logit margin is within this many ulps is a near-tie
+
+
+def is_near_tie(diff: dict) -> bool:
+    """True when a first difference (Target.first_difference) is a near-tie of the target's dtype:
+    the two tokens' logits within NEAR_TIE_ULPS spacings of the dtype at the top logit."""
+    return diff.get("margin") is not None and abs(diff["margin"]) <= NEAR_TIE_ULPS * diff["ulp"]
+
+
 def render(target, turns: list[str], answers: list[list[int]]) -> torch.Tensor:
     """Chat-template prompt ids for the next turn, given the model's own earlier answers."""
     messages = []
@@ -50,7 +59,7 @@ def evaluate_drafter(target, drafter: Drafter | None, *, eval_kind: str = "mtben
     sampling = sampling or SamplingParams()
     prompts = load_prompts(eval_kind, path=path, limit=limit, turns=turns)
     spec_results, plain_results, rows = [], [], []
-    mismatches = 0
+    mismatches = near_ties = 0
     gen = torch.Generator(device=target.device).manual_seed(seed)
     for p in tqdm(prompts, desc=f"decode {eval_kind}", disable=quiet()):
         answers: list[list[int]] = []
@@ -61,10 +70,14 @@ def evaluate_drafter(target, drafter: Drafter | None, *, eval_kind: str = "mtben
             plain = generate(target, None, ids, **kwargs, generator=gen) if compare_plain else None
             spec = generate(target, drafter, ids, k=k, tree=tree, min_confidence=min_confidence,
                             generator=gen, **kwargs)
-            same = None
+            same, diff = None, None
             if plain is not None and sampling.greedy:
                 same = torch.equal(plain.tokens, spec.tokens)
                 mismatches += not same
+                if not same and hasattr(target, "first_difference"):  # a near-tie or a bug?
+                    diff = target.first_difference(ids, plain.tokens, spec.tokens)
+                    diff["near_tie"] = is_near_tie(diff)
+                    near_ties += diff["near_tie"]
             spec_results.append(spec)
             if plain is not None:
                 plain_results.append(plain)
@@ -75,7 +88,8 @@ def evaluate_drafter(target, drafter: Drafter | None, *, eval_kind: str = "mtben
                          "text": target.tokenizer.decode(out, skip_special_tokens=False),
                          "new_tokens": len(out), "target_forwards": spec.target_forwards,
                          "accepted": spec.accepted, "drafted": spec.drafted,
-                         "stop_reason": spec.stop_reason, "identical_to_plain": same})
+                         "stop_reason": spec.stop_reason, "identical_to_plain": same,
+                         **({"first_difference": diff} if diff else {})})
     spec_m = RunMetrics.from_results(spec_results)
     summary = {"eval": eval_kind, "prompts": len(prompts), "generations": len(rows),
                "drafter": drafter.name if drafter is not None else "none", "k": k, "tree": tree,
@@ -94,6 +108,7 @@ def evaluate_drafter(target, drafter: Drafter | None, *, eval_kind: str = "mtben
         if sampling.greedy:
             summary["outputs_identical_to_plain"] = mismatches == 0
             summary["mismatched_generations"] = mismatches
+            summary["near_tie_mismatches"] = near_ties  # first difference within NEAR_TIE_ULPS
     markdown = results_markdown(summary, spec_m)
     if out_dir is not None:
         out_dir = Path(out_dir)
@@ -101,9 +116,14 @@ def evaluate_drafter(target, drafter: Drafter | None, *, eval_kind: str = "mtben
         (out_dir / "result.json").write_text(json.dumps({"summary": summary, "prompts": rows},
                                                          indent=1))
         (out_dir / "result.md").write_text(markdown + "\n")
-    if mismatches:
+    if mismatches > near_ties:
         log.error("%d greedy generations differ from plain decoding: the decoder is not lossless "
-                  "here; see identical_to_plain in result.json", mismatches)
+                  "here; see identical_to_plain in result.json", mismatches - near_ties)
+    if near_ties:
+        log.warning("%d greedy generations differ from plain decoding at a near-tie (top-2 logits "
+                    "within %d ulps of %s: rounding differs between a verify forward and one-token "
+                    "steps); see first_difference in result.json", near_ties, NEAR_TIE_ULPS,
+                    str(target.dtype).removeprefix("torch."))
     return {"summary": summary, "markdown": markdown, "prompts": rows}
 
 

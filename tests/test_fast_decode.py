@@ -220,3 +220,23 @@ def test_bench_tables_compare_at_the_same_dtype_and_list_differences():
     diffs = {("bfloat16", "ngram k=5"): [{"prompt": 2, "position": 7, "ref_token": 5,
                                           "got_token": 9, "margin": 0.0, "ulp": 0.125}]}
     assert "| bfloat16 | ngram k=5 | 2 | 7 | 5 | 9 | 0.0000 | 0.1250 | yes |" in bench.diffs_markdown(diffs)
+
+
+def test_bench_runs_a_trained_drafter_at_each_dtype_losslessly(tiny_run, tiny_target_cfg):
+    """The trained-drafter rows of decode.bench: one per drafter dtype; a bf16 drafter on an fp32
+    target still gives exactly plain decoding's tokens (the decoder verifies every draft)."""
+    from argparse import Namespace
+
+    t = load_target(tiny_target_cfg)  # float32
+    ds = bench.load_drafters(t, [str(tiny_run / "best")], ["bfloat16", "target"])
+    assert [label for label, _ in ds] == ["eagle (drafter bfloat16)", "eagle (drafter float32)"]
+    assert [d.fc.weight.dtype for _, d in ds] == [torch.bfloat16, torch.float32]
+    # the target's weights the drafter shares (frozen embedding, LM head) stay the target's
+    assert all(p.dtype == torch.float32 for p in t.model.parameters())
+    modes = bench.build_modes(t, ds, Namespace(max_new_tokens=10, k=3, prompt_lookup=3, tree=True))
+    assert {"eagle (drafter bfloat16) k=3", "eagle (drafter bfloat16) tree"} <= set(modes)
+    ids = torch.arange(5, 25)
+    ref = modes["plain (ours)"](ids).tokens
+    for name in ("eagle (drafter bfloat16) k=3", "eagle (drafter bfloat16) tree",
+                 "eagle (drafter float32) k=3"):
+        assert torch.equal(modes[name](ids).tokens, ref), name

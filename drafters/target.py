@@ -276,14 +276,15 @@ def _random_init(cfg: TargetConfig, dtype: torch.dtype) -> tuple[Any, Any, str]:
 def load_target(cfg: TargetConfig, training: bool = False) -> Target:
     """Load the target described by cfg, frozen, on cfg.device, at cfg.dtype (auto: resolve_dtype;
     `training=True` for the trainer and feature capture, where auto means float32). Sets torch's
-    CPU threads on a CPU target (cfg.threads; 0 = at most the cores available)."""
+    CPU threads on a CPU target (cfg.threads; 0 = at most the idle cores; training: only when set)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     choice = resolve_dtype(str(cfg.dtype), str(cfg.device), training)
     dtype = DTYPES[choice.dtype]
     log.info("target dtype %s (target.dtype=%s; %s)", choice.dtype, choice.requested, choice.check)
-    if str(cfg.device) == "cpu":
-        n = set_threads(int(getattr(cfg, "threads", 0) or 0))
+    threads = int(getattr(cfg, "threads", 0) or 0)
+    if str(cfg.device) == "cpu" and (threads or not training):  # training keeps its threads
+        n = set_threads(threads)
         log.info("torch CPU threads: %d (cores allowed %d, 1-min load %.1f)", n, available_cores(),
                  os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan"))
     path = str(cfg.path)

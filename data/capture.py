@@ -272,7 +272,7 @@ def main() -> None:
 
     @hydra.main(config_path="../conf", config_name="capture", version_base="1.3")
     def _run(cfg) -> None:
-        target = load_target(cfg.target)
+        target = load_target(cfg.target, training=True)  # features for training: auto = float32
         data = load_chat_dataset(cfg.data, target.tokenizer)
         rows = data.train if cfg.split == "train" else data.eval
         if cfg.limit is not None:

@@ -1,29 +1,39 @@
-"""Decoder benchmark: plain decoding (ours), HF `generate` greedy, HF prompt lookup, our decoder with
-the n-gram drafter and with any trained drafter given, in ONE process, interleaved prompt by prompt
-so that load from other processes hits every mode alike.
+"""Decoder benchmark, per target dtype, in ONE process, interleaved so that load from other
+processes hits every mode alike:
 
-    python -m decode.bench                                   # SmolLM2, MT-bench, 256 new tokens
+1. the verify-cost curve: a forward of n new tokens over a ~300-token KV cache, in one-token steps
+   of the same dtype (n = 1..64), rounds interleaved over n and dtypes, medians;
+2. a row per (dtype, mode) for plain decoding (ours), HF `generate` greedy, HF prompt lookup, our
+   decoder with the n-gram drafter and with every trained drafter given, prompt by prompt;
+3. numerics: every greedy output that differs from plain decoding at the same dtype, with the
+   target's logit margin between the two tokens at the first difference (a near-tie or a bug).
+
+    python -m decode.bench                                   # SmolLM2, MT-bench, fp32 + bf16
     python -m decode.bench --limit 10 --max-new-tokens 128 --ckpt runs/train/<run>/best --tree
-Prints a table and writes bench.json + bench.md to --out.
+    python -m decode.bench --dtypes bfloat16 --curve-only    # just the verify-cost curve
+Prints the tables and writes bench.json + bench.md to --out.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import platform
+import statistics
 import time
-from datetime import date
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+from transformers import DynamicCache
 
 from data.prompts import load_prompts
-from decode.evaluate import render
+from decode.evaluate import is_near_tie, render
 from decode.metrics import RunMetrics
 from decode.spec import GenerationResult, generate
 from drafters.base import build_drafter, load_drafter
 from drafters.ngram import NgramConfig
-from drafters.target import TargetConfig, load_target
+from drafters.target import NATIVE_BF16_FLAGS, TargetConfig, cpu_flags, load_target
+
+CURVE_NS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
 def hf_generate(target, ids: torch.Tensor, max_new_tokens: int, **kw) -> GenerationResult:
@@ -35,81 +45,221 @@ def hf_generate(target, ids: torch.Tensor, max_new_tokens: int, **kw) -> Generat
     return GenerationResult(tokens=out[0, len(ids):].cpu(), time_total=dt, time_verify=dt)
 
 
+@torch.inference_mode()
+def verify_curve(targets: dict, context: torch.Tensor, ns=CURVE_NS, rounds: int = 7) -> dict:
+    """Median seconds of a forward of n new tokens (logits at every new position, as verification
+    reads them) over the KV cache of `context`, per dtype name -> {n: seconds}.
+
+    1. prefill `context` (C,) once per target; 2. each round, for every target and every n in
+    turn, time the forward of n tokens and crop them off again, so the cache is C tokens before
+    every timed forward; 3. medians over rounds (round 0, the warm-up, is dropped).
+    """
+    caches = {}
+    for name, target in targets.items():  # 1.
+        caches[name] = DynamicCache()
+        target.forward(context[None].to(target.device), cache=caches[name], logits_to_keep=1)
+    times: dict = {name: {n: [] for n in ns} for name in targets}
+    gen = torch.Generator().manual_seed(0)
+    for r in range(rounds + 1):  # 2.
+        for name, target in targets.items():
+            for n in ns:
+                ids = torch.randint(0, target.vocab_size, (1, n), generator=gen).to(target.device)
+                t0 = time.perf_counter()
+                out = target.forward(ids, cache=caches[name])  # (1, n, V)
+                out.logits.argmax(-1).cpu()  # what a round reads; waits for the device
+                if r:
+                    times[name][n].append(time.perf_counter() - t0)
+                caches[name].crop(-n)
+    return {name: {n: statistics.median(v) for n, v in t.items()} for name, t in times.items()}  # 3.
+
+
+def curve_markdown(curve: dict) -> list[str]:
+    """The verify-cost curve as a table: cost in one-token steps of the same dtype, and ms."""
+    names = list(curve)
+    ns = list(curve[names[0]])
+    lines = ["| n | " + " | ".join(str(n) for n in ns) + " |", "|---" * (len(ns) + 1) + "|"]
+    for name in names:
+        one = curve[name][ns[0]]
+        lines.append(f"| {name} (steps) | " + " | ".join(f"{curve[name][n] / one:.2f}" for n in ns) + " |")
+        lines.append(f"| {name} (ms) | " + " | ".join(f"{1000 * curve[name][n]:.0f}" for n in ns) + " |")
+    if len(names) > 1:
+        a, b = names[0], names[1]
+        lines.append(f"\none-token step {b} / {a}: {curve[b][ns[0]] / curve[a][ns[0]]:.2f}")
+    return lines
+
+
+def build_modes(target, drafters: list, args) -> dict:
+    """name -> fn(prompt ids) -> GenerationResult, for one target (dtype)."""
+    n = args.max_new_tokens
+    ngram = build_drafter(NgramConfig(), target)
+    modes = {
+        "plain (ours)": lambda ids: generate(target, None, ids, max_new_tokens=n),
+        "HF greedy": lambda ids: hf_generate(target, ids, n),
+        f"HF prompt lookup {args.prompt_lookup}": lambda ids: hf_generate(
+            target, ids, n, prompt_lookup_num_tokens=args.prompt_lookup),
+        f"ngram k={args.k}": lambda ids: generate(target, ngram, ids, max_new_tokens=n, k=args.k),
+    }
+    for label, d in drafters:
+        modes[f"{label} k={args.k}"] = (lambda d: lambda ids: generate(
+            target, d, ids, max_new_tokens=n, k=args.k))(d)
+        if args.tree and d.supports_tree:
+            modes[f"{label} tree"] = (lambda d: lambda ids: generate(
+                target, d, ids, max_new_tokens=n, tree=True))(d)
+    return modes
+
+
+def cast_own(drafter, target, dtype: torch.dtype):
+    """Cast the drafter's own floating parameters and buffers to dtype, leaving the modules it
+    shares with the target (EAGLE's frozen embedding and LM head) alone: `drafter.to(dtype)`
+    would cast the target's weights in place and change the target being measured."""
+    shared = {p.data_ptr() for p in target.model.parameters()}
+    for mod in drafter.modules():
+        for store in (mod._parameters, mod._buffers):
+            for name, t in store.items():
+                if t is not None and t.is_floating_point() and t.data_ptr() not in shared:
+                    t.data = t.data.to(dtype)
+    return drafter
+
+
+def load_drafters(target, ckpts: list[str], drafter_dtypes: list[str]) -> list:
+    """(label, drafter) per checkpoint and drafter dtype ("target" = the target's dtype)."""
+    out = []
+    for path in ckpts:
+        for dd in drafter_dtypes:
+            d = load_drafter(Path(path), target).eval()
+            dtype = target.dtype if dd == "target" else getattr(torch, dd)
+            cast_own(d, target, dtype)
+            out.append((f"{d.name} (drafter {str(dtype).removeprefix('torch.')})", d))
+    return out
+
+
+def run_modes(targets: dict, modes: dict, prompts, target_any) -> tuple[dict, dict, dict]:
+    """Every (dtype, mode) on every prompt, interleaved prompt by prompt. Returns results,
+    mismatch counts and first-difference records, keyed by (dtype, mode)."""
+    results = {(dn, m): [] for dn in modes for m in modes[dn]}
+    mismatch = {key: 0 for key in results}
+    diffs: dict = {key: [] for key in results}
+    for i, p in enumerate(prompts):
+        ids = render(target_any, p.turns[:1], [])
+        for dn, dmodes in modes.items():
+            for name, fn in dmodes.items():
+                r = fn(ids)
+                results[(dn, name)].append(r)
+                ref = results[(dn, "plain (ours)")][-1].tokens
+                if not torch.equal(r.tokens, ref):
+                    mismatch[(dn, name)] += 1
+                    diffs[(dn, name)].append({"prompt": i, **targets[dn].first_difference(
+                        ids, ref, r.tokens)})
+        print(f"prompt {i + 1}/{len(prompts)} done", flush=True)
+    return results, mismatch, diffs
+
+
+def modes_markdown(metrics: dict, mismatch: dict, base_dtype: str) -> list[str]:
+    """One row per (dtype, mode), with speed relative to plain and HF at the same dtype and to
+    plain decoding at `base_dtype` (float32)."""
+    lines = ["| dtype | mode | tau | tokens/s | vs plain (ours) | vs HF greedy | "
+             f"vs plain {base_dtype} | draft ms/round | identical to plain |",
+             "|---|---|---:|---:|---:|---:|---:|---:|:---:|"]
+    base = metrics.get((base_dtype, "plain (ours)"))
+    for (dn, m), r in metrics.items():
+        plain, hf = metrics[(dn, "plain (ours)")], metrics.get((dn, "HF greedy"))
+        tau = f"{r.tau:.2f}" if r.rounds else "-"
+        draft = f"{1000 * r.time_draft / r.rounds:.1f}" if r.rounds and r.time_draft else "-"
+        vs_base = f"{r.tokens_per_s / base.tokens_per_s:.2f}x" if base else "-"
+        same = "yes" if mismatch[(dn, m)] == 0 else f"NO ({mismatch[(dn, m)]})"
+        lines.append(f"| {dn} | {m} | {tau} | {r.tokens_per_s:.1f} | "
+                     f"{r.tokens_per_s / plain.tokens_per_s:.2f}x | "
+                     f"{f'{r.tokens_per_s / hf.tokens_per_s:.2f}x' if hf else '-'} "
+                     f"| {vs_base} | {draft} | {same} |")
+    return lines
+
+
+def diffs_markdown(diffs: dict) -> list[str]:
+    rows = [(key, d) for key, ds in diffs.items() for d in ds if d.get("margin") is not None]
+    if not rows:
+        return ["every output identical to plain decoding at its dtype (or a prefix cut at EOS)"]
+    lines = ["| dtype | mode | prompt | position | plain token | other token | margin | "
+             "dtype spacing at top logit | near-tie |", "|---|---|---:|---:|---:|---:|---:|---:|:---:|"]
+    for (dn, m), d in rows:
+        lines.append(f"| {dn} | {m} | {d['prompt']} | {d['position']} | {d['ref_token']} | "
+                     f"{d['got_token']} | {d['margin']:.4f} | {d['ulp']:.4f} | "
+                     f"{'yes' if is_near_tie(d) else 'NO'} |")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--target", default="packaged:smollm2", help="target.path")
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "auto"],
+                    help="target dtypes to compare (auto = target.dtype's default resolution)")
     ap.add_argument("--eval", default="mtbench")
     ap.add_argument("--limit", type=int, default=10)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--k", type=int, default=5, help="chain draft length of our decoder")
     ap.add_argument("--prompt-lookup", type=int, default=3, help="HF prompt_lookup_num_tokens")
     ap.add_argument("--ckpt", action="append", default=[], help="trained drafter folder(s)")
+    ap.add_argument("--drafter-dtypes", nargs="+", default=["float32", "target"],
+                    help="dtypes trained drafters run at (target = the target's dtype)")
     ap.add_argument("--tree", action="store_true", help="also run trained drafters with their tree")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    ap.add_argument("--curve-rounds", type=int, default=7, help="verify-cost curve rounds (0 = skip)")
+    ap.add_argument("--curve-ns", type=int, nargs="+", default=list(CURVE_NS))
+    ap.add_argument("--curve-only", action="store_true", help="only the verify-cost curve")
+    ap.add_argument("--modes", nargs="+", default=None,
+                    help="only modes whose name starts with one of these (plain always runs)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = the cores allowed)")
     ap.add_argument("--out", default="runs/bench")
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
 
-    target = load_target(TargetConfig(path=args.target))
-    ngram = build_drafter(NgramConfig(), target)
-    modes = {  # name -> fn(ids) -> GenerationResult
-        "plain (ours)": lambda ids: generate(target, None, ids, max_new_tokens=args.max_new_tokens),
-        "HF greedy": lambda ids: hf_generate(target, ids, args.max_new_tokens),
-        f"HF prompt lookup {args.prompt_lookup}": lambda ids: hf_generate(
-            target, ids, args.max_new_tokens, prompt_lookup_num_tokens=args.prompt_lookup),
-        f"ngram k={args.k}": lambda ids: generate(target, ngram, ids,
-                                                  max_new_tokens=args.max_new_tokens, k=args.k),
-    }
-    for path in args.ckpt:
-        d = load_drafter(Path(path), target).eval()
-        modes[f"{d.name} k={args.k}"] = (lambda d: lambda ids: generate(
-            target, d, ids, max_new_tokens=args.max_new_tokens, k=args.k))(d)
-        if args.tree and d.supports_tree:
-            modes[f"{d.name} tree"] = (lambda d: lambda ids: generate(
-                target, d, ids, max_new_tokens=args.max_new_tokens, tree=True))(d)
-
+    # 1. one target per dtype (the same weights), and the machine facts that explain the numbers
+    targets = {}
+    for dn in args.dtypes:
+        t = load_target(TargetConfig(path=args.target, dtype=dn, threads=args.threads))
+        targets[f"{t.dtype_choice.dtype}" + (" (auto)" if dn == "auto" else "")] = t
+    any_t = next(iter(targets.values()))
+    flags = sorted(f for f in cpu_flags() if f.startswith(("avx512", "amx", "avx2")))
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    head = [f"Decoder benchmark ({stamp}): target {args.target}, {torch.get_num_threads()} threads, "
+            f"native-bf16 flags found: {sorted(set(NATIVE_BF16_FLAGS) & set(flags)) or 'none'}; "
+            f"CPU flags: {' '.join(flags) or '-'}", ""]
+    report: dict = {"machine": {"flags": flags, "threads": torch.get_num_threads()},
+                    "dtype_choice": {n: vars(t.dtype_choice) for n, t in targets.items()}}
     prompts = load_prompts(args.eval, limit=args.limit)
-    results: dict[str, list[GenerationResult]] = {m: [] for m in modes}
-    mismatch = {m: 0 for m in modes}
-    for i, p in enumerate(prompts):
-        ids = render(target, p.turns[:1], [])
-        for name, fn in modes.items():  # interleaved: every mode on this prompt, then the next
-            r = fn(ids)
-            results[name].append(r)
-            ref = results["plain (ours)"][-1].tokens
-            mismatch[name] += not torch.equal(r.tokens, ref)
-        print(f"prompt {i + 1}/{len(prompts)} done", flush=True)
 
-    metrics = {m: RunMetrics.from_results(rs) for m, rs in results.items()}
-    base_ours = metrics["plain (ours)"].tokens_per_s
-    base_hf = metrics["HF greedy"].tokens_per_s
-    head = (f"{args.eval}, {len(prompts)} prompts, greedy, {args.max_new_tokens} new tokens, "
-            f"target {args.target}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
-    lines = [f"Decoder benchmark ({date.today()}): {head}", "",
-             "| mode | tau | tokens/s | vs plain (ours) | vs HF greedy | target fwd | draft s | verify s | other s | identical |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]
-    for m, r in metrics.items():
-        tau = f"{r.tau:.2f}" if r.rounds else "-"
-        lines.append(f"| {m} | {tau} | {r.tokens_per_s:.1f} | {r.tokens_per_s / base_ours:.2f}x | "
-                     f"{r.tokens_per_s / base_hf:.2f}x | {r.target_forwards or '-'} | "
-                     f"{r.time_draft:.2f} | {r.time_verify:.2f} | {r.time_other:.2f} | "
-                     f"{'yes' if mismatch[m] == 0 else f'NO ({mismatch[m]})'} |")
-    plain = metrics["plain (ours)"]
-    if plain.target_forwards:
-        step = plain.time_verify / plain.target_forwards
-        lines += ["", f"one plain target step: {1000 * step:.1f} ms; decoder overhead per round "
-                      "(time outside target and drafter / rounds):"]
-        for m, r in metrics.items():
-            if r.rounds:
-                per = r.time_other / max(1, r.target_forwards)
-                lines.append(f"- {m}: {1000 * per:.2f} ms = {100 * per / step:.1f}% of a target step")
+    # 2. the verify-cost curve over a real ~300-token context
+    lines = list(head)
+    if args.curve_rounds:
+        ctx = torch.cat([render(any_t, [p.turns[0]], []) for p in prompts])[:300]
+        curve = verify_curve(targets, ctx, tuple(args.curve_ns), args.curve_rounds)
+        report["verify_curve_s"] = curve
+        lines += [f"Verify cost: forward of n new tokens over a {len(ctx)}-token cache, in one-token "
+                  f"steps of the same dtype ({args.curve_rounds} interleaved rounds, medians)", ""]
+        lines += curve_markdown(curve) + [""]
+        print("\n".join(lines), flush=True)
+    if not args.curve_only:
+        # 3. every mode per dtype, interleaved prompt by prompt
+        modes = {dn: build_modes(t, load_drafters(t, args.ckpt, args.drafter_dtypes), args)
+                 for dn, t in targets.items()}
+        if args.modes:  # e.g. a numerics run: plain and one drafter on many prompts
+            keep = ("plain (ours)", *args.modes)
+            modes = {dn: {m: f for m, f in ms.items() if m.startswith(keep)}
+                     for dn, ms in modes.items()}
+        results, mismatch, diffs = run_modes(targets, modes, prompts, any_t)
+        metrics = {key: RunMetrics.from_results(rs) for key, rs in results.items()}
+        base = next((dn for dn in targets if dn.startswith("float32")), next(iter(targets)))
+        lines += [f"{args.eval}, {len(prompts)} prompts, greedy, {args.max_new_tokens} new tokens, "
+                  f"every (dtype, mode) interleaved prompt by prompt", ""]
+        lines += modes_markdown(metrics, mismatch, base) + ["", "First differences from plain "
+                  "decoding at the same dtype (margin = logit of plain's token - logit of the "
+                  "other, from a fresh forward):", ""] + diffs_markdown(diffs)
+        report["modes"] = {f"{dn} | {m}": {**vars(r), "mismatches": mismatch[(dn, m)],
+                                           "first_differences": diffs[(dn, m)]}
+                           for (dn, m), r in metrics.items()}
     table = "\n".join(lines)
     print(table)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.md").write_text(table + "\n")
-    (out / "bench.json").write_text(json.dumps({m: vars(r) for m, r in metrics.items()}, indent=1))
+    (out / "bench.json").write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

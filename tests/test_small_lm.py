@@ -28,7 +28,8 @@ from train.on_policy import OnPolicyMixer, assistant_starts
 def target():
     return load_target(TargetConfig(path="tiny", random_init=True, tokenizer="packaged:smollm2",
                                     model_config={**TINY_MODEL, "num_hidden_layers": 4,
-                                                  "tie_word_embeddings": True}, seed=0))
+                                                  "tie_word_embeddings": True}, seed=0,
+                                    dtype="float32"))  # pinned: auto is bf16 on some CPUs
 
 
 def small(target, **cfg):

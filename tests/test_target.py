@@ -42,7 +42,7 @@ def test_smollm2_target_and_cache(tmp_path, monkeypatch):
     second = load_target(cfg)  # from the safetensors cache
     assert "from cache" in second.source
     assert second.num_layers == 30 and second.hidden_size == 576 and second.vocab_size == 49152
-    plain = AutoModelForCausalLM.from_pretrained(cached[0], dtype=torch.float32)
+    plain = AutoModelForCausalLM.from_pretrained(cached[0], dtype=second.dtype)  # auto: bf16 or fp32
     _check_against_plain_forward(second, plain)
     torch.testing.assert_close(first.model.lm_head.weight, second.model.lm_head.weight)
     assert 2 in second.eos_token_ids  # <|im_end|>

@@ -173,7 +173,7 @@ def run_export(cfg, check: Callable | None = None) -> dict:
         raise ExportError(f"{cfg.run} is not inside a training run (no config.yaml): name the "
                           f"target, e.g. target=smollm2 or target.path=<id or folder>")
     tcfg = OmegaConf.merge(OmegaConf.structured(TargetConfig), tcfg)
-    target = load_target(tcfg)
+    target = load_target(tcfg, training=True)  # auto = float32: exports copy target weights exactly
     drafter = load_drafter(info.drafter_dir, target).eval()
     if check is None and cfg.parity:
         check = lambda folder, target, info: measure_parity(folder, target, info, cfg.parity_limit)  # noqa: E731

@@ -108,7 +108,7 @@ class DistillRecipe:
         """The frozen target, and the chat data rendered with its template (self-distilled: the
         target's own answers, when data.regenerate is set). Rank 0 fills the caches first."""
         with self.backend.main_first():
-            target = load_target(cfg.target)
+            target = load_target(cfg.target, training=True)  # auto = float32: see resolve_dtype
             data_cfg = cfg.data
             if data_cfg.get("regenerate") is not None:
                 data_cfg = self_distilled(target, data_cfg, progress=not quiet())

@@ -127,7 +127,7 @@ def target_and_answers(args, out: Path):
     """The benchmark's target (TINY or the --set overrides) and its kept replay answers."""
     from drafters.target import load_target
 
-    target = load_target(compose((TINY if args.tiny else []) + args.set).target)
+    target = load_target(compose((TINY if args.tiny else []) + args.set).target, training=True)
     return target, replay_answers(target, args.replay_prompts, args.replay_tokens, out)
 
 

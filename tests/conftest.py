@@ -68,3 +68,13 @@ def tiny_run(tmp_path_factory) -> Path:
     finally:
         torch.set_num_threads(threads)
     return Path(cfg.run_dir)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models gain nothing from threads, and spinning threads crawl when the cores are busy
+    (use with `pytestmark = pytest.mark.usefixtures("one_thread")`)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -19,12 +19,7 @@ from drafters.precision import resolve_dtype, set_threads
 from drafters.target import load_target
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _flags(monkeypatch, flags):

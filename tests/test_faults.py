@@ -19,16 +19,9 @@ from train.config import TRAIN_RULES
 from train.recipe import DistillRecipe
 from train.runlock import RunDirLocked, RunLock
 from test_train import chat_file, make_cfg  # noqa: F401  (fixture + config helper)
+from test_train import run as _train
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _train(cfg) -> DistillRecipe:
-    r = DistillRecipe(cfg)
-    r.setup()
-    r.train()
-    r.cleanup()
-    return r
 
 
 @pytest.fixture

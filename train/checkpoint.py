@@ -10,7 +10,6 @@ COMPLETE are ever resumed from.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import random
@@ -21,6 +20,7 @@ from typing import Any
 import torch
 
 from drafters.atomic import commit_folder, staging_dir, write_folder
+from drafters.target import file_sha256
 from drafters.base import CONFIG_FILE, WEIGHTS_FILE, save_drafter
 
 COMPLETE = "COMPLETE"
@@ -33,14 +33,6 @@ class CheckpointError(RuntimeError):
     """No checkpoint of a run verifies; the message lists each damaged one and why."""
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _files(folder: Path) -> list[Path]:
     """Every file under `folder` except the manifest and the COMPLETE marker, sorted."""
     return sorted(p for p in folder.rglob("*") if p.is_file() and p.name not in (MANIFEST, COMPLETE))
@@ -48,7 +40,7 @@ def _files(folder: Path) -> list[Path]:
 
 def write_manifest(folder: Path) -> None:
     """Record size and sha256 of every file in `folder` (called on the staging folder)."""
-    entries = {p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)}
+    entries = {p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "sha256": file_sha256(p)}
                for p in _files(folder)}
     (folder / MANIFEST).write_text(json.dumps(entries, indent=1, sort_keys=True) + "\n")
 
@@ -73,7 +65,7 @@ def verify(folder: Path, required: tuple[str, ...] = ()) -> list[str]:
         elif f.stat().st_size != want["size"]:
             problems.append(f"{f}: {f.stat().st_size} bytes, the manifest says {want['size']} "
                             f"(truncated or overwritten)")
-        elif _sha256(f) != want["sha256"]:
+        elif file_sha256(f) != want["sha256"]:
             problems.append(f"{f}: content differs from the manifest's sha256 (corrupted)")
     return problems
 

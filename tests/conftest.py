@@ -20,6 +20,21 @@ def tiny_target_cfg() -> TargetConfig:
                         dtype="float32")  # pinned like conf/target/tiny.yaml: auto is bf16 on some CPUs
 
 
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+
+
+def write_chats(path: Path, n: int, length: int) -> Path:
+    """n small ShareGPT conversations with learnable structure: each answer continues a cyclic
+    word list for `length` words from where the question starts."""
+    with open(path, "w") as f:
+        for i in range(n):
+            seq = " ".join(WORDS[(i + j) % len(WORDS)] for j in range(length))
+            f.write(json.dumps({"id": f"c{i}", "conversations": [
+                {"from": "human", "value": f"Continue from {WORDS[i % len(WORDS)]}."},
+                {"from": "gpt", "value": seq}]}) + "\n")
+    return path
+
+
 def pytest_configure(config):
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no test may reach a hub
@@ -38,14 +53,7 @@ def tiny_run(tmp_path_factory) -> Path:
     from train.recipe import DistillRecipe
 
     root = tmp_path_factory.mktemp("tiny_run")
-    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
-    chats = root / "chats.jsonl"
-    with open(chats, "w") as f:
-        for i in range(24):
-            seq = " ".join(words[(i + j) % len(words)] for j in range(10))
-            f.write(json.dumps({"id": f"c{i}", "conversations": [
-                {"from": "human", "value": f"Continue from {words[i % len(words)]}."},
-                {"from": "gpt", "value": seq}]}) + "\n")
+    chats = write_chats(root / "chats.jsonl", 24, 10)
     conf = Path(__file__).resolve().parents[1] / "conf"
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
         cfg = compose(config_name="train", overrides=[

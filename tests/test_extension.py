@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import write_chats
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,17 +87,6 @@ draft_vocab_size: 256  # a pruned head: exercises the draft vocab maps in traini
 """
 
 
-def chats(path: Path) -> Path:
-    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
-    with open(path, "w") as f:
-        for i in range(16):
-            seq = " ".join(words[(i + j) % len(words)] for j in range(10))
-            f.write(json.dumps({"id": f"c{i}", "conversations": [
-                {"from": "human", "value": f"Continue from {words[i % len(words)]}."},
-                {"from": "gpt", "value": seq}]}) + "\n")
-    return path
-
-
 @pytest.fixture
 def toy_folder(tmp_path):
     """tmp/drafters/toy.py + tmp/conf/drafter/toy.yaml, importable in this process too; the
@@ -131,7 +121,8 @@ def test_a_drafter_in_one_module_and_one_yaml(toy_folder, tiny_target_cfg):
     run = toy_folder / "run"
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{toy_folder}", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "train", f"hydra.searchpath=[file://{toy_folder / 'conf'}]",
-           "drafter=toy", "target=tiny", "data=jsonl", f"data.path={chats(toy_folder / 'c.jsonl')}",
+           "drafter=toy", "target=tiny", "data=jsonl",
+           f"data.path={write_chats(toy_folder / 'c.jsonl', 16, 10)}",
            "data.max_length=64", "data.eval_fraction=0.25", f"data.cache_dir={toy_folder / 'cache'}",
            "trainer=smoke", "trainer.max_steps=2", "trainer.eval_every=2", "trainer.save_every=2",
            "trainer.eval_conversations=1", "trainer.final_eval=null", "logger.kinds=[jsonl]",

@@ -9,6 +9,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import train.__main__  # noqa: F401  (stores the schemas)
+from conftest import write_chats
 from data.capture import CaptureConfig, OfflineFeatures, capture, capture_split, pad_batch
 from decode.spec import generate
 from drafters.base import load_drafter
@@ -17,20 +18,12 @@ from train import recipe as recipe_mod
 from train.recipe import DistillRecipe, NonFiniteLoss
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
-WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 
 
 @pytest.fixture(scope="module")
 def chat_file(tmp_path_factory) -> Path:
     """48 small conversations with learnable structure."""
-    path = tmp_path_factory.mktemp("data") / "chats.jsonl"
-    with open(path, "w") as f:
-        for i in range(48):
-            seq = " ".join(WORDS[(i + j) % len(WORDS)] for j in range(12))
-            f.write(json.dumps({"id": f"c{i}", "conversations": [
-                {"from": "human", "value": f"Continue the list from {WORDS[i % len(WORDS)]}."},
-                {"from": "gpt", "value": seq}]}) + "\n")
-    return path
+    return write_chats(tmp_path_factory.mktemp("data") / "chats.jsonl", 48, 12)
 
 
 def make_cfg(tmp_path, chat_file, *overrides):

@@ -46,7 +46,7 @@ from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm, Ll
 
 from drafters.base import Drafter, DrafterConfig, DraftPrediction, TrainBatch, parse_config, register
 from drafters.eagle import Eagle, drafter_llama_config
-from drafters.vocab import DraftVocab, d2t_to_offsets, head_from_target, offsets_to_d2t
+from drafters.vocab import DraftVocab, d2t_to_offsets, head_from_target, offsets_to_d2t, t2d_mask
 
 
 @dataclass
@@ -269,3 +269,123 @@ def ttt_attention(q, k, v, steps: list, causal: torch.Tensor) -> torch.Tensor:
     p = torch.cat([s0, sd], dim=-1).softmax(-1)  # (B, h, T, T + j-1)
     T = s0.shape[-1]
     return p[..., :T] @ v0 + (p[..., T:, None] * vd).sum(-2)  # (B, h, T, d)
+
+
+# =================================================================================================
+# Export: the engines' EAGLE-3 layouts (versions in the module docstring). A renaming at most:
+# layers.0 <-> midlayer (SGLang, vLLM), d2t ids <-> offsets, plus each engine's aux-layer ids.
+# =================================================================================================
+ENGINES = ("sglang", "vllm", "speculators")
+FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+# options the engine's loader (as read) does not implement: an export would silently drop them
+UNSUPPORTED = {"sglang": FLAGS, "vllm": FLAGS[1:], "speculators": FLAGS[2:]}
+
+
+def engine_layer_ids(drafter: Eagle3, engine: str) -> list[int]:
+    """The aux-layer ids `engine` must be given to capture our feature_layers: vLLM / speculators
+    capture the input of layer id (= hidden_states[id]), SGLang the output (= hidden_states[id+1])."""
+    L, ids = drafter.target.num_layers, list(drafter.feature_layers)
+    lo = 1 if engine == "sglang" else 0  # SGLang cannot name the embeddings, neither the last state
+    if len(set(ids)) != 3 or not all(lo <= i <= L - 1 for i in ids):
+        raise ValueError(f"eagle3: {engine} captures 3 distinct hidden_states in [{lo}, {L - 1}]; "
+                         f"this drafter reads {ids}: train with aux_layers inside that range")
+    return [i - 1 for i in ids] if engine == "sglang" else ids
+
+
+def aux_layers_from_engine(ids, engine: str) -> list[int]:
+    """Inverse of engine_layer_ids: the hidden_states indices an engine's ids select."""
+    return [int(i) + 1 for i in ids] if engine == "sglang" else [int(i) for i in ids]
+
+
+def check_engine(drafter: Eagle3, engine: str) -> None:
+    """Raise when `engine` cannot run this drafter exactly, naming the setting and the fix."""
+    if engine not in ENGINES:
+        raise ValueError(f"eagle3: unknown engine {engine!r}; engines: {', '.join(ENGINES)}")
+    bad = [f for f in UNSUPPORTED[engine] if getattr(drafter.cfg, f)]
+    if bad:
+        raise ValueError(f"eagle3: the {engine} EAGLE-3 loader does not implement {bad}; train "
+                         f"without them or export to another engine / format=hf")
+    if engine == "sglang" and drafter.cfg.num_layers > 1:  # its extra layers drop the residual
+        raise ValueError("eagle3: SGLang's extra draft layers differ from ours; num_layers must be 1")
+    engine_layer_ids(drafter, engine)
+
+
+def engine_state(drafter: Eagle3, engine: str) -> dict[str, torch.Tensor]:
+    """The weights `engine` loads: ours renamed, d2t as offsets, t2d, and the LM head (the
+    target's when the drafter has no pruned vocabulary: the engines want the draft's own)."""
+    check_engine(drafter, engine)
+    out = {}
+    for name, v in drafter.state_dict().items():
+        if not name.startswith("draft_vocab."):
+            if engine != "speculators" and name.startswith("layers.0."):
+                name = "midlayer." + name[len("layers.0."):]
+            out[name] = v.detach().cpu().clone()
+    d2t = drafter.d2t
+    if d2t is None:
+        out["lm_head.weight"] = drafter.target.lm_head().weight.detach().float().cpu().clone()
+        d2t = torch.arange(drafter.vocab_size)
+    out["d2t"] = d2t_to_offsets(d2t.cpu())  # (Vd,) int64: target id = i + d2t[i]
+    out["t2d"] = t2d_mask(d2t.cpu(), drafter.vocab_size)  # (V,) bool
+    return out
+
+
+def state_from_engine(tensors: dict[str, torch.Tensor], engine: str, pruned: bool) -> dict:
+    """Inverse of engine_state: our state dict (pruned = the drafter has draft_vocab_size)."""
+    state = {("layers.0." + n[len("midlayer."):]) if n.startswith("midlayer.") else n: v
+             for n, v in tensors.items() if n not in ("d2t", "t2d")}
+    if pruned:
+        d2t = offsets_to_d2t(tensors["d2t"].long())
+        state["draft_vocab.d2t"], state["draft_vocab.t2d"] = d2t, t2d_mask(d2t, len(tensors["t2d"]))
+    else:
+        state.pop("lm_head.weight")
+    return state
+
+
+def engine_config(drafter: Eagle3, engine: str, speculative_tokens: int = 5,
+                  verifier: Optional[str] = None) -> dict:
+    """config.json for `engine`: `LlamaForCausalLMEagle3` (SGLang: ids in eagle_config; vLLM: ids
+    at the top level, read first) or the speculators format. tie_word_embeddings is false: the
+    draft owns neither embedding nor head to tie (SGLang would tie them and fail)."""
+    check_engine(drafter, engine)
+    c, ids = drafter.llama_config, engine_layer_ids(drafter, engine)
+    rope = dict(getattr(c, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 1e4})
+    layer = {k: getattr(c, k) for k in (
+        "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps")}
+    layer.update(model_type="llama", vocab_size=drafter.vocab_size, rope_parameters=rope,
+                 rope_theta=float(rope.get("rope_theta", 1e4)), attention_bias=False,
+                 mlp_bias=False, tie_word_embeddings=False,
+                 rope_scaling=None if rope.get("rope_type", "default") == "default"
+                 else {k: v for k, v in rope.items() if k != "rope_theta"})
+    vd = drafter.vocab_size if drafter.d2t is None else len(drafter.d2t)
+    flags = {f: bool(getattr(drafter.cfg, f)) for f in FLAGS}
+    if engine == "sglang":
+        return {**layer, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": vd,
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids,
+                                 "use_aux_hidden_state": True}}
+    if engine == "vllm":
+        return {**layer, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": vd,
+                "eagle_aux_hidden_state_layer_ids": ids, **flags}
+    arch = list(getattr(drafter.target.config, "architectures", None) or ["LlamaForCausalLM"])
+    return {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+            "transformer_layer_config": layer, "draft_vocab_size": vd, "target_hidden_size": None,
+            "eagle_aux_hidden_state_layer_ids": ids, "embed_requires_grad": False,
+            "tie_word_embeddings": False, **flags,
+            "speculators_config": {
+                "algorithm": "eagle3", "default_proposal_method": "greedy",
+                "proposal_methods": [{"proposal_type": "greedy", "accept_tolerance": 0.0,
+                                      "speculative_tokens": speculative_tokens,
+                                      "verifier_accept_k": 1}],
+                "verifier": {"name_or_path": verifier, "architectures": arch}}}
+
+
+def config_from_engine(config: dict, engine: str) -> dict:
+    """Our drafter config (a dict for build_drafter) from an engine's config.json."""
+    layer = config.get("transformer_layer_config", config)
+    ids = (config.get("eagle_config", {}) if engine == "sglang" else config)[
+        "eagle_aux_hidden_state_layer_ids"]
+    vd = config["draft_vocab_size"]
+    return {"name": "eagle3", "aux_layers": aux_layers_from_engine(ids, engine),
+            "num_layers": layer["num_hidden_layers"],
+            "draft_vocab_size": None if vd == layer["vocab_size"] else vd,
+            **{f: bool(config.get(f, False)) for f in FLAGS}}

@@ -347,3 +347,39 @@ def test_export_refuses_what_the_engine_cannot_run(target, engine, cfg, match):
     d = make(target, **cfg)
     with pytest.raises(ValueError, match=match):
         e3.engine_state(d, engine)
+
+
+@pytest.mark.slow
+def test_smollm2_eagle3_greedy_is_lossless_on_mtbench():
+    """The real target: aux layers (2, 15, 27), and chain / tree output equal to plain greedy after
+    a few steps on the target's own continuations of the prompts (so drafts get accepted)."""
+    from data.prompts import load_prompts
+    from decode.evaluate import render
+    from drafters.target import TargetConfig, load_target
+
+    target = load_target(TargetConfig(path="packaged:smollm2"))
+    d = build_drafter({"name": "eagle3", "draft_vocab_size": 4096, "ttt_length": 2}, target)
+    assert d.feature_layers == (2, 15, 27)
+    prompts = [render(target, p.turns[:1], []) for p in load_prompts("mtbench", limit=2)]
+    plains = [generate(target, None, ids, max_new_tokens=32) for ids in prompts]
+    seqs = [torch.cat([ids, plain.tokens])[None] for ids, plain in zip(prompts, plains)]  # (1, T)
+    counts = torch.bincount(torch.cat([s[0] for s in seqs]), minlength=target.vocab_size).float()
+    fit_draft_vocab(d, counts, always_include=target.eos_token_ids)
+    batches = []
+    for s in seqs:
+        out = target.forward(s, layers=d.feature_layers)
+        ones = torch.ones_like(s)
+        batches.append(TrainBatch(s, ones, ones, out.logits.clone(), out.features.clone()))
+    opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=2e-3)
+    for step in range(30):
+        loss, _ = distill_loss(d.forward_train(batches[step % 2]), batches[step % 2], d2t=d.d2t)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    accepted = 0
+    for ids, plain in zip(prompts, plains):
+        for tree in (False, True):
+            spec = generate(target, d, ids, max_new_tokens=32, k=5, tree=tree)
+            assert torch.equal(spec.tokens, plain.tokens), tree
+            accepted += sum(spec.accepted)
+    assert accepted > 0

@@ -1,8 +1,7 @@
 """EAGLE-3: a drafter over three fused target layers, trained with the training-time test.
 
 At anchor t the drafter reads the target's hidden states of three layers (low / mid / high) at t and
-the embedding of token t+1, and predicts token t+2; later draft steps read the drafter's own output
-in place of the fused target feature:
+the embedding of token t+1, and predicts token t+2; later steps read the drafter's own output:
 
     g_t = fc([low_t; mid_t; high_t])                 fc: Linear(3H -> H), no bias
     a_t = attn([input_layernorm(embed(tok_{t+1})); hidden_norm(g_t)])   q/k/v over 2H, RoPE
@@ -10,9 +9,9 @@ in place of the fused target feature:
     logits_t = lm_head(norm(h_t))   over a pruned draft vocabulary (d2t / t2d)
     next step: g <- h_t (or norm(h_t) with norm_output)
 
-Options as the engines and trainers name them: `norm_before_residual` (the residual is
-hidden_norm(g) instead of g), `norm_before_fc` (one RMSNorm(3H) `input_norm` before fc),
-EAGLE-3.1's `fc_norm` (an RMSNorm per aux layer before fc) and `norm_output` (feed norm(h) back).
+Options as the engines name them: `norm_before_residual` (residual = hidden_norm(g)),
+`norm_before_fc` (RMSNorm(3H) `input_norm` before fc), EAGLE-3.1's `fc_norm` (an RMSNorm per aux
+layer before fc) and `norm_output` (feed norm(h) back).
 
 Training-time test (`forward_train`): `ttt_length` steps unrolled on the drafter's own outputs, each
 with the attention it sees at decode time: step j at anchor t (position t+j-1) attends to step 1's
@@ -58,6 +57,8 @@ class Eagle3Config(DrafterConfig):
     aux_layers: Optional[list[int]] = None
     draft_vocab_size: Optional[int] = None  # pruned LM head size (None = target's head, frozen)
     num_layers: int = 1  # decoder layers; layer 0 reads [embed; feature], the others are plain
+    # copy this target layer's weights (None = random); layer 0's q/k/v get them in both halves
+    init_from_target_layer: Optional[int] = None
     norm_before_residual: bool = False  # residual = hidden_norm(feature) (false: the raw feature)
     norm_before_fc: bool = False  # RMSNorm(3H) over the concatenated aux states before fc
     fc_norm: bool = False  # EAGLE-3.1: an RMSNorm per aux layer before fc
@@ -98,12 +99,10 @@ class Eagle3Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope, attend: Attend) -> torch.Tensor:
         """x (B, Q, in_dim) -> (B, Q, H)."""
         B, Q, _ = x.shape
-        q = self.q_proj(x).view(B, Q, self.heads, self.head_dim).transpose(1, 2)  # (B, h, Q, d)
-        k = self.k_proj(x).view(B, Q, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, kv, Q, d)
-        v = self.v_proj(x).view(B, Q, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, kv, Q, d)
+        q, k, v = (p(x).view(B, Q, -1, self.head_dim).transpose(1, 2)  # (B, h | kv, Q, d)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))
         q, k = apply_rotary_pos_emb(q, k, *rope)
-        out = attend(q, k, v)  # (B, h, Q, d)
-        return self.o_proj(out.transpose(1, 2).reshape(B, Q, -1))  # (B, Q, H)
+        return self.o_proj(attend(q, k, v).transpose(1, 2).reshape(B, Q, -1))  # (B, Q, H)
 
 
 class Eagle3Layer(nn.Module):
@@ -147,8 +146,7 @@ class Eagle3(Eagle):
                              f"(0 = embeddings, i = output of layer i), got {aux}; "
                              f"null takes the engines' default {default_aux_layers(L)}")
         if cfg.num_layers < 1 or cfg.ttt_length < 1:
-            raise ValueError(f"eagle3: num_layers ({cfg.num_layers}) and ttt_length "
-                             f"({cfg.ttt_length}) must be >= 1")
+            raise ValueError(f"eagle3: num_layers and ttt_length must be >= 1, got {cfg}")
         self.cfg, self.target = cfg, target  # target: plain attribute, never saved
         self.feature_layers = tuple(aux)
         H = target.hidden_size
@@ -167,12 +165,31 @@ class Eagle3(Eagle):
         if cfg.draft_vocab_size is not None:  # placeholder map until set_draft_vocab
             self.draft_vocab = DraftVocab(torch.arange(cfg.draft_vocab_size), target.vocab_size)
             self.lm_head = head_from_target(target.lm_head(), self.draft_vocab.d2t, torch.float32)
+        if cfg.init_from_target_layer is not None:
+            self._init_from_target(cfg.init_from_target_layer)
         self.to(target.device)
         self.reset()
 
     @classmethod
     def build(cls, cfg, target) -> "Eagle3":
         return cls(parse_config(cfg, Eagle3Config), target)
+
+    def _init_from_target(self, index: int) -> None:
+        """Layer i <- target layer index - (num_layers - 1) + i, as Eagle; layer 0's 2H-wide q/k/v
+        take the target's weights in both halves [W | W] over [embed; feature], and its
+        hidden_norm the target's input norm."""
+        src = self.target.model.model.layers
+        first = index % len(src) - (len(self.layers) - 1)
+        if first < 0:
+            raise ValueError(f"eagle3: init_from_target_layer={index} leaves too few target "
+                             f"layers for {len(self.layers)} drafter layers")
+        for i, layer in enumerate(self.layers):
+            state = {k: v.float() for k, v in src[first + i].state_dict().items()}
+            if i == 0:
+                state = {k: torch.cat([v, v], dim=1) if k.split(".")[-2] in ("q_proj", "k_proj",
+                         "v_proj") else v for k, v in state.items()}
+                state["hidden_norm.weight"] = state["input_layernorm.weight"]
+            layer.load_state_dict(state, strict=True)
 
     # -- the network ------------------------------------------------------------------------------
     def fuse(self, feats: torch.Tensor) -> torch.Tensor:
@@ -211,9 +228,8 @@ class Eagle3(Eagle):
         ids, feats = batch.input_ids, batch.features  # (B, T), (B, T, 3H)
         H = self.target.hidden_size
         if feats is None or feats.shape[-1] != 3 * H:
-            raise ValueError(f"eagle3: the batch needs features of the 3 aux layers "
-                             f"{self.feature_layers} (width {3 * H}), got "
-                             f"{None if feats is None else feats.shape[-1]}")
+            raise ValueError(f"eagle3: the batch needs the features of aux layers "
+                             f"{self.feature_layers} (width {3 * H}); got {getattr(feats, 'shape', None)}")
         B, T = ids.shape
         pos = torch.arange(T, device=ids.device)
         keys = batch.attention_mask[:, None, None, :].bool()  # (B, 1, 1, T): never attend to padding
@@ -230,7 +246,7 @@ class Eagle3(Eagle):
                                          weight=self.cfg.ttt_decay ** (j - 1)))
         return preds
 
-    # -- decoding: Eagle's plumbing (cache sync, chain, EAGLE-2 tree) over these two hooks -------
+    # -- decoding: Eagle's plumbing (reset, _sync, propose, propose_tree) over these two hooks ---
     def _inputs(self, tokens: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
         """tokens (B, Q) target ids, feats (B, Q, 3H) target features or (B, Q, H) the drafter's own
         state (the engines tell them apart by width too) -> [embed; fused feature] (B, Q, 2H)."""
@@ -292,11 +308,6 @@ def engine_layer_ids(drafter: Eagle3, engine: str) -> list[int]:
     return [i - 1 for i in ids] if engine == "sglang" else ids
 
 
-def aux_layers_from_engine(ids, engine: str) -> list[int]:
-    """Inverse of engine_layer_ids: the hidden_states indices an engine's ids select."""
-    return [int(i) + 1 for i in ids] if engine == "sglang" else [int(i) for i in ids]
-
-
 def check_engine(drafter: Eagle3, engine: str) -> None:
     """Raise when `engine` cannot run this drafter exactly, naming the setting and the fix."""
     if engine not in ENGINES:
@@ -314,12 +325,9 @@ def engine_state(drafter: Eagle3, engine: str) -> dict[str, torch.Tensor]:
     """The weights `engine` loads: ours renamed, d2t as offsets, t2d, and the LM head (the
     target's when the drafter has no pruned vocabulary: the engines want the draft's own)."""
     check_engine(drafter, engine)
-    out = {}
-    for name, v in drafter.state_dict().items():
-        if not name.startswith("draft_vocab."):
-            if engine != "speculators" and name.startswith("layers.0."):
-                name = "midlayer." + name[len("layers.0."):]
-            out[name] = v.detach().cpu().clone()
+    mid = "layers.0." if engine == "speculators" else "midlayer."
+    out = {(mid + n[len("layers.0."):] if n.startswith("layers.0.") else n): v.detach().cpu().clone()
+           for n, v in drafter.state_dict().items() if not n.startswith("draft_vocab.")}
     d2t = drafter.d2t
     if d2t is None:
         out["lm_head.weight"] = drafter.target.lm_head().weight.detach().float().cpu().clone()
@@ -385,7 +393,7 @@ def config_from_engine(config: dict, engine: str) -> dict:
     ids = (config.get("eagle_config", {}) if engine == "sglang" else config)[
         "eagle_aux_hidden_state_layer_ids"]
     vd = config["draft_vocab_size"]
-    return {"name": "eagle3", "aux_layers": aux_layers_from_engine(ids, engine),
+    return {"name": "eagle3", "aux_layers": [int(i) + (engine == "sglang") for i in ids],
             "num_layers": layer["num_hidden_layers"],
             "draft_vocab_size": None if vd == layer["vocab_size"] else vd,
             **{f: bool(config.get(f, False)) for f in FLAGS}}

@@ -90,6 +90,17 @@ def test_shapes_names_and_aux_layers(target):
             build_drafter({"name": "eagle3", "aux_layers": bad}, target)
 
 
+def test_init_from_target_layer(target):
+    d = build_drafter({"name": "eagle3", "init_from_target_layer": -1, "num_layers": 2}, target)
+    src0, src1 = (target.model.model.layers[i].state_dict() for i in (L - 2, L - 1))
+    q = d.layers[0].self_attn.q_proj.weight  # (h*d, 2H): the target's q in both halves
+    assert torch.equal(q[:, :H], src0["self_attn.q_proj.weight"]) and torch.equal(q[:, H:], q[:, :H])
+    assert torch.equal(d.layers[0].hidden_norm.weight, src0["input_layernorm.weight"])
+    assert all(torch.equal(v, src1[k]) for k, v in d.layers[1].state_dict().items())
+    with pytest.raises(ValueError, match="too few target layers"):
+        build_drafter({"name": "eagle3", "init_from_target_layer": 0, "num_layers": 2}, target)
+
+
 @pytest.mark.parametrize("cfg", [{}, ALL_OPTIONS], ids=["default", "all_options"])
 def test_training_unroll_equals_decode_steps(target, cfg):
     """Step j of the training-time test at anchor t == the j-th decode-time draft step after t

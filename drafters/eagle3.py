@@ -26,11 +26,10 @@ export functions below write each engine's ids for the same layers.
 
 Sources read (2026-11-30): SGLang python/sglang/srt/models/llama_eagle3.py @03d5a777 and llama.py
 (layers_to_capture = id + 1); vLLM vllm/model_executor/models/llama_eagle3.py @00bd1493,
-gpu_model_runner._get_eagle3_aux_layers_from_config, transformers_utils/configs/speculators/algos.py
-(norm_before_residual defaults to true there); speculators src/speculators/models/eagle3/{core,
-config,model_definitions_llama}.py @033c87f2 / @11ecdd33 / @29566dae, the EAGLE-3.1 flags as a
-later speculators version and an SGLang-derived engine apply them (input_norm, fc_norm.{i},
-norm_output); SpecForge specforge/modeling/draft/llama3_eagle.py @01dd7144 (diagonal TTT cache).
+gpu_model_runner._get_eagle3_aux_layers_from_config, configs/speculators/algos.py (it defaults
+norm_before_residual to true); speculators 0.9.0 (the PyPI wheel: models/eagle3/{core,config,
+model_definitions}.py; our export loads there with no missing key and logits within 1e-6, checked
+by hand); SpecForge specforge/modeling/draft/llama3_eagle.py @01dd7144 (diagonal TTT cache).
 """
 from __future__ import annotations
 
@@ -89,12 +88,11 @@ class Eagle3Attention(nn.Module):
 
     def __init__(self, cfg, in_dim: int) -> None:
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim = (cfg.num_attention_heads,
-                                                    cfg.num_key_value_heads, cfg.head_dim)
-        self.q_proj = nn.Linear(in_dim, self.heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(in_dim, self.kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(in_dim, self.kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.head_dim, q, kv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        self.q_proj = nn.Linear(in_dim, q * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(in_dim, kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(in_dim, kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(q * self.head_dim, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, rope, attend: Attend) -> torch.Tensor:
         """x (B, Q, in_dim) -> (B, Q, H)."""
@@ -294,7 +292,7 @@ def ttt_attention(q, k, v, steps: list, causal: torch.Tensor) -> torch.Tensor:
 ENGINES = ("sglang", "vllm", "speculators")
 FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 # options the engine's loader (as read) does not implement: an export would silently drop them
-UNSUPPORTED = {"sglang": FLAGS, "vllm": FLAGS[1:], "speculators": FLAGS[2:]}
+UNSUPPORTED = {"sglang": FLAGS, "vllm": FLAGS[1:], "speculators": ()}
 
 
 def engine_layer_ids(drafter: Eagle3, engine: str) -> list[int]:
@@ -318,19 +316,24 @@ def check_engine(drafter: Eagle3, engine: str) -> None:
                          f"without them or export to another engine / format=hf")
     if engine == "sglang" and drafter.cfg.num_layers > 1:  # its extra layers drop the residual
         raise ValueError("eagle3: SGLang's extra draft layers differ from ours; num_layers must be 1")
+    if engine == "speculators" and drafter.cfg.norm_before_fc and drafter.cfg.fc_norm:
+        raise ValueError("eagle3: speculators refuses norm_before_fc with fc_norm; train with one")
     engine_layer_ids(drafter, engine)
 
 
 def engine_state(drafter: Eagle3, engine: str) -> dict[str, torch.Tensor]:
-    """The weights `engine` loads: ours renamed, d2t as offsets, t2d, and the LM head (the
-    target's when the drafter has no pruned vocabulary: the engines want the draft's own)."""
+    """The weights `engine` loads: ours renamed, d2t offsets, t2d, the target's head at full vocab."""
     check_engine(drafter, engine)
     mid = "layers.0." if engine == "speculators" else "midlayer."
     out = {(mid + n[len("layers.0."):] if n.startswith("layers.0.") else n): v.detach().cpu().clone()
            for n, v in drafter.state_dict().items() if not n.startswith("draft_vocab.")}
+    if engine == "speculators":  # its checkpoints carry it; it fills a missing one only if NaN
+        out["embed_tokens.weight"] = drafter.target.embed_tokens().weight.detach().float().cpu().clone()
     d2t = drafter.d2t
     if d2t is None:
         out["lm_head.weight"] = drafter.target.lm_head().weight.detach().float().cpu().clone()
+        if engine == "speculators":  # no maps at full vocab: it has no buffers for them
+            return out
         d2t = torch.arange(drafter.vocab_size)
     out["d2t"] = d2t_to_offsets(d2t.cpu())  # (Vd,) int64: target id = i + d2t[i]
     out["t2d"] = t2d_mask(d2t.cpu(), drafter.vocab_size)  # (V,) bool
@@ -340,7 +343,7 @@ def engine_state(drafter: Eagle3, engine: str) -> dict[str, torch.Tensor]:
 def state_from_engine(tensors: dict[str, torch.Tensor], engine: str, pruned: bool) -> dict:
     """Inverse of engine_state: our state dict (pruned = the drafter has draft_vocab_size)."""
     state = {("layers.0." + n[len("midlayer."):]) if n.startswith("midlayer.") else n: v
-             for n, v in tensors.items() if n not in ("d2t", "t2d")}
+             for n, v in tensors.items() if n not in ("d2t", "t2d", "embed_tokens.weight")}
     if pruned:
         d2t = offsets_to_d2t(tensors["d2t"].long())
         state["draft_vocab.d2t"], state["draft_vocab.t2d"] = d2t, t2d_mask(d2t, len(tensors["t2d"]))
@@ -369,8 +372,7 @@ def engine_config(drafter: Eagle3, engine: str, speculative_tokens: int = 5,
     flags = {f: bool(getattr(drafter.cfg, f)) for f in FLAGS}
     if engine == "sglang":
         return {**layer, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": vd,
-                "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids,
-                                 "use_aux_hidden_state": True}}
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}}
     if engine == "vllm":
         return {**layer, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": vd,
                 "eagle_aux_hidden_state_layer_ids": ids, **flags}
@@ -390,10 +392,8 @@ def engine_config(drafter: Eagle3, engine: str, speculative_tokens: int = 5,
 def config_from_engine(config: dict, engine: str) -> dict:
     """Our drafter config (a dict for build_drafter) from an engine's config.json."""
     layer = config.get("transformer_layer_config", config)
-    ids = (config.get("eagle_config", {}) if engine == "sglang" else config)[
-        "eagle_aux_hidden_state_layer_ids"]
+    ids = (config["eagle_config"] if engine == "sglang" else config)["eagle_aux_hidden_state_layer_ids"]
     vd = config["draft_vocab_size"]
     return {"name": "eagle3", "aux_layers": [int(i) + (engine == "sglang") for i in ids],
-            "num_layers": layer["num_hidden_layers"],
-            "draft_vocab_size": None if vd == layer["vocab_size"] else vd,
+            "num_layers": layer["num_hidden_layers"], "draft_vocab_size": None if vd == layer["vocab_size"] else vd,
             **{f: bool(config.get(f, False)) for f in FLAGS}}

@@ -281,7 +281,9 @@ def engine_forward(engine, config, W, emb, hidden, pos):
         residual = h + residual  # post_attention_layernorm(h, residual)
         h = _mlp(_rms(residual, W[pre + "post_attention_layernorm.weight"], eps), W, pre)
     prenorm = h + residual  # norm(h, residual) -> (normed, prenorm)
-    return _rms(prenorm, W["norm.weight"], eps) @ W["lm_head.weight"].T, prenorm
+    normed = _rms(prenorm, W["norm.weight"], eps)
+    back = normed if config.get("norm_output") else prenorm  # speculators 0.9: EAGLE-3.1 option
+    return normed @ W["lm_head.weight"].T, back
 
 
 def engine_capture(engine, config, target, ids):
@@ -297,8 +299,12 @@ def engine_chain(engine, config, W, target, ids, t, steps):
     """Draft logits (steps, Vd) after anchor t, each step fed the true token and the state the
     previous step fed back; recomputed over the whole sequence (a KV cache holds the same keys)."""
     feats = engine_capture(engine, config, target, ids[:t + 1])
-    if "input_norm.weight" in W:  # speculators norm_before_fc
-        feats = _rms(feats, W["input_norm.weight"], config["transformer_layer_config"]["rms_norm_eps"])
+    eps = config.get("transformer_layer_config", config)["rms_norm_eps"]
+    if "input_norm.weight" in W:  # speculators norm_before_fc: one norm over the 3H
+        feats = _rms(feats, W["input_norm.weight"], eps)
+    if "fc_norm.0.weight" in W:  # speculators fc_norm (EAGLE-3.1): a norm per aux layer
+        feats = torch.cat([_rms(f, W[f"fc_norm.{i}.weight"], eps)
+                           for i, f in enumerate(feats.chunk(3, -1))], -1)
     hidden = feats @ W["fc.weight"].T  # (t+1, H): fc on the 3H-wide target states
     toks, out = ids[1:t + 2], []
     for j in range(steps):
@@ -313,7 +319,8 @@ def engine_chain(engine, config, W, target, ids, t, steps):
 ENGINE_CFGS = {"sglang": [{}, {"draft_vocab_size": 48}],
                "vllm": [{"draft_vocab_size": 48, "num_layers": 2, "norm_before_residual": True}],
                "speculators": [{"draft_vocab_size": 48, "norm_before_residual": True,
-                                "norm_before_fc": True, "num_layers": 2}]}
+                                "norm_before_fc": True, "num_layers": 2},
+                               {"fc_norm": True, "norm_output": True}]}
 
 
 @pytest.mark.parametrize("engine,cfg", [(e, c) for e, cs in ENGINE_CFGS.items() for c in cs])
@@ -334,9 +341,12 @@ def test_export_matches_the_engine_forward_and_reads_back(target, engine, cfg):
         ref = engine_chain(engine, config, W, target, ids, t, 3)
         for j in range(3):
             torch.testing.assert_close(ref[j], preds[j].logits[0, t].float(), atol=2e-4, rtol=1e-4)
-    target_ids = torch.arange(len(W["d2t"])) + W["d2t"]  # the engines' hot_token_id / d2t map
-    assert torch.equal(target_ids, d.d2t if d.d2t is not None else torch.arange(V))
-    assert W["t2d"].dtype == torch.bool and int(W["t2d"].sum()) == len(W["d2t"])
+    if engine == "speculators" and d.d2t is None:  # full vocab: speculators has no map buffers
+        assert "d2t" not in W and "t2d" not in W and W["lm_head.weight"].shape == (V, H)
+    else:
+        target_ids = torch.arange(len(W["d2t"])) + W["d2t"]  # the engines' hot_token_id map
+        assert torch.equal(target_ids, d.d2t if d.d2t is not None else torch.arange(V))
+        assert W["t2d"].dtype == torch.bool and int(W["t2d"].sum()) == len(W["d2t"])
     # 3. our decoder reads the export back exactly
     back = build_drafter(e3.config_from_engine(config, engine), target)
     back.load_state_dict(e3.state_from_engine(W, engine, d.d2t is not None), strict=True)
@@ -350,7 +360,8 @@ def test_export_matches_the_engine_forward_and_reads_back(target, engine, cfg):
     ("sglang", {"norm_before_residual": True}, "does not implement"),
     ("sglang", {"num_layers": 2}, "num_layers must be 1"),
     ("vllm", {"fc_norm": True}, "does not implement"),
-    ("speculators", {"norm_output": True}, "does not implement"),
+    ("vllm", {"norm_output": True}, "does not implement"),
+    ("speculators", {"norm_before_fc": True, "fc_norm": True}, "refuses norm_before_fc"),
     ("sglang", {"aux_layers": [0, 3, 5]}, r"in \[1, 7\]"),  # SGLang cannot name the embeddings
     ("vllm", {"aux_layers": [2, 4, 8]}, r"in \[0, 7\]"),  # nor the final state
     ("tensorrt", {}, "unknown engine")])

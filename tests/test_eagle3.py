@@ -405,3 +405,79 @@ def test_smollm2_eagle3_greedy_is_lossless_on_mtbench():
             assert torch.equal(spec.tokens, plain.tokens), tree
             accepted += sum(spec.accepted)
     assert accepted > 0
+
+
+# -- the real speculators library -------------------------------------------------------------------
+SPECULATORS = "speculators==0.9.0"  # the release our format was checked against (2026-11-30)
+# run inside the throw-away virtualenv: load an export with the library's own classes and write
+# the draft logits of its own training-time-test forward (teacher forced, like ours)
+SPECULATORS_LOAD = r"""
+import sys, torch
+from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+folder = sys.argv[1]
+x = torch.load(folder + "/inputs.pt")
+conf = Eagle3SpeculatorConfig.from_pretrained(folder)
+conf.transformer_layer_config._attn_implementation = "eager"
+m = Eagle3DraftModel.from_pretrained(folder, config=conf).float().eval()
+got = []
+m.lm_head.register_forward_hook(lambda mod, i, o: got.append(o[0]))
+with torch.no_grad():
+    m(hidden_states=x["features"], input_ids=x["input_ids"],
+      document_ids=torch.zeros_like(x["input_ids"]), ttt_steps=x["steps"])
+torch.save({"logits": torch.stack(got), "state": m.state_dict()}, folder + "/out.pt")
+"""
+
+
+@pytest.fixture(scope="module")
+def speculators_python(tmp_path_factory) -> str:
+    """A virtualenv over this environment's packages (torch, transformers) with the speculators
+    release and the few modules it imports that we lack; no torch/torchvision is reinstalled."""
+    import subprocess
+    import sys
+
+    venv = tmp_path_factory.mktemp("speculators") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
+    for args in (["--no-deps", SPECULATORS, "loguru", "hs-connectors==0.9.0"], ["openai", "aiohttp"]):
+        if subprocess.run(pip + args, capture_output=True, text=True).returncode != 0:
+            pytest.skip(f"cannot install {args} from the package registry")
+    return str(venv / "bin" / "python")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cfg", [{}, {"draft_vocab_size": 48, "num_layers": 2, "norm_before_fc": True,
+                                      "norm_before_residual": True},
+                                 {"draft_vocab_size": 48, "fc_norm": True, "norm_output": True}],
+                         ids=["full_vocab", "pruned_2layers", "eagle31"])
+def test_speculators_release_loads_our_export(target, speculators_python, cfg, tmp_path):
+    import subprocess
+
+    from safetensors.torch import save_file
+
+    d = make(target, ttt_length=3, **cfg)
+    W = e3.engine_state(d, "speculators")
+    verifier = tmp_path / "verifier"
+    target.model.save_pretrained(verifier)  # the library reads embeddings / head / norm from it
+    (tmp_path / "config.json").write_text(json.dumps(e3.engine_config(d, "speculators",
+                                                                      verifier=str(verifier))))
+    save_file({k: v.contiguous() for k, v in W.items()}, str(tmp_path / "model.safetensors"))
+    ids = torch.randint(0, V, (1, 14), generator=torch.Generator().manual_seed(0))  # no padding
+    out = target.forward(ids, layers=d.feature_layers)
+    batch = TrainBatch(ids, torch.ones_like(ids), torch.ones_like(ids), out.logits, out.features)
+    # speculators pairs hidden state t with input token t+1 (the caller shifts)
+    torch.save({"features": batch.features.float(), "steps": 3,
+                "input_ids": torch.cat([ids[:, 1:], ids[:, -1:]], 1)}, tmp_path / "inputs.pt")
+    run = subprocess.run([speculators_python, "-c", SPECULATORS_LOAD, str(tmp_path)],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = torch.load(tmp_path / "out.pt")
+    state = out["state"]
+    assert set(W) <= set(state) and set(state) - set(W) <= {"verifier_lm_head.weight",
+                                                            "verifier_norm.weight"}
+    assert all(torch.equal(state[k].to(v.dtype), v) for k, v in W.items())
+    with torch.no_grad():
+        ours = d.forward_train(batch)
+    T = ids.shape[1]
+    for j in range(3):  # anchors whose true tokens exist at step j
+        torch.testing.assert_close(out["logits"][j][:T - 2 - j], ours[j].logits[0, :T - 2 - j],
+                                   atol=1e-4, rtol=1e-4)

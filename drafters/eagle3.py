@@ -7,11 +7,7 @@ the embedding of token t+1, and predicts token t+2; later steps read the drafter
     a_t = attn([input_layernorm(embed(tok_{t+1})); hidden_norm(g_t)])   q/k/v over 2H, RoPE
     h_t = g_t + a_t;  h_t = h_t + mlp(post_attention_layernorm(h_t))    (more layers: plain Llama)
     logits_t = lm_head(norm(h_t))   over a pruned draft vocabulary (d2t / t2d)
-    next step: g <- h_t (or norm(h_t) with norm_output)
-
-Options as the engines name them: `norm_before_residual` (residual = hidden_norm(g)),
-`norm_before_fc` (RMSNorm(3H) `input_norm` before fc), EAGLE-3.1's `fc_norm` (an RMSNorm per aux
-layer before fc) and `norm_output` (feed norm(h) back).
+    next step: g <- h_t (or norm(h_t) with norm_output; options named as the engines name them)
 
 Training-time test (`forward_train`): `ttt_length` steps unrolled on the drafter's own outputs, each
 with the attention it sees at decode time: step j at anchor t (position t+j-1) attends to step 1's
@@ -19,20 +15,18 @@ keys at anchors <= t (real features, causal) and to the keys of steps 2..j at an
 later blocks are diagonal, so they are scored as one dot product per query (SpecForge's trick)
 instead of a (T x jT) mask: each step costs one T x T attention whatever j is.
 
-Aux layers use our HF `hidden_states` indexing (0 = embeddings, i = output of layer i). The engines
-differ: vLLM (and speculators) capture the INPUT of layer id = hidden_states[id]; SGLang the OUTPUT
-of layer id = hidden_states[id + 1]; both default to the inputs of layers (2, L//2, L-3). The
-export functions below write each engine's ids for the same layers.
+Aux layers use our HF `hidden_states` indexing (0 = embeddings, i = output of layer i). vLLM (and
+speculators) capture the INPUT of layer id = hidden_states[id], SGLang the OUTPUT = hidden_states[
+id + 1]: the exports below write each engine's ids for the same layers.
 
-Sources read (2026-11-30): SGLang python/sglang/srt/models/llama_eagle3.py @03d5a777 and llama.py
-(layers_to_capture = id + 1); vLLM vllm/model_executor/models/llama_eagle3.py @00bd1493,
-gpu_model_runner._get_eagle3_aux_layers_from_config, configs/speculators/algos.py (it defaults
-norm_before_residual to true); speculators 0.9.0 (the PyPI wheel: models/eagle3/{core,config,
-model_definitions}.py; our export loads there with no missing key and logits within 1e-6, checked
-by hand); SpecForge specforge/modeling/draft/llama3_eagle.py @01dd7144 (diagonal TTT cache).
+Sources read (2026-11-30): SGLang srt/models/llama_eagle3.py @03d5a777 and llama.py (capture
+= id + 1); vLLM model_executor/models/llama_eagle3.py @00bd1493 (+ _get_eagle3_aux_layers_from_
+config; its speculators path defaults norm_before_residual to true); speculators 0.9.0 (PyPI wheel,
+models/eagle3/; the slow test loads our export there); SpecForge llama3_eagle.py @01dd7144.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -42,9 +36,12 @@ from torch import nn
 from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding,
                                                       apply_rotary_pos_emb)
 
-from drafters.base import Drafter, DrafterConfig, DraftPrediction, TrainBatch, parse_config, register
+from drafters.base import DrafterConfig, DraftPrediction, ExportLayout, TrainBatch, register
 from drafters.eagle import Eagle, drafter_llama_config
-from drafters.vocab import DraftVocab, d2t_to_offsets, head_from_target, offsets_to_d2t, t2d_mask
+from drafters.export_formats import (WEIGHTS, ExportError, cast, llama_layer_config,
+                                     speculators_config, torch_dtype)
+from drafters.head import frozen_logits, init_draft_head
+from drafters.vocab import d2t_to_offsets, offsets_to_d2t, t2d_mask
 
 
 @dataclass
@@ -70,16 +67,15 @@ class Eagle3Config(DrafterConfig):
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
-    """The engines' default: inputs of layers (2, L//2, L-3). Targets too shallow for three distinct
-    ids there (tests) take the embeddings, the middle and the last hidden state."""
+    """The engines' default: inputs of layers (2, L//2, L-3). Shallower targets (tests) take
+    (1, L//2, L-1), which every engine can still name, and below 4 layers the embeddings, the
+    middle and the last hidden state (no engine export then)."""
     L = num_layers
-    return [2, L // 2, L - 3] if L >= 7 else [0, L // 2, L]
+    return [2, L // 2, L - 3] if L >= 7 else [1, L // 2, L - 1] if L >= 4 else [0, L // 2, L]
 
 
-# =================================================================================================
-# The network: fusion, decoder layers, head. Attention is passed in (`attend`), so the same layers
-# serve the training-time test and the decode-time KV cache.
-# =================================================================================================
+# == The network: fusion, decoder layers, head. Attention is passed in (`attend`), so the same ==
+# == layers serve the training-time test and the decode-time KV cache.                          ==
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -129,14 +125,15 @@ class Eagle3Layer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-@register("eagle3", Eagle3Config)
-class Eagle3(Eagle):
+class Eagle3(Eagle):  # registered at the end of the module, with its export layouts
     """EAGLE-3 drafter: fc over three target layers + decoder layer(s) + final norm + LM head.
     The network is its own; the decode plumbing (reset, _sync, propose, propose_tree) is Eagle's,
     driven through `_inputs` and `_layers`."""
 
+    tags = ()  # not Eagle's "eagle1"
+
     def __init__(self, cfg: Eagle3Config, target) -> None:
-        Drafter.__init__(self, target.vocab_size)  # not Eagle's: its modules are not ours
+        super(Eagle, self).__init__(target.vocab_size, cfg, target)  # not Eagle's: other modules
         L = target.num_layers
         aux = list(cfg.aux_layers) if cfg.aux_layers is not None else default_aux_layers(L)
         if len(aux) != 3 or not all(0 <= i <= L for i in aux):
@@ -145,7 +142,6 @@ class Eagle3(Eagle):
                              f"null takes the engines' default {default_aux_layers(L)}")
         if cfg.num_layers < 1 or cfg.ttt_length < 1:
             raise ValueError(f"eagle3: num_layers and ttt_length must be >= 1, got {cfg}")
-        self.cfg, self.target = cfg, target  # target: plain attribute, never saved
         self.feature_layers = tuple(aux)
         H = target.hidden_size
         self.llama_config = lc = drafter_llama_config(target, cfg.num_layers)
@@ -159,35 +155,20 @@ class Eagle3(Eagle):
         self.norm = LlamaRMSNorm(H, eps=lc.rms_norm_eps)
         with torch.no_grad():  # the head reads what the target's head reads: start from its norm
             self.norm.weight.copy_(target.model.model.norm.weight.float())
-        self.draft_vocab = self.lm_head = None
-        if cfg.draft_vocab_size is not None:  # placeholder map until set_draft_vocab
-            self.draft_vocab = DraftVocab(torch.arange(cfg.draft_vocab_size), target.vocab_size)
-            self.lm_head = head_from_target(target.lm_head(), self.draft_vocab.d2t, torch.float32)
+        init_draft_head(self, target.lm_head(), cfg.draft_vocab_size, target.vocab_size)
         if cfg.init_from_target_layer is not None:
             self._init_from_target(cfg.init_from_target_layer)
         self.to(target.device)
         self.reset()
 
-    @classmethod
-    def build(cls, cfg, target) -> "Eagle3":
-        return cls(parse_config(cfg, Eagle3Config), target)
-
-    def _init_from_target(self, index: int) -> None:
-        """Layer i <- target layer index - (num_layers - 1) + i, as Eagle; layer 0's 2H-wide q/k/v
-        take the target's weights in both halves [W | W] over [embed; feature], and its
-        hidden_norm the target's input norm."""
-        src = self.target.model.model.layers
-        first = index % len(src) - (len(self.layers) - 1)
-        if first < 0:
-            raise ValueError(f"eagle3: init_from_target_layer={index} leaves too few target "
-                             f"layers for {len(self.layers)} drafter layers")
-        for i, layer in enumerate(self.layers):
-            state = {k: v.float() for k, v in src[first + i].state_dict().items()}
-            if i == 0:
-                state = {k: torch.cat([v, v], dim=1) if k.split(".")[-2] in ("q_proj", "k_proj",
-                         "v_proj") else v for k, v in state.items()}
-                state["hidden_norm.weight"] = state["input_layernorm.weight"]
-            layer.load_state_dict(state, strict=True)
+    def _from_target_layer(self, i: int, state: dict) -> dict:
+        """init_from_target_layer (Eagle's loop): layer 0's 2H-wide q/k/v take the target's weights
+        in both halves [W | W] over [embed; feature], its hidden_norm the target's input norm."""
+        if i > 0:
+            return state
+        state = {k: torch.cat([v, v], dim=1) if k.split(".")[-2] in ("q_proj", "k_proj", "v_proj")
+                 else v for k, v in state.items()}
+        return {**state, "hidden_norm.weight": state["input_layernorm.weight"]}
 
     # -- the network ------------------------------------------------------------------------------
     def fuse(self, feats: torch.Tensor) -> torch.Tensor:
@@ -215,14 +196,12 @@ class Eagle3(Eagle):
             h = self.norm(h)
         if self.lm_head is not None:
             return self.lm_head(h)
-        lm = self.target.lm_head()  # frozen target head: gradients flow to h only
-        return F.linear(h.to(lm.weight.dtype), lm.weight, lm.bias).to(h.dtype)
+        return frozen_logits(self.target.lm_head(), h)  # gradients flow to h only
 
     # -- training ---------------------------------------------------------------------------------
     def forward_train(self, batch: TrainBatch) -> list[DraftPrediction]:
         """`ttt_length` steps (shifts 1, 2, ...): step 1 reads the target's fused features, step
-        j > 1 the drafter's own outputs of step j-1 at the same anchor; the tokens are the data's.
-        Distribution loss only (features=None)."""
+        j > 1 its own step j-1 outputs at the same anchor. Distribution loss only (features=None)."""
         ids, feats = batch.input_ids, batch.features  # (B, T), (B, T, 3H)
         H = self.target.hidden_size
         if feats is None or feats.shape[-1] != 3 * H:
@@ -285,53 +264,59 @@ def ttt_attention(q, k, v, steps: list, causal: torch.Tensor) -> torch.Tensor:
     return p[..., :T] @ v0 + (p[..., T:, None] * vd).sum(-2)  # (B, h, T, d)
 
 
-# =================================================================================================
-# Export: the engines' EAGLE-3 layouts (versions in the module docstring). A renaming at most:
-# layers.0 <-> midlayer (SGLang, vLLM), d2t ids <-> offsets, plus each engine's aux-layer ids.
-# =================================================================================================
+# == Export: the engines' EAGLE-3 layouts (versions in the module docstring). A renaming at most: ==
+# == layers.0 <-> midlayer (SGLang, vLLM), d2t ids <-> offsets, plus each engine's aux-layer ids. ==
 ENGINES = ("sglang", "vllm", "speculators")
 FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 # options the engine's loader (as read) does not implement: an export would silently drop them
 UNSUPPORTED = {"sglang": FLAGS, "vllm": FLAGS[1:], "speculators": ()}
 
 
+def engine_refusal(dcfg: dict, engine: str) -> Optional[str]:
+    """Why `engine` cannot run a drafter of config dcfg exactly (None = it can); the aux-layer ids
+    are checked when written (engine_layer_ids), since they depend on the target's depth."""
+    if engine not in ENGINES:
+        return f"eagle3: unknown engine {engine!r}; engines: {', '.join(ENGINES)}"
+    bad = [f for f in UNSUPPORTED[engine] if dcfg.get(f)]
+    if bad:
+        return (f"eagle3: the {engine} EAGLE-3 loader does not implement {bad}; train without "
+                f"them or export to another engine / format=hf")
+    if engine == "sglang" and dcfg.get("num_layers", 1) > 1:  # its extra layers drop the residual
+        return "eagle3: SGLang's extra draft layers differ from ours; num_layers must be 1"
+    if engine == "speculators" and dcfg.get("norm_before_fc") and dcfg.get("fc_norm"):
+        return "eagle3: speculators refuses norm_before_fc with fc_norm; train with one"
+    return None
+
+
 def engine_layer_ids(drafter: Eagle3, engine: str) -> list[int]:
     """The aux-layer ids `engine` must be given to capture our feature_layers: vLLM / speculators
-    capture the input of layer id (= hidden_states[id]), SGLang the output (= hidden_states[id+1])."""
+    capture the input of layer id (= hidden_states[id]), SGLang the output (= hidden_states[id+1]).
+    ExportError when `engine` cannot run this drafter exactly, naming the setting and the fix."""
+    why = engine_refusal(dataclasses.asdict(drafter.cfg), engine)
     L, ids = drafter.target.num_layers, list(drafter.feature_layers)
     lo = 1 if engine == "sglang" else 0  # SGLang cannot name the embeddings, neither the last state
-    if len(set(ids)) != 3 or not all(lo <= i <= L - 1 for i in ids):
-        raise ValueError(f"eagle3: {engine} captures 3 distinct hidden_states in [{lo}, {L - 1}]; "
-                         f"this drafter reads {ids}: train with aux_layers inside that range")
+    if not why and (len(set(ids)) != 3 or not all(lo <= i <= L - 1 for i in ids)):
+        why = (f"eagle3: {engine} captures 3 distinct hidden_states in [{lo}, {L - 1}]; this "
+               f"drafter reads {ids}: train with aux_layers inside that range")
+    if why:
+        raise ExportError(why)
     return [i - 1 for i in ids] if engine == "sglang" else ids
 
 
-def check_engine(drafter: Eagle3, engine: str) -> None:
-    """Raise when `engine` cannot run this drafter exactly, naming the setting and the fix."""
-    if engine not in ENGINES:
-        raise ValueError(f"eagle3: unknown engine {engine!r}; engines: {', '.join(ENGINES)}")
-    bad = [f for f in UNSUPPORTED[engine] if getattr(drafter.cfg, f)]
-    if bad:
-        raise ValueError(f"eagle3: the {engine} EAGLE-3 loader does not implement {bad}; train "
-                         f"without them or export to another engine / format=hf")
-    if engine == "sglang" and drafter.cfg.num_layers > 1:  # its extra layers drop the residual
-        raise ValueError("eagle3: SGLang's extra draft layers differ from ours; num_layers must be 1")
-    if engine == "speculators" and drafter.cfg.norm_before_fc and drafter.cfg.fc_norm:
-        raise ValueError("eagle3: speculators refuses norm_before_fc with fc_norm; train with one")
-    engine_layer_ids(drafter, engine)
-
-
-def engine_state(drafter: Eagle3, engine: str) -> dict[str, torch.Tensor]:
-    """The weights `engine` loads: ours renamed, d2t offsets, t2d, the target's head at full vocab."""
-    check_engine(drafter, engine)
+def engine_state(drafter: Eagle3, engine: str, state: Optional[dict] = None,
+                 dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """The weights `engine` loads: our state dict (default: the drafter's) renamed, d2t as offsets,
+    t2d, the target's head at full vocabulary (and speculators' embeddings), cast to dtype."""
+    engine_layer_ids(drafter, engine)  # refuses what the engine cannot run
+    state = dict(drafter.state_dict() if state is None else state)
+    d2t, _ = state.pop("draft_vocab.d2t", None), state.pop("draft_vocab.t2d", None)
     mid = "layers.0." if engine == "speculators" else "midlayer."
-    out = {(mid + n[len("layers.0."):] if n.startswith("layers.0.") else n): v.detach().cpu().clone()
-           for n, v in drafter.state_dict().items() if not n.startswith("draft_vocab.")}
+    out = {(mid + n[len("layers.0."):] if n.startswith("layers.0.") else n): cast(v, dtype)
+           for n, v in state.items()}
     if engine == "speculators":  # its checkpoints carry it; it fills a missing one only if NaN
-        out["embed_tokens.weight"] = drafter.target.embed_tokens().weight.detach().float().cpu().clone()
-    d2t = drafter.d2t
+        out["embed_tokens.weight"] = cast(drafter.target.embed_tokens().weight, dtype)
     if d2t is None:
-        out["lm_head.weight"] = drafter.target.lm_head().weight.detach().float().cpu().clone()
+        out["lm_head.weight"] = cast(drafter.target.lm_head().weight, dtype)
         if engine == "speculators":  # no maps at full vocab: it has no buffers for them
             return out
         d2t = torch.arange(drafter.vocab_size)
@@ -353,21 +338,13 @@ def state_from_engine(tensors: dict[str, torch.Tensor], engine: str, pruned: boo
 
 
 def engine_config(drafter: Eagle3, engine: str, speculative_tokens: int = 5,
-                  verifier: Optional[str] = None) -> dict:
+                  verifier: Optional[str] = None, dtype: str = "float32") -> dict:
     """config.json for `engine`: `LlamaForCausalLMEagle3` (SGLang: ids in eagle_config; vLLM: ids
     at the top level, read first) or the speculators format. tie_word_embeddings is false: the
     draft owns neither embedding nor head to tie (SGLang would tie them and fail)."""
-    check_engine(drafter, engine)
-    c, ids = drafter.llama_config, engine_layer_ids(drafter, engine)
-    rope = dict(getattr(c, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 1e4})
-    layer = {k: getattr(c, k) for k in (
-        "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-        "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps")}
-    layer.update(model_type="llama", vocab_size=drafter.vocab_size, rope_parameters=rope,
-                 rope_theta=float(rope.get("rope_theta", 1e4)), attention_bias=False,
-                 mlp_bias=False, tie_word_embeddings=False,
-                 rope_scaling=None if rope.get("rope_type", "default") == "default"
-                 else {k: v for k, v in rope.items() if k != "rope_theta"})
+    ids = engine_layer_ids(drafter, engine)
+    layer = {**llama_layer_config(drafter.llama_config, drafter.target, dtype),
+             "tie_word_embeddings": False}
     vd = drafter.vocab_size if drafter.d2t is None else len(drafter.d2t)
     flags = {f: bool(getattr(drafter.cfg, f)) for f in FLAGS}
     if engine == "sglang":
@@ -376,24 +353,44 @@ def engine_config(drafter: Eagle3, engine: str, speculative_tokens: int = 5,
     if engine == "vllm":
         return {**layer, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": vd,
                 "eagle_aux_hidden_state_layer_ids": ids, **flags}
-    arch = list(getattr(drafter.target.config, "architectures", None) or ["LlamaForCausalLM"])
+    for key in ("torch_dtype", "dtype"):
+        layer.pop(key)
     return {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
             "transformer_layer_config": layer, "draft_vocab_size": vd, "target_hidden_size": None,
             "eagle_aux_hidden_state_layer_ids": ids, "embed_requires_grad": False,
             "tie_word_embeddings": False, **flags,
-            "speculators_config": {
-                "algorithm": "eagle3", "default_proposal_method": "greedy",
-                "proposal_methods": [{"proposal_type": "greedy", "accept_tolerance": 0.0,
-                                      "speculative_tokens": speculative_tokens,
-                                      "verifier_accept_k": 1}],
-                "verifier": {"name_or_path": verifier, "architectures": arch}}}
+            "speculators_config": speculators_config("eagle3", speculative_tokens, verifier,
+                                                     drafter.target)}
 
 
-def config_from_engine(config: dict, engine: str) -> dict:
-    """Our drafter config (a dict for build_drafter) from an engine's config.json."""
-    layer = config.get("transformer_layer_config", config)
-    ids = (config["eagle_config"] if engine == "sglang" else config)["eagle_aux_hidden_state_layer_ids"]
-    vd = config["draft_vocab_size"]
-    return {"name": "eagle3", "aux_layers": [int(i) + (engine == "sglang") for i in ids],
-            "num_layers": layer["num_hidden_layers"], "draft_vocab_size": None if vd == layer["vocab_size"] else vd,
-            **{f: bool(config.get(f, False)) for f in FLAGS}}
+def _layout(engine: str, summary: str, usage: str) -> ExportLayout:
+    """The export layout of `engine`: engine_state / engine_config written, state_from_engine read."""
+    def write(drafter, state, ctx):
+        tensors = engine_state(drafter, engine, state, torch_dtype(ctx.dtype))
+        config = engine_config(drafter, engine, ctx.speculative_tokens, ctx.meta.get("base_model"),
+                               ctx.dtype)
+        return {**config, **ctx.common()}, {WEIGHTS: tensors}
+
+    def read(files, dcfg, vocab_size):
+        return state_from_engine(files[WEIGHTS], engine, dcfg.get("draft_vocab_size") is not None)
+
+    return ExportLayout(format=engine, summary=summary, usage=usage, write=write, read=read,
+                        check=lambda dcfg: engine_refusal(dcfg, engine), tags=(engine, "eagle3"))
+
+
+LAYOUTS = (
+    _layout("sglang", "SGLang's EAGLE-3 layout (LlamaForCausalLMEagle3; aux-layer ids in "
+            "eagle_config, one below ours: SGLang captures layer outputs).",
+            "python -m sglang.launch_server --model-path {base} --speculative-algorithm EAGLE3 "
+            "--speculative-draft-model-path {path} --speculative-num-steps {k} "
+            "--speculative-eagle-topk 1 --speculative-num-draft-tokens {k1}"),
+    _layout("vllm", "vLLM's EAGLE-3 layout (LlamaForCausalLMEagle3; aux-layer ids = ours: vLLM "
+            "captures layer inputs).",
+            "vllm serve {base} --speculative-config "
+            "'{{\"method\": \"eagle3\", \"model\": \"{path}\", \"num_speculative_tokens\": {k}}}'"),
+    _layout("speculators", "the speculators library's EAGLE-3 format (speculators_model_type "
+            "eagle3, Eagle3DraftModel; vLLM serves it directly).",
+            "vllm serve {path}      # or in Python:\n"
+            "from speculators.models.eagle3 import Eagle3DraftModel\n"
+            "model = Eagle3DraftModel.from_pretrained('{path}')"))
+register("eagle3", config=Eagle3Config, layouts=LAYOUTS)(Eagle3)

@@ -11,13 +11,18 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from decode.evaluate import is_near_tie
 from decode.spec import generate
 from decode_toys import make_target
 from drafters import eagle3 as e3
-from drafters.base import DecodeState, TrainBatch, build_drafter, fit_draft_vocab
+from drafters.base import DecodeState, TrainBatch, build_drafter, config_dict, fit_draft_vocab
 from drafters.target import Target
+from drafters.export import export_drafter, load_export
+from drafters.export_formats import ExportError
+from eagle3_engines import engine_chain, engine_name
 from train.losses import distill_loss
 
 V, H, L = 128, 32, 8  # an 8-layer target: the engines' default aux layers (2, 4, 5) exist
@@ -116,7 +121,7 @@ def test_training_unroll_equals_decode_steps(target, cfg):
         torch.testing.assert_close(d.head(h)[0, 0], preds[0].logits[row, t], atol=1e-4, rtol=1e-4)
         for j in range(2, 6 if row == 0 else 5):
             h = d._layers(d._inputs(ids[t + j].view(1, 1), h), torch.tensor([[t + j - 1]]), None,
-                          d._cache)
+                          d._cache.kv)
             torch.testing.assert_close(d.head(h)[0, 0], preds[j - 1].logits[row, t], atol=1e-4,
                                        rtol=1e-4)
 
@@ -155,6 +160,34 @@ def test_greedy_decoding_is_lossless(taught, tree):
         assert spec.tokens.tolist() == plain.tokens.tolist()
         accepted += sum(spec.accepted)
     assert accepted > 10  # the drafter was right often enough for acceptance to be exercised
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_decodes_a_bf16_target_with_float32_weights(taught, tree):
+    """target.dtype auto is bf16 on CPUs with native bf16: the drafter keeps float32 weights and
+    reads bf16 features, embeddings and LM head (cast as eagle does); greedy output stays the
+    bf16 target's own, and drafts are still accepted."""
+    import copy
+
+    tgt64, d64 = taught
+    tgt = copy.copy(tgt64)
+    tgt.model = copy.deepcopy(tgt64.model).to(torch.bfloat16)
+    d = build_drafter(config_dict(d64.cfg), tgt)
+    d.load_state_dict({k: v.float() if v.is_floating_point() else v
+                       for k, v in d64.state_dict().items()})
+    assert tgt.dtype == torch.bfloat16 and {p.dtype for p in d.parameters()} == {torch.float32}
+    accepted, exact = 0, 0
+    for seed in range(4):
+        prompt = torch.randint(0, 64, (6,), generator=torch.Generator().manual_seed(100 + seed))
+        plain = generate(tgt, None, prompt, max_new_tokens=30)
+        spec = generate(tgt, d, prompt, max_new_tokens=30, k=4, tree=tree)
+        diff = tgt.first_difference(prompt, plain.tokens, spec.tokens)
+        # bf16 keeps 8 bits: a verify forward and one-token steps may round a near-tie apart
+        # (decode.evaluate's rule); anything wider is a decoder or drafter bug
+        assert diff["margin"] is None or is_near_tie(diff), diff
+        exact += plain.tokens.tolist() == spec.tokens.tolist()
+        accepted += sum(spec.accepted)
+    assert accepted > 10 and exact >= 3
 
 
 # -- the real recipe, online and offline capture of three layers -----------------------------------
@@ -203,7 +236,7 @@ def test_recipe_trains_eagle3_and_loss_goes_down(tmp_path, chats):
 
 
 def test_online_and_offline_capture_of_three_layers(tmp_path, chats):
-    from data.capture import CaptureConfig, OfflineFeatures, capture_split
+    from data.capture import CaptureConfig, OfflineFeatures, capture_dir, capture_split
     from train.recipe import DistillRecipe
 
     r = DistillRecipe(recipe_cfg(tmp_path, chats, "trainer.max_steps=1"))
@@ -220,102 +253,14 @@ def test_online_and_offline_capture_of_three_layers(tmp_path, chats):
     torch.testing.assert_close(offline.features[real], online.features[real], rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="layers"):  # an eagle (final state) capture is refused
         OfflineFeatures(out, (-1,), r.target)
-    # the default capture folder is keyed by the layer set: eagle's and eagle3's never mix
-    data = SimpleNamespace(cache_path=Path("chats"))
-    mine = r._capture_dir(data)
-    r.drafter.feature_layers = (-1,)  # what an eagle drafter reads
-    assert r._capture_dir(data) != mine
+    # the default capture folder (train/recipe.py) is keyed by the layer set: eagle's and
+    # eagle3's never mix
+    folders = {capture_dir(tmp_path, r.target, r.train_ds, "chats", layers, None)
+               for layers in (r.drafter.feature_layers, (-1,))}
+    assert len(folders) == 2
 
 
 # -- exports ----------------------------------------------------------------------------------------
-def _rms(x, w, eps):
-    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
-
-def _attention(x, W, pre, c, pos):
-    """Causal GQA attention the engines' way: one stacked qkv projection, neox RoPE."""
-    nh, nkv, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
-    qkv = x @ torch.cat([W[pre + f"self_attn.{n}_proj.weight"] for n in "qkv"]).T  # stacked
-    q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-    inv = 1.0 / c["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd)
-    ang = pos[:, None].float() * inv[None]  # (T, hd/2)
-    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
-
-    def rope(t):  # (T, n, hd)
-        rot = torch.cat([-t[..., hd // 2:], t[..., :hd // 2]], -1)
-        return t * cos[:, None] + rot * sin[:, None]
-
-    T = x.shape[0]
-    q, k = rope(q.view(T, nh, hd)), rope(k.view(T, nkv, hd))
-    k, v = k.repeat_interleave(nh // nkv, 1), v.view(T, nkv, hd).repeat_interleave(nh // nkv, 1)
-    s = torch.einsum("qhd,khd->hqk", q, k) / hd ** 0.5
-    s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
-    o = torch.einsum("hqk,khd->qhd", s.softmax(-1), v).reshape(T, nh * hd)
-    return o @ W[pre + "self_attn.o_proj.weight"].T
-
-
-def _mlp(x, W, pre):
-    gate_up = x @ torch.cat([W[pre + "mlp.gate_proj.weight"], W[pre + "mlp.up_proj.weight"]]).T
-    g, u = gate_up.chunk(2, -1)
-    return (torch.nn.functional.silu(g) * u) @ W[pre + "mlp.down_proj.weight"].T
-
-
-def engine_forward(engine, config, W, emb, hidden, pos):
-    """The draft model of `engine` on one sequence: emb (T, H) target embeddings, hidden (T, H)
-    fused or recurrent states -> (logits over the draft vocab (T, Vd), state fed back (T, H)).
-    SGLang / vLLM llama_eagle3.py: midlayer with fused residual-add norms, prenorm state fed back;
-    speculators Eagle3DraftModel: layers.0 (LlamaDecoderEagle3FirstLayer) + HF Llama layers."""
-    c = config.get("transformer_layer_config", config)
-    eps = c["rms_norm_eps"]
-    nbr = bool(config.get("norm_before_residual", False)) and engine != "sglang"  # SGLang: never
-    first = "layers.0." if engine == "speculators" else "midlayer."
-    normed = _rms(hidden, W[first + "hidden_norm.weight"], eps)
-    residual = normed if nbr else hidden
-    x = torch.cat([_rms(emb, W[first + "input_layernorm.weight"], eps), normed], -1)  # (T, 2H)
-    h = _attention(x, W, first, c, pos)
-    for i in range(c["num_hidden_layers"]):
-        pre = first if i == 0 else f"layers.{i}."
-        if i > 0:  # vLLM: input_layernorm(h, residual) = add, then norm
-            residual = h + residual
-            h = _attention(_rms(residual, W[pre + "input_layernorm.weight"], eps), W, pre, c, pos)
-        residual = h + residual  # post_attention_layernorm(h, residual)
-        h = _mlp(_rms(residual, W[pre + "post_attention_layernorm.weight"], eps), W, pre)
-    prenorm = h + residual  # norm(h, residual) -> (normed, prenorm)
-    normed = _rms(prenorm, W["norm.weight"], eps)
-    back = normed if config.get("norm_output") else prenorm  # speculators 0.9: EAGLE-3.1 option
-    return normed @ W["lm_head.weight"].T, back
-
-
-def engine_capture(engine, config, target, ids):
-    """Target features as the engine captures them from ITS ids: vLLM / speculators take the input
-    of layer id (hidden_states[id]); SGLang sets layers_to_capture = id + 1 (the output of id)."""
-    ids_key = "eagle_aux_hidden_state_layer_ids"
-    ids_ = config["eagle_config"][ids_key] if engine == "sglang" else config[ids_key]
-    hs = target.model(ids[None], output_hidden_states=True).hidden_states
-    return torch.cat([hs[i + 1 if engine == "sglang" else i][0] for i in ids_], -1)  # (T, 3H)
-
-
-def engine_chain(engine, config, W, target, ids, t, steps):
-    """Draft logits (steps, Vd) after anchor t, each step fed the true token and the state the
-    previous step fed back; recomputed over the whole sequence (a KV cache holds the same keys)."""
-    feats = engine_capture(engine, config, target, ids[:t + 1])
-    eps = config.get("transformer_layer_config", config)["rms_norm_eps"]
-    if "input_norm.weight" in W:  # speculators norm_before_fc: one norm over the 3H
-        feats = _rms(feats, W["input_norm.weight"], eps)
-    if "fc_norm.0.weight" in W:  # speculators fc_norm (EAGLE-3.1): a norm per aux layer
-        feats = torch.cat([_rms(f, W[f"fc_norm.{i}.weight"], eps)
-                           for i, f in enumerate(feats.chunk(3, -1))], -1)
-    hidden = feats @ W["fc.weight"].T  # (t+1, H): fc on the 3H-wide target states
-    toks, out = ids[1:t + 2], []
-    for j in range(steps):
-        emb = target.embed_tokens()(toks)
-        logits, back = engine_forward(engine, config, W, emb, hidden, torch.arange(len(toks)))
-        out.append(logits[-1])
-        toks = torch.cat([toks, ids[t + 2 + j:t + 3 + j]])
-        hidden = torch.cat([hidden, back[-1:]])
-    return torch.stack(out)
-
-
 ENGINE_CFGS = {"sglang": [{}, {"draft_vocab_size": 48}],
                "vllm": [{"draft_vocab_size": 48, "num_layers": 2, "norm_before_residual": True}],
                "speculators": [{"draft_vocab_size": 48, "norm_before_residual": True,
@@ -324,9 +269,15 @@ ENGINE_CFGS = {"sglang": [{}, {"draft_vocab_size": 48}],
 
 
 @pytest.mark.parametrize("engine,cfg", [(e, c) for e, cs in ENGINE_CFGS.items() for c in cs])
-def test_export_matches_the_engine_forward_and_reads_back(target, engine, cfg):
+def test_export_matches_the_engine_forward_and_reads_back(target, engine, cfg, tmp_path):
+    """`format=<engine>` through the export job's writer (validated and read back there), then
+    the engine's forward rebuilt from the folder's files alone, and our decoder loading it."""
     d = make(target, ttt_length=3, **cfg)
-    W, config = e3.engine_state(d, engine), e3.engine_config(d, engine, verifier="tiny8")
+    folder = export_drafter(d, {"name": "eagle3", "ttt_length": 3, **cfg}, target, engine,
+                            tmp_path / engine, base_model="org/tiny8")["path"]
+    config = json.loads((folder / "config.json").read_text())
+    W = load_file(str(folder / "model.safetensors"))
+    assert engine_name(config) == engine
     ids = make_batch(target, d, B=1).input_ids[0]
     # 1. the aux-layer ids: the same layers, one apart between SGLang and vLLM
     key = "eagle_aux_hidden_state_layer_ids"
@@ -348,8 +299,7 @@ def test_export_matches_the_engine_forward_and_reads_back(target, engine, cfg):
         assert torch.equal(target_ids, d.d2t if d.d2t is not None else torch.arange(V))
         assert W["t2d"].dtype == torch.bool and int(W["t2d"].sum()) == len(W["d2t"])
     # 3. our decoder reads the export back exactly
-    back = build_drafter(e3.config_from_engine(config, engine), target)
-    back.load_state_dict(e3.state_from_engine(W, engine, d.d2t is not None), strict=True)
+    back = load_export(folder, target)
     assert back.feature_layers == d.feature_layers
     with torch.no_grad():
         again = back.forward_train(make_batch(target, d, B=1))
@@ -364,11 +314,16 @@ def test_export_matches_the_engine_forward_and_reads_back(target, engine, cfg):
     ("speculators", {"norm_before_fc": True, "fc_norm": True}, "refuses norm_before_fc"),
     ("sglang", {"aux_layers": [0, 3, 5]}, r"in \[1, 7\]"),  # SGLang cannot name the embeddings
     ("vllm", {"aux_layers": [2, 4, 8]}, r"in \[0, 7\]"),  # nor the final state
-    ("tensorrt", {}, "unknown engine")])
-def test_export_refuses_what_the_engine_cannot_run(target, engine, cfg, match):
+    ("tensorrt", {}, "unknown format 'tensorrt' for drafter 'eagle3'; its formats: hf, sglang, "
+                     "speculators, vllm")])
+def test_export_refuses_what_the_engine_cannot_run(target, engine, cfg, match, tmp_path):
     d = make(target, **cfg)
-    with pytest.raises(ValueError, match=match):
-        e3.engine_state(d, engine)
+    with pytest.raises(ExportError, match=match):
+        export_drafter(d, {"name": "eagle3", **cfg}, target, engine, tmp_path / "x")
+    assert list(tmp_path.iterdir()) == []  # nothing written
+    if engine != "tensorrt":  # the engine functions refuse the same
+        with pytest.raises(ExportError, match=match):
+            e3.engine_state(d, engine)
 
 
 @pytest.mark.slow
@@ -379,7 +334,7 @@ def test_smollm2_eagle3_greedy_is_lossless_on_mtbench():
     from decode.evaluate import render
     from drafters.target import TargetConfig, load_target
 
-    target = load_target(TargetConfig(path="packaged:smollm2"))
+    target = load_target(TargetConfig(path="packaged:smollm2", dtype="float32"))  # no near-ties
     d = build_drafter({"name": "eagle3", "draft_vocab_size": 4096, "ttt_length": 2}, target)
     assert d.feature_layers == (2, 15, 27)
     prompts = [render(target, p.turns[:1], []) for p in load_prompts("mtbench", limit=2)]

@@ -207,6 +207,11 @@ class Eagle(Drafter):
             self.norm = LlamaRMSNorm(H, eps=self.llama_config.rms_norm_eps)
             with torch.no_grad():
                 self.norm.weight.copy_(target.model.model.norm.weight.float())
+        self._finish_init(cfg, target)
+
+    def _finish_init(self, cfg, target) -> None:
+        """The end of EAGLE's and EAGLE-3's constructors: the draft head, the optional start from a
+        target layer, the target's device, an empty cache."""
         init_draft_head(self, target.lm_head(), cfg.draft_vocab_size, target.vocab_size)
         if cfg.init_from_target_layer is not None:
             self._init_from_target(cfg.init_from_target_layer)

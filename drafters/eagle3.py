@@ -40,7 +40,7 @@ from drafters.base import DrafterConfig, DraftPrediction, ExportLayout, TrainBat
 from drafters.eagle import Eagle, drafter_llama_config
 from drafters.export_formats import (WEIGHTS, ExportError, cast, llama_layer_config,
                                      speculators_config, torch_dtype)
-from drafters.head import frozen_logits, init_draft_head
+from drafters.head import frozen_logits
 from drafters.vocab import d2t_to_offsets, offsets_to_d2t, t2d_mask
 
 
@@ -155,11 +155,7 @@ class Eagle3(Eagle):  # registered at the end of the module, with its export lay
         self.norm = LlamaRMSNorm(H, eps=lc.rms_norm_eps)
         with torch.no_grad():  # the head reads what the target's head reads: start from its norm
             self.norm.weight.copy_(target.model.model.norm.weight.float())
-        init_draft_head(self, target.lm_head(), cfg.draft_vocab_size, target.vocab_size)
-        if cfg.init_from_target_layer is not None:
-            self._init_from_target(cfg.init_from_target_layer)
-        self.to(target.device)
-        self.reset()
+        self._finish_init(cfg, target)  # Eagle's: draft head, init_from_target_layer, device, cache
 
     def _from_target_layer(self, i: int, state: dict) -> dict:
         """init_from_target_layer (Eagle's loop): layer 0's 2H-wide q/k/v take the target's weights

@@ -40,7 +40,7 @@ from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaRM
 from drafters.base import (ChainProposal, DecodeState, Drafter, DrafterConfig, DraftPrediction,
                            ExportLayout, TrainBatch, TreeProposal, register)
 from drafters.cache import DraftCache
-from drafters.export_formats import WEIGHTS, llama_layer_config
+from drafters.export_formats import WEIGHTS, llama_layer_config, speculators_config
 from drafters.head import frozen_logits, init_draft_head
 from drafters.sampling import SamplingParams
 from drafters.tree import dynamic_tree
@@ -148,15 +148,8 @@ def _write_speculators(drafter, state, ctx):
            "speculators_model_type": "eagle", "speculators_version": "0.1.0",
            "transformer_layer_architecture": "LlamaDecoderLayer",
            "transformer_layer_config": layer, "layernorms": False, "fusion_bias": False,
-           "speculators_config": {
-               "algorithm": "eagle",
-               "proposal_methods": [{"proposal_type": "greedy",
-                                     "speculative_tokens": ctx.speculative_tokens,
-                                     "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-               "default_proposal_method": "greedy",
-               "verifier": {"name_or_path": ctx.meta.get("base_model"),
-                            "architectures": list(getattr(ctx.target.config, "architectures", None)
-                                                  or ["LlamaForCausalLM"])}},
+           "speculators_config": speculators_config("eagle", ctx.speculative_tokens,
+                                                    ctx.meta.get("base_model"), ctx.target),
            **ctx.common()}
     return cfg, {WEIGHTS: tensors}
 
@@ -214,6 +207,11 @@ class Eagle(Drafter):
             self.norm = LlamaRMSNorm(H, eps=self.llama_config.rms_norm_eps)
             with torch.no_grad():
                 self.norm.weight.copy_(target.model.model.norm.weight.float())
+        self._finish_init(cfg, target)
+
+    def _finish_init(self, cfg, target) -> None:
+        """The end of EAGLE's and EAGLE-3's constructors: the draft head, the optional start from a
+        target layer, the target's device, an empty cache."""
         init_draft_head(self, target.lm_head(), cfg.draft_vocab_size, target.vocab_size)
         if cfg.init_from_target_layer is not None:
             self._init_from_target(cfg.init_from_target_layer)
@@ -226,12 +224,16 @@ class Eagle(Drafter):
         last = index % len(src)
         first = last - (len(self.layers) - 1)
         if first < 0:
-            raise ValueError(f"eagle: init_from_target_layer={index} leaves too few target layers "
-                             f"for {len(self.layers)} drafter layers")
+            raise ValueError(f"{self.name}: init_from_target_layer={index} leaves too few target "
+                             f"layers for {len(self.layers)} drafter layers")
         for i, layer in enumerate(self.layers):
             own = layer.state_dict().keys()  # without layer 0's input norm when input_norm=false
             state = {k: v.float() for k, v in src[first + i].state_dict().items() if k in own}
-            layer.load_state_dict(state, strict=True)
+            layer.load_state_dict(self._from_target_layer(i, state), strict=True)
+
+    def _from_target_layer(self, i: int, state: dict) -> dict:
+        """Hook: target-layer weights (HF names) -> drafter layer i's (as they are for EAGLE)."""
+        return state
 
     # -- the network ------------------------------------------------------------------------------
     def _inputs(self, tokens: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:

@@ -49,3 +49,16 @@ def llama_layer_config(llama_config, target, dtype: str) -> dict[str, Any]:
                bos_token_id=getattr(tc, "bos_token_id", None), eos_token_id=getattr(tc, "eos_token_id", None),
                pad_token_id=getattr(tc, "pad_token_id", None), torch_dtype=dtype, dtype=dtype)
     return out
+
+
+def speculators_config(algorithm: str, speculative_tokens: int, verifier: str | None,
+                       target) -> dict[str, Any]:
+    """The `speculators_config` section of a speculators-format config.json (src/speculators/
+    config.py): one greedy proposal method of k tokens and the verifier (the target)."""
+    return {"algorithm": algorithm,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier,
+                         "architectures": list(getattr(target.config, "architectures", None)
+                                               or ["LlamaForCausalLM"])}}

@@ -31,6 +31,7 @@ from drafters.export_formats import ExportError
 from drafters.hub import PushError, push_to_hub
 from drafters.sampling import SamplingParams
 from drafters.target import Target
+from eagle3_engines import first_step_logits
 from train.export import ExportConfig, run_export
 
 V, H = 128, 32
@@ -77,7 +78,8 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
 @pytest.fixture(scope="module")
 def target() -> Target:
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=2,
+    # 4 layers: eagle3's default aux layers (1, 2, 3) are ones every engine can name
+    cfg = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                       rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
     model = LlamaForCausalLM(cfg)  # a non-default rope theta: a wrong one in an export shows up
@@ -187,11 +189,14 @@ def medusa_original_logits(folder: Path, feats: torch.Tensor) -> list[torch.Tens
 def engine_logits(folder: Path, target, b: TrainBatch) -> list[torch.Tensor] | None:
     """What the engine that reads this folder computes (picked by its config's architecture, as
     the engines do): EAGLE-1 heads -> [(1, T-1, V)], Medusa heads -> one (1, T, V) per head (and
-    the original repo's heads when medusa_lm_head.pt is there). None: no engine re-implemented."""
+    the original repo's heads when medusa_lm_head.pt is there), EAGLE-3 heads -> [(1, T-1, V)]
+    (tests/eagle3_engines.py). None: no engine re-implemented."""
     arch = json.loads((folder / "config.json").read_text())["architectures"][0]
     with torch.no_grad():
         if arch in ("LlamaForCausalLM", "LlamaForCausalLMEagle", "EagleSpeculator"):
             return [eagle1_engine_logits(folder, target, b)]
+        if arch in ("LlamaForCausalLMEagle3", "Eagle3Speculator"):  # first draft step
+            return [first_step_logits(folder, target, b.input_ids[0])]
         if arch == "MedusaModel":
             out = medusa_vllm_logits(folder, b.features)
             if (folder / "medusa_lm_head.pt").is_file():

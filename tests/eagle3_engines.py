@@ -1,0 +1,129 @@
+"""EAGLE-3 draft models as the serving engines compute them, rebuilt from exported files only
+(drafters/eagle3.py names the sources and versions read): SGLang / vLLM llama_eagle3.py (midlayer,
+fused residual-add norms, the prenorm state fed back) and speculators 0.9.0 Eagle3DraftModel
+(layers.0 + HF Llama layers, EAGLE-3.1 norms). Used by tests/test_eagle3.py (every engine option,
+training-time-test steps) and tests/test_export.py (every registered eagle3 layout)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+
+def _rms(x, w, eps):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _attention(x, W, pre, c, pos):
+    """Causal GQA attention the engines' way: one stacked qkv projection, neox RoPE."""
+    nh, nkv, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    qkv = x @ torch.cat([W[pre + f"self_attn.{n}_proj.weight"] for n in "qkv"]).T  # stacked
+    q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+    inv = 1.0 / c["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd)
+    ang = pos[:, None].float() * inv[None]  # (T, hd/2)
+    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+
+    def rope(t):  # (T, n, hd)
+        rot = torch.cat([-t[..., hd // 2:], t[..., :hd // 2]], -1)
+        return t * cos[:, None] + rot * sin[:, None]
+
+    T = x.shape[0]
+    q, k = rope(q.view(T, nh, hd)), rope(k.view(T, nkv, hd))
+    k, v = k.repeat_interleave(nh // nkv, 1), v.view(T, nkv, hd).repeat_interleave(nh // nkv, 1)
+    s = torch.einsum("qhd,khd->hqk", q, k) / hd ** 0.5
+    s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    o = torch.einsum("hqk,khd->qhd", s.softmax(-1), v).reshape(T, nh * hd)
+    return o @ W[pre + "self_attn.o_proj.weight"].T
+
+
+def _mlp(x, W, pre):
+    gate_up = x @ torch.cat([W[pre + "mlp.gate_proj.weight"], W[pre + "mlp.up_proj.weight"]]).T
+    g, u = gate_up.chunk(2, -1)
+    return (torch.nn.functional.silu(g) * u) @ W[pre + "mlp.down_proj.weight"].T
+
+
+def engine_forward(engine, config, W, emb, hidden, pos):
+    """The draft model of `engine` on one sequence: emb (T, H) target embeddings, hidden (T, H)
+    fused or recurrent states -> (logits over the draft vocab (T, Vd), state fed back (T, H)).
+    SGLang / vLLM llama_eagle3.py: midlayer with fused residual-add norms, prenorm state fed back;
+    speculators Eagle3DraftModel: layers.0 (LlamaDecoderEagle3FirstLayer) + HF Llama layers."""
+    c = config.get("transformer_layer_config", config)
+    eps = c["rms_norm_eps"]
+    nbr = bool(config.get("norm_before_residual", False)) and engine != "sglang"  # SGLang: never
+    first = "layers.0." if engine == "speculators" else "midlayer."
+    normed = _rms(hidden, W[first + "hidden_norm.weight"], eps)
+    residual = normed if nbr else hidden
+    x = torch.cat([_rms(emb, W[first + "input_layernorm.weight"], eps), normed], -1)  # (T, 2H)
+    h = _attention(x, W, first, c, pos)
+    for i in range(c["num_hidden_layers"]):
+        pre = first if i == 0 else f"layers.{i}."
+        if i > 0:  # vLLM: input_layernorm(h, residual) = add, then norm
+            residual = h + residual
+            h = _attention(_rms(residual, W[pre + "input_layernorm.weight"], eps), W, pre, c, pos)
+        residual = h + residual  # post_attention_layernorm(h, residual)
+        h = _mlp(_rms(residual, W[pre + "post_attention_layernorm.weight"], eps), W, pre)
+    prenorm = h + residual  # norm(h, residual) -> (normed, prenorm)
+    normed = _rms(prenorm, W["norm.weight"], eps)
+    back = normed if config.get("norm_output") else prenorm  # speculators 0.9: EAGLE-3.1 option
+    return normed @ W["lm_head.weight"].T, back
+
+
+def engine_capture(engine, config, target, ids):
+    """Target features as the engine captures them from ITS ids: vLLM / speculators take the input
+    of layer id (hidden_states[id]); SGLang sets layers_to_capture = id + 1 (the output of id)."""
+    ids_key = "eagle_aux_hidden_state_layer_ids"
+    ids_ = config["eagle_config"][ids_key] if engine == "sglang" else config[ids_key]
+    hs = target.model(ids[None], output_hidden_states=True).hidden_states
+    return torch.cat([hs[i + 1 if engine == "sglang" else i][0] for i in ids_], -1)  # (T, 3H)
+
+
+def fused_features(engine, config, W, target, ids):
+    """fc (after speculators' optional norms) over the 3H-wide states the engine captures (T, H)."""
+    feats = engine_capture(engine, config, target, ids)
+    eps = config.get("transformer_layer_config", config)["rms_norm_eps"]
+    if "input_norm.weight" in W:  # speculators norm_before_fc: one norm over the 3H
+        feats = _rms(feats, W["input_norm.weight"], eps)
+    if "fc_norm.0.weight" in W:  # speculators fc_norm (EAGLE-3.1): a norm per aux layer
+        feats = torch.cat([_rms(f, W[f"fc_norm.{i}.weight"], eps)
+                           for i, f in enumerate(feats.chunk(3, -1))], -1)
+    return feats @ W["fc.weight"].T  # (T, H)
+
+
+def engine_chain(engine, config, W, target, ids, t, steps):
+    """Draft logits (steps, Vd) after anchor t, each step fed the true token and the state the
+    previous step fed back; recomputed over the whole sequence (a KV cache holds the same keys)."""
+    hidden = fused_features(engine, config, W, target, ids[:t + 1])  # (t+1, H)
+    toks, out = ids[1:t + 2], []
+    for j in range(steps):
+        emb = target.embed_tokens()(toks)
+        logits, back = engine_forward(engine, config, W, emb, hidden, torch.arange(len(toks)))
+        out.append(logits[-1])
+        toks = torch.cat([toks, ids[t + 2 + j:t + 3 + j]])
+        hidden = torch.cat([hidden, back[-1:]])
+    return torch.stack(out)
+
+
+def engine_name(config: dict) -> str:
+    """Which engine reads an EAGLE-3 config.json, told from its keys as each loader expects them."""
+    if "speculators_model_type" in config:
+        return "speculators"
+    return "sglang" if "eagle_config" in config else "vllm"
+
+
+def first_step_logits(folder: Path, target, ids: torch.Tensor) -> torch.Tensor:
+    """The engine's first draft step at every anchor of ids (T,) from the exported files only,
+    mapped to the target vocabulary as the engines do (hot-token ids = i + d2t[i], -inf
+    elsewhere): (1, T-1, V)."""
+    config = json.loads((folder / "config.json").read_text())
+    W = load_file(str(folder / "model.safetensors"))
+    engine, T = engine_name(config), ids.shape[0]
+    hidden = fused_features(engine, config, W, target, ids[:-1])  # (T-1, H)
+    emb = target.embed_tokens()(ids[1:])  # (T-1, H)
+    logits, _ = engine_forward(engine, config, W, emb, hidden, torch.arange(T - 1))  # (T-1, Vd)
+    V = target.vocab_size
+    cols = torch.arange(len(W["d2t"])) + W["d2t"] if "d2t" in W else torch.arange(V)
+    full = logits.new_full((T - 1, V), float("-inf"))
+    full[:, cols] = logits
+    return full[None]

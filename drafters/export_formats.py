@@ -45,7 +45,9 @@ def llama_layer_config(llama_config, target, dtype: str) -> dict[str, Any]:
     out["rope_scaling"] = (None if rope.get("rope_type", "default") == "default"
                            else {k: v for k, v in rope.items() if k != "rope_theta"})
     tc = target.config
-    out.update(model_type="llama", tie_word_embeddings=bool(getattr(tc, "tie_word_embeddings", False)),
+    # a draft owns neither the embedding nor the head it would tie: SGLang's set_embed_and_head
+    # fails on tie_word_embeddings=true (copied from a tied target such as SmolLM2)
+    out.update(model_type="llama", tie_word_embeddings=False,
                bos_token_id=getattr(tc, "bos_token_id", None), eos_token_id=getattr(tc, "eos_token_id", None),
                pad_token_id=getattr(tc, "pad_token_id", None), torch_dtype=dtype, dtype=dtype)
     return out

@@ -33,7 +33,7 @@ DRAFTER="${DRAFTER:-eagle3}"
 TRAIN_STEPS="${TRAIN_STEPS:-1000}"      # optimizer steps (~0.25 s each estimated on an H200)
 BATCH="${BATCH:-32}"                    # conversations per step (the CPU recipe uses 4)
 EVAL_EVERY="${EVAL_EVERY:-200}"         # held-out sim-tau eval + checkpoint every N steps
-TRAIN_TIMEOUT_S="${TRAIN_TIMEOUT_S:-330}"  # wall-clock guard of the training job (load + data + steps)
+TRAIN_TIMEOUT_S="${TRAIN_TIMEOUT_S:-330}"  # wall-clock guard of the train job (load, data, steps)
 EVAL_LIMIT="${EVAL_LIMIT:-80}"          # MT-bench prompts (first turns)
 MAX_NEW_TOKENS="${MAX_NEW_TOKENS:-256}"
 TREE_PLAIN="${TREE_PLAIN:-false}"       # true: the tree run decodes plainly too (own speedup + check)
@@ -55,7 +55,10 @@ if [ ! -f "conf/drafter/$DRAFTER.yaml" ]; then
         exit 2
     fi
 fi
-case "$PHASE" in all|train|decode) ;; *) echo "gpu_bench: error: PHASE=$PHASE (all|train|decode)" >&2; exit 2;; esac
+case "$PHASE" in
+    all|train|decode) ;;
+    *) echo "gpu_bench: error: PHASE=$PHASE; choose all, train or decode" >&2; exit 2;;
+esac
 
 train_cmd=(python -m train "drafter=$DRAFTER" "target.device=$DEVICE" trainer=default
     data.max_conversations=null data.num_proc=8 trainer.features=online
@@ -137,9 +140,10 @@ for mode, s in runs.items():
     base = own or plain
     speed = s["spec_tokens_per_s"] / base if base else float("nan")
     acc = " / ".join(f"{a:.2f}" for a in s["spec_accept_cond"])
+    check = s.get("lossless_check", s.get("outputs_identical_to_plain", "n/a"))
     lines.append(f"| {mode} | {s['tau']:.3f} | {s['tau_draft']:.3f} | {acc} | "
                  f"{s['spec_tokens_per_s']:.1f} | {base or float('nan'):.1f}"
-                 f"{'' if own else ' (chain run)'} | {speed:.2f}x | {s.get('lossless_check', 'n/a')} |")
+                 f"{'' if own else ' (chain run)'} | {speed:.2f}x | {check} |")
 evals = [json.loads(line) for line in (work / "train" / "metrics.jsonl").open()
          if "eval/sim_tau" in line]
 if evals:

@@ -5,6 +5,7 @@ import os
 import re
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -103,3 +104,120 @@ def test_submitit_launcher_config_for_sweeps():
     assert (launcher.tasks_per_node, launcher.gpus_per_node) == (8, 8)  # one task per GPU
     assert launcher.nodes == 1 and launcher.timeout_min == 1440
     assert cfg.trainer.backend == "deepspeed"
+
+
+# -- launch/gpu_bench.sh: the prepared one-GPU benchmark ------------------------------------------
+GPU_BENCH = ROOT / "launch" / "gpu_bench.sh"
+
+
+def gpu_bench_commands(**env: str) -> dict[str, list[str]]:
+    """The train, chain-decode and tree-decode commands the script would run (DRY_RUN=1)."""
+    full = {**os.environ, "DRY_RUN": "1", **env}
+    out = subprocess.run(["bash", str(GPU_BENCH)], env=full, capture_output=True, text=True,
+                         timeout=30, check=True)
+    lines = [shlex.split(line) for line in out.stdout.splitlines() if line.strip()]
+    assert len(lines) == 3
+    return dict(zip(["train", "chain", "tree"], lines))
+
+
+def cfg_job(cmd: list[str]) -> dict:
+    """Compose a `python -m train|decode ...` command line with --cfg job (no work done): CUDA
+    settings compose on a CPU machine, since only the run would need the device."""
+    import yaml
+
+    assert cmd[:2] == ["python", "-m"] and cmd[2] in ("train", "decode")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout, not an installed copy
+    out = subprocess.run([sys.executable, "-m", cmd[2], "--cfg", "job", *cmd[3:]], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return yaml.safe_load(out.stdout)
+
+
+def compose_decode(overrides: list[str]):
+    from decode.config import DecodeConfig, store_schemas
+
+    store_schemas("decode_schema", DecodeConfig)
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="decode", overrides=overrides)
+
+
+def test_gpu_bench_commands_compose():
+    subprocess.run(["bash", "-n", str(GPU_BENCH)], check=True)
+    cmds = gpu_bench_commands()
+    drafter = "eagle3" if (ROOT / "conf" / "drafter" / "eagle3.yaml").is_file() else "eagle"
+    train = cfg_job(cmds["train"])
+    assert train["drafter"]["name"] == drafter and train["target"]["device"] == "cuda"
+    assert train["target"]["path"] == "packaged:smollm2" and train["data"]["kind"] == "sharegpt"
+    assert train["data"]["max_conversations"] is None  # the whole packaged ShareGPT
+    assert train["data"]["max_length"] == 1024 and train["trainer"]["precision"] == "bf16"
+    t = train["trainer"]
+    assert t["features"] == "online" and t["batch_size"] == 32 and t["max_steps"] == 1000
+    assert t["final_eval"] is None and t["lr"] == 1e-3  # the default recipe's lr
+    for mode, tree, plain in (("chain", False, True), ("tree", True, False)):
+        dec = cfg_job(cmds[mode])
+        assert dec["ckpt"] == train["run_dir"] and dec["drafter"]["name"] == drafter
+        assert dec["target"]["device"] == "cuda" and dec["eval"]["kind"] == "mtbench"
+        assert (dec["eval"]["limit"], dec["eval"]["turns"], dec["max_new_tokens"]) == (80, 1, 256)
+        assert (dec["temperature"], dec["k"]) == (0.0, 5)
+        assert (dec["tree"], dec["compare_plain"]) == (tree, plain)
+        assert dec["run_dir"] != train["run_dir"]
+    # knobs reach the command lines, extra overrides go last (they win)
+    cmds = gpu_bench_commands(DRAFTER="eagle", TRAIN_STEPS="77", BATCH="8", EVAL_LIMIT="40",
+                              WORK="/tmp/gb", TREE_PLAIN="true",
+                              TRAIN_EXTRA="trainer.lr=5e-4 seed=3", DECODE_EXTRA="eval.turns=2")
+    train = compose_job(cmds["train"][3:])  # in-process Hydra: the same composition, faster
+    assert (train.trainer.max_steps, train.trainer.batch_size) == (77, 8)
+    assert train.trainer.lr == 5e-4 and train.seed == 3 and train.run_dir == "/tmp/gb/train"
+    tree = compose_decode(cmds["tree"][3:])
+    assert tree.eval.limit == 40 and tree.eval.turns == 2 and tree.compare_plain is True
+    assert tree.drafter.name == "eagle" and tree.ckpt == "/tmp/gb/train"
+
+
+def test_gpu_bench_drafter_fallback_and_bad_settings(tmp_path):
+    """DRAFTER=eagle3 falls back to eagle where conf/drafter/eagle3.yaml is absent (a copy of the
+    script in a tree without it); an unknown drafter or phase stops with exit 2 and the choices."""
+    (tmp_path / "launch").mkdir()
+    (tmp_path / "conf" / "drafter").mkdir(parents=True)
+    (tmp_path / "conf" / "drafter" / "eagle.yaml").write_text("")
+    (tmp_path / "conf" / "drafter" / "medusa.yaml").write_text("")
+    script = tmp_path / "launch" / "gpu_bench.sh"
+    script.write_text(GPU_BENCH.read_text())
+    env = {**os.environ, "DRY_RUN": "1"}
+    out = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and "eagle3.yaml is absent" in out.stderr
+    assert all("drafter=eagle" in shlex.split(line) for line in out.stdout.splitlines())
+    bad = subprocess.run(["bash", str(script)], env={**env, "DRAFTER": "eagle9"},
+                         capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 2 and "eagle9" in bad.stderr and "medusa" in bad.stderr
+    bad = subprocess.run(["bash", str(script)], env={**env, "PHASE": "eval"},
+                         capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 2 and "PHASE=eval" in bad.stderr
+
+
+@pytest.mark.slow
+def test_gpu_bench_runs_end_to_end_on_a_tiny_target(tmp_path):
+    """The whole script on CPU with the tiny random target: train, decode chain + tree, and the
+    few small files it leaves in OUT (the device returns at most 8), the summary among them."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "DEVICE": "cpu", "SKIP_INSTALL": "1",
+           "TRAIN_EXTRA": "target=tiny data.max_conversations=40 data.eval_fraction=0.2 "
+                          "trainer.eval_conversations=2 data.num_proc=1",
+           "DECODE_EXTRA": "target=tiny", "TRAIN_STEPS": "4", "EVAL_EVERY": "2", "BATCH": "2",
+           "EVAL_LIMIT": "2", "MAX_NEW_TOKENS": "8", "WORK": str(tmp_path / "work"),
+           "OUT": str(tmp_path / "out")}
+    out = subprocess.run(["bash", str(GPU_BENCH)], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    files = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert files == ["chain_result.json", "gpu_bench.log", "summary.md", "train_config.yaml",
+                     "train_metrics.jsonl", "tree_result.json"]
+    import json
+
+    chain = json.loads((tmp_path / "out" / "chain_result.json").read_text())["summary"]
+    tree = json.loads((tmp_path / "out" / "tree_result.json").read_text())["summary"]
+    assert (chain["generations"], chain["k"], chain["tree"]) == (2, 5, False)
+    assert chain["lossless_check"] == "passed" and tree["tree"] is True
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    rows = {line.split("|")[1].strip(): line for line in summary.splitlines()
+            if line.startswith("| chain") or line.startswith("| tree")}
+    assert set(rows) == {"chain", "tree"} and f"{chain['tau']:.3f}" in rows["chain"]
+    assert "(chain run)" in rows["tree"] and "training: last held-out eval at step 4" in summary

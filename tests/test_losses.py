@@ -9,6 +9,10 @@ The running example: target p = [0.7, 0.2, 0.1], draft q = [0.4, 0.4, 0.2], m = 
   JSD      = (0.0471740 + 0.0452277) / 2                      = 0.0462009
   TV       = 1 - (min(.7,.4) + min(.2,.4) + min(.1,.2))       = 1 - 0.7 = 0.3
   hard CE  = -ln q[argmax p] = -ln 0.4                        = 0.9162907
+  alpha    = sum min(p, q) = 0.7 (the acceptance rate)
+  NLA      = -ln alpha = -ln 0.7                               = 0.3566749
+  LK hybrid: lambda = exp(-3 alpha) = exp(-2.1) = 0.1224564;
+           lambda KL(p||q) + (1 - lambda) TV = 0.1224564 * 0.1837869 + 0.8775436 * 0.3 = 0.2857690
 """
 from __future__ import annotations
 
@@ -18,12 +22,14 @@ import pytest
 import torch
 
 from drafters.base import DraftPrediction, TrainBatch
-from train.losses import DIVERGENCES, distill_loss, feature_loss, get_divergence, greedy_accept
+from train.losses import (DIVERGENCES, distill_loss, feature_loss, forward_kl, get_divergence,
+                          greedy_accept, lk_hybrid, nla, tv)
 
 P = torch.tensor([[0.7, 0.2, 0.1]])
 Q = torch.tensor([[0.4, 0.4, 0.2]])
 EXPECTED = {"forward_kl": 0.1837869, "reverse_kl": 0.1920420, "jsd": 0.0462009, "tv": 0.3,
-            "hard_ce": 0.9162907}
+            "hard_ce": 0.9162907, "nla": 0.3566749, "lk_hybrid": 0.2857690}
+ACCEPTANCE_AIMED = ["tv", "nla", "lk_hybrid"]
 
 
 def test_registry_is_complete():
@@ -172,3 +178,98 @@ def test_pruned_vocab_in_distill_loss():
     full = distill_loss([DraftPrediction(other, shift=1)], batch, "jsd", d2t=d2t)[0]
     batch.target_logits = batch.target_logits[..., d2t]
     assert distill_loss([DraftPrediction(other, shift=1)], batch, "jsd")[0].item() == pytest.approx(full.item())
+
+
+# -- acceptance-aimed losses (tv, nla, lk_hybrid) ------------------------------------------------
+def overlap(draft_logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+    """(N,) acceptance rate sum min(p, q), computed directly from the softmaxes."""
+    return torch.minimum(draft_logits.softmax(-1), target_logits.softmax(-1)).sum(-1)
+
+
+def random_rows(n=64, v=8, scale=2.0, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return scale * torch.randn(n, v, generator=g), scale * torch.randn(n, v, generator=g)
+
+
+def grad_of(fn, draft, target, **kw):
+    z = draft.clone().requires_grad_(True)
+    fn(z, target, **kw).sum().backward()
+    return z.grad  # (N, V)
+
+
+@pytest.mark.parametrize("name", ACCEPTANCE_AIMED)
+def test_zero_only_at_the_target_and_minimal_there(name):
+    div = get_divergence(name)
+    draft, target = random_rows()
+    assert div(target, target).abs().max().item() < 1e-6  # q = p: zero on every row
+    assert div(target + 3.7, target).abs().max().item() < 1e-6  # a logit shift is the same q
+    assert (div(draft, target) > 1e-3).all()  # any other q: strictly positive
+    g = torch.Generator().manual_seed(2)
+    for _ in range(5):  # small moves away from q = p only raise the loss
+        nudged = target + 0.05 * torch.randn(target.shape, generator=g)
+        assert (div(nudged, target) > 0).all()
+
+
+@pytest.mark.parametrize("name", ACCEPTANCE_AIMED)
+def test_a_gradient_step_raises_the_acceptance(name):
+    draft, target = random_rows()
+    before = overlap(draft, target)
+    stepped = draft - 0.05 * grad_of(get_divergence(name), draft, target)
+    gain = overlap(stepped, target) - before  # (N,)
+    assert (gain > 0).all(), f"{name}: {int((gain <= 0).sum())} rows lost acceptance"
+
+
+def test_nla_gradient_is_tv_gradient_over_alpha():
+    """d(-log alpha) = d(1 - alpha) / alpha: the same direction as TV, boosted where overlap is low."""
+    draft, target = random_rows()
+    alpha = overlap(draft, target)[:, None]  # (N, 1)
+    torch.testing.assert_close(grad_of(nla, draft, target), grad_of(tv, draft, target) / alpha,
+                               rtol=1e-4, atol=1e-7)
+
+
+def test_nla_trains_from_a_cold_start_where_tv_stalls():
+    """Draft mass far from the target's mode (alpha ~ 0.02): TV's step barely moves the acceptance,
+    NLA's (1 / alpha) larger one does."""
+    target = torch.tensor([[6.0, 0.0, 0.0, 0.0, 0.0]])  # p ~ [0.97, ...]
+    draft = torch.tensor([[0.0, 6.0, 6.0, 0.0, 0.0]])  # q on tokens 1, 2
+    alpha = overlap(draft, target).item()
+    assert alpha < 0.05
+    gains = {}
+    for fn in (tv, nla):
+        stepped = draft - 0.5 * grad_of(fn, draft, target)
+        gains[fn.__name__] = overlap(stepped, target).item() - alpha
+    assert 0 < gains["tv"] < 0.01 and gains["nla"] > 5 * gains["tv"]
+
+
+def test_lk_hybrid_blends_kl_and_tv_with_a_constant_weight():
+    draft, target = random_rows()
+    alpha = overlap(draft, target)  # (N,)
+    # eta = 0: lambda = 1, pure KL; eta huge: lambda = 0, pure TV (values and gradients)
+    torch.testing.assert_close(lk_hybrid(draft, target, eta=0.0), forward_kl(draft, target))
+    torch.testing.assert_close(lk_hybrid(draft, target, eta=1e4), tv(draft, target))
+    # the default eta = 3: value and gradient are the lambda-blend with lambda held constant
+    lam = torch.exp(-3.0 * alpha)  # (N,)
+    torch.testing.assert_close(lk_hybrid(draft, target),
+                               lam * forward_kl(draft, target) + (1 - lam) * tv(draft, target))
+    blended = (lam[:, None] * grad_of(forward_kl, draft, target)
+               + (1 - lam[:, None]) * grad_of(tv, draft, target))
+    torch.testing.assert_close(grad_of(lk_hybrid, draft, target), blended, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ACCEPTANCE_AIMED)
+def test_acceptance_losses_on_a_pruned_vocab(name):
+    """d2t restricts the target to the draft ids and renormalises, as for the other losses: the
+    draft equal to the restricted target scores 0, the wrong id map does not, and logits already
+    restricted with d2t=None give the same loss."""
+    batch = make_batch()
+    d2t = torch.tensor([0, 2, 4])
+    exact = torch.cat([batch.target_logits[:, 1:, d2t], torch.zeros(2, 1, 3)], dim=1)  # (B, T, Vd)
+    assert distill_loss([DraftPrediction(exact, shift=1)], batch, name, d2t=d2t)[0].item() \
+        == pytest.approx(0.0, abs=1e-6)
+    assert distill_loss([DraftPrediction(exact, shift=1)], batch, name,
+                        d2t=torch.tensor([0, 1, 4]))[0].item() > 1e-3
+    other = torch.randn(2, 6, 3)
+    full = distill_loss([DraftPrediction(other, shift=1)], batch, name, d2t=d2t)[0]
+    batch.target_logits = batch.target_logits[..., d2t]
+    assert distill_loss([DraftPrediction(other, shift=1)], batch, name)[0].item() \
+        == pytest.approx(full.item(), rel=1e-6)

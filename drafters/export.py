@@ -237,6 +237,7 @@ def export_drafter(drafter: Drafter, drafter_cfg, target, fmt: str, out, *, dtyp
     cls, layout = layout_for(fmt, dcfg)
     if out.exists() and not overwrite:
         raise ExportError(f"{out} exists; pass overwrite=true or another out=")
+    _check_replaceable(out)
     meta = {"format": fmt, "drafter": dcfg, "target": target_meta(target), "base_model": base_model,
             "speculative_tokens": speculative_tokens, "specdistill_version": VERSION}
     ctx = ExportContext(target, dcfg, dtype, meta, speculative_tokens)
@@ -253,5 +254,27 @@ def export_drafter(drafter: Drafter, drafter_cfg, target, fmt: str, out, *, dtyp
         (tmp / "README.md").write_text(model_card(layout, cls, meta, facts, result["parity"],
                                                   files, license))  # 4
 
-    write_folder(out, fill)
+    try:
+        write_folder(out, fill)
+    except OSError as e:  # the staging folder sits next to out: name out, not the temp folder
+        raise ExportError(f"cannot write the export to out={out}: {e.strerror} ({e.filename}); "
+                          f"pick a writable out=") from e
     return result
+
+
+def _check_replaceable(out: Path) -> None:
+    """overwrite=true replaces an earlier export of ours (its config.json says specdistill) or an
+    empty folder; a folder holding anything else is refused, so no unrelated file is deleted."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ExportError(f"out={out} is a file, not a folder; pick another out=")
+    try:
+        ours = "specdistill" in json.loads((out / "config.json").read_text())
+    except (OSError, ValueError):
+        ours = False
+    if any(out.iterdir()) and not ours:
+        names = sorted(f.name for f in out.iterdir())[:5]
+        raise ExportError(f"out={out} holds files that are not a specdistill export ({', '.join(names)}"
+                          f"{', ...' if len(names) == 5 else ''}); overwrite=true replaces only an "
+                          f"earlier export: pick another out= or empty the folder")

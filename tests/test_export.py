@@ -443,6 +443,9 @@ def test_module_cli_runs(tmp_path, tiny_run):
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "exported" in done.stdout and sorted(p.name for p in tmp_path.iterdir()) == ["spec"]
+    again = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 2 and "Traceback" not in again.stderr  # one clear line, exit 2
+    assert f"python -m train.export: error: {tmp_path / 'spec'} exists; pass overwrite=true" in again.stderr
     cfg = OmegaConf.merge(OmegaConf.structured(ExportConfig),
                           {"run": str(tiny_run), "format": "eagle3", "out": str(tmp_path / "e3")})
     with pytest.raises(ExportError, match="unknown format 'eagle3'"):  # refused before any loading
@@ -461,3 +464,19 @@ def test_drafters_never_import_train_or_decode():
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             bad = [n for n in names if n.split(".")[0] in ("train", "decode")]
             assert not bad, f"{path.name} imports {bad}"
+
+
+def test_overwrite_replaces_only_an_earlier_export(tmp_path, target):
+    """Fault report cases 13-14: overwrite=true never deletes unrelated files, and an unwritable
+    out= is named as out=, not as a temporary folder."""
+    src, cfg = trained(target, {"name": "eagle", "draft_vocab_size": None, "input_norm": False})
+    out = export_drafter(src, cfg, target, "vllm", tmp_path / "e")["path"]
+    export_drafter(src, cfg, target, "vllm", out, overwrite=True)  # an earlier export: replaced
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    with pytest.raises(ExportError, match=r"not a specdistill export \(notes.txt\)"):
+        export_drafter(src, cfg, target, "vllm", mine, overwrite=True)
+    assert (mine / "notes.txt").read_text() == "keep me"
+    with pytest.raises(ExportError, match=r"cannot write the export to out=/proc/specdistill-x"):
+        export_drafter(src, cfg, target, "vllm", "/proc/specdistill-x/e")

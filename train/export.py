@@ -19,7 +19,6 @@ in train/ because it reads run dirs and needs decode/, which drafters/ never imp
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -200,10 +199,13 @@ def main() -> None:
 
     @hydra.main(config_path="../conf", config_name="export", version_base="1.3")
     def _run(cfg) -> None:
-        try:
-            run_export(cfg)
-        except (ExportError, PushError) as e:
-            sys.exit(f"error: {e}")
+        from drafters.cli import user_errors
+
+        with user_errors("python -m train.export"):  # ExportError is a ValueError
+            try:
+                run_export(cfg)
+            except PushError as e:
+                raise ValueError(str(e)) from e
 
     _run()
 

@@ -21,7 +21,10 @@ token t+j+1 (DraftPrediction shift=j), weighted `loss_weights[j-1]` (default ttt
 
 Proposals are per-position argmax / samples (Drafter.draft_chain over the k precomputed logits),
 returning the q each token was sampled from (lossless speculative sampling); the adaptive length
-cuts the chain where a position's confidence falls below min_confidence. No tree yet.
+cuts the chain where a position's confidence falls below min_confidence. Trees (greedy) come
+from the same single forward: EAGLE-2's dynamic tree over the per-position distributions (a node
+at depth d expands with position d's top-k, whatever its ancestors), scored by cumulative
+log-probability.
 
 Sources read (2026-12-01): vLLM @main (vllm/v1/spec_decode/llm_base_proposer.py,
 get_parallel_drafting_token_id: mask token id read from the draft config's `mask_token_id`, then
@@ -37,10 +40,12 @@ from typing import Optional
 import torch
 from torch import nn
 
-from drafters.base import ChainProposal, DecodeState, DraftPrediction, Drafter, TrainBatch, register
+from drafters.base import (ChainProposal, DecodeState, DraftPrediction, TrainBatch, TreeProposal,
+                           register)
 from drafters.eagle import additive_mask
 from drafters.eagle3 import Eagle3, Eagle3Config, ttt_attention
 from drafters.sampling import SamplingParams
+from drafters.tree import dynamic_tree
 
 
 @dataclass
@@ -60,7 +65,6 @@ class Peagle(Eagle3):
     """P-EAGLE drafter: EAGLE-3's network + a learnt mask hidden state; k drafts per forward."""
 
     tags = ("peagle", "parallel-drafting")
-    propose_tree = Drafter.propose_tree  # no tree: the decoder refuses tree=true with a message
 
     def __init__(self, cfg: PeagleConfig, target) -> None:
         V = target.vocab_size
@@ -157,3 +161,20 @@ class Peagle(Eagle3):
         logits = self.draft_logits(state, k)  # (k, Vd)
         return self.draft_chain(logits[0], lambda i, token: logits[i + 1], k, sampling, generator,
                                 min_confidence)
+
+    @torch.no_grad()
+    def propose_tree(self, state: DecodeState, sampling: SamplingParams) -> TreeProposal:
+        """A draft tree from ONE forward (greedy only): EAGLE-2's dynamic tree (tree_top_k,
+        tree_depth capped at ttt_length, tree_total_tokens) where every node at depth d expands
+        with position d+1's distribution: parallel drafts do not depend on the tokens before."""
+        if not sampling.greedy:
+            raise ValueError("peagle: tree drafting supports greedy decoding only; use a chain")
+        depth = min(self.cfg.tree_depth, self.cfg.ttt_length)
+        logp = self.draft_logits(state, depth).log_softmax(-1)  # (D, Vd)
+
+        def expand(tokens: torch.Tensor, parents: torch.Tensor, frontier: torch.Tensor):
+            d = TreeProposal(tokens, parents).depths()[frontier]  # (F,) 1 = child of the root
+            return logp[d]  # (F, Vd): the next position's distribution
+
+        tree = dynamic_tree(expand, logp[0], self.cfg.tree_top_k, depth, self.cfg.tree_total_tokens)
+        return TreeProposal(tokens=self.target_ids(tree.tokens), parents=tree.parents)

@@ -1,6 +1,6 @@
 """P-EAGLE (drafters/peagle.py) on tiny random targets: shapes and options, training logits equal
 the decode-time single forward's (mask positions included, padded row and a cache carried over
-rounds), adaptive length and the tree refusal, greedy losslessness with a briefly trained drafter,
+rounds), adaptive length, the tree from per-position top-k, greedy losslessness with a briefly trained drafter,
 sampling losslessness (chi-square with a wrong-rule control), and a short run of the real recipe."""
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def make_batch(target, drafter, B=2, T=14, seed=0) -> TrainBatch:
 # -- the network ----------------------------------------------------------------------------------
 def test_shapes_weights_and_bad_settings(target):
     d = make(target, ttt_length=4, draft_vocab_size=48, loss_weights=[1.0, 0.5, 0.5, 0.25])
-    assert d.feature_layers == (2, 4, 5) and d.mask_token_id == V - 1 and not d.supports_tree
+    assert d.feature_layers == (2, 4, 5) and d.mask_token_id == V - 1 and d.supports_tree
     preds = d.forward_train(make_batch(target, d))
     assert [p.shift for p in preds] == [1, 2, 3, 4]
     assert [p.weight for p in preds] == [1.0, 0.5, 0.5, 0.25]
@@ -101,7 +101,7 @@ def test_training_logits_equal_the_decode_forward(target, cfg):
                                            atol=1e-4, rtol=1e-4)
 
 
-def test_propose_caps_k_cuts_on_confidence_and_refuses_trees(target):
+def test_propose_caps_k_and_cuts_on_confidence(target):
     d = make(target, ttt_length=4)
     batch = make_batch(target, d)
     state = DecodeState(batch.input_ids[0, :8], batch.features[0, :7])
@@ -118,8 +118,29 @@ def test_propose_caps_k_cuts_on_confidence_and_refuses_trees(target):
     sp = SamplingParams(temperature=1.0)
     sampled = d.propose(state, 4, sp, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(sampled.probs, warp(probs.log(), sp))  # q per position, (4, V)
-    with pytest.raises(ValueError, match="does not propose trees"):
-        generate(target, d, batch.input_ids[0, :5], max_new_tokens=4, tree=True)
+
+
+def test_tree_comes_from_the_per_position_distributions(target):
+    """Every node at depth d holds one of position d's top-k tokens; the argmax chain is a path;
+    the size is tree_total_tokens; sampling is refused."""
+    d = make(target, ttt_length=4, tree_top_k=3, tree_depth=6, tree_total_tokens=10)
+    batch = make_batch(target, d)
+    state = DecodeState(batch.input_ids[0, :8], batch.features[0, :7])
+    d.reset()
+    top = d.draft_logits(state, 4).topk(3, dim=-1).indices  # (4, 3)
+    tree = d.propose_tree(state, SamplingParams())
+    depth = tree.depths()
+    assert len(tree.tokens) == 10 and int(depth.max()) <= 4  # depth capped at ttt_length
+    for tok, dep in zip(tree.tokens.tolist(), depth.tolist()):
+        assert tok in top[dep - 1].tolist()
+    node = -1
+    for dep in range(int(depth.max())):  # the chain of argmaxes is a path from the root
+        kids = [i for i in range(len(tree.tokens)) if int(tree.parents[i]) == node
+                and int(tree.tokens[i]) == int(top[dep, 0])]
+        assert len(kids) == 1
+        node = kids[0]
+    with pytest.raises(ValueError, match="greedy"):
+        d.propose_tree(state, SamplingParams(temperature=1.0))
 
 
 # -- losslessness -----------------------------------------------------------------------------------
@@ -143,14 +164,20 @@ def teach(tgt, vocab, steps=60, **cfg) -> Peagle:
     return d
 
 
-def test_greedy_decoding_is_lossless():
+@pytest.fixture(scope="module")
+def taught():
     tgt = make_target(vocab=64, seed=3, init=0.2)
-    d = teach(tgt, 64, ttt_length=4)
+    return tgt, teach(tgt, 64, ttt_length=4)
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_greedy_decoding_is_lossless(taught, tree):
+    tgt, d = taught
     accepted = 0
     for seed in range(4):
         prompt = torch.randint(0, 64, (6,), generator=torch.Generator().manual_seed(100 + seed))
         plain = generate(tgt, None, prompt, max_new_tokens=30)
-        spec = generate(tgt, d, prompt, max_new_tokens=30, k=4)
+        spec = generate(tgt, d, prompt, max_new_tokens=30, k=4, tree=tree)
         assert spec.tokens.tolist() == plain.tokens.tolist()
         accepted += sum(spec.accepted)
     assert accepted > 10  # the drafter was right often enough for acceptance to be exercised

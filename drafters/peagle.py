@@ -2,8 +2,9 @@
 
 EAGLE-3 drafts k tokens with k drafter steps, each reading the previous step's output. P-EAGLE
 replaces steps 2..k by k-1 *mask positions* appended after the last real position and run in the
-same forward: a mask position reads a learnt `mask_hidden` (H,) in place of the fused target
-feature and the embedding of `mask_token_id` in place of a token, so its input does not depend on
+same forward: a mask position reads a learnt `mask_hidden` (3H,) in place of the concatenated
+aux-layer target features (fused by the same fc, as vLLM does) and the embedding of
+`mask_token_id` in place of a token, so its input does not depend on
 the drafts before it, and all k draft distributions come out of one forward:
 
     query = [real positions (token t+1, fused feature t) ...; mask_1 .. mask_{k-1}]   causal
@@ -26,10 +27,11 @@ from the same single forward: EAGLE-2's dynamic tree over the per-position distr
 at depth d expands with position d's top-k, whatever its ancestors), scored by cumulative
 log-probability.
 
-Sources read (2026-12-01): vLLM @main (vllm/v1/spec_decode/llm_base_proposer.py,
-get_parallel_drafting_token_id: mask token id read from the draft config's `mask_token_id`, then
-`pard_token` / `ptd_token_id`; parallel drafting queries = [bonus token; mask tokens]) and the
-speculators repository listing. Engine export layouts are NOT registered yet (unverified): this
+Sources read (2026-12-01): vLLM model_executor/models/llama_eagle3.py @00bd1493 (with
+speculative_config.parallel_drafting: a `mask_hidden` buffer (1, 3H) loaded from the checkpoint,
+projected by combine_hidden_states = fc like the real aux states) and vLLM's
+get_parallel_drafting_token_id (the mask token id from the draft config's `mask_token_id`, else
+`pard_token` / `ptd_token_id`; queries = [last token; masks] at consecutive positions). Engine export layouts are NOT registered yet (unverified): this
 drafter exports as `hf` only.
 """
 from __future__ import annotations
@@ -78,15 +80,16 @@ class Peagle(Eagle3):
         super().__init__(cfg, target)  # EAGLE-3's network, head, device, cache
         self.mask_token_id = mask_id
         g = torch.Generator().manual_seed(0)  # a small fixed start; trained with the rest
-        self.mask_hidden = nn.Parameter(  # (H,) stands in for the fused feature at mask positions
-            (0.02 * torch.randn(target.hidden_size, generator=g)).to(self.fc.weight.device))
+        self.mask_hidden = nn.Parameter(  # (3H,) stands in for the aux-layer features; fused by fc
+            (0.02 * torch.randn(3 * target.hidden_size, generator=g)).to(self.fc.weight.device))
 
     def _mask_inputs(self, B: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The inputs of n mask positions per row: (embedding, hidden), each (B, n, H)."""
         dtype = self.fc.weight.dtype
         tok = torch.full((1, 1), self.mask_token_id, device=self.mask_hidden.device)
         emb = self.target.embed_tokens()(tok).to(dtype)  # (1, 1, H), frozen
-        return emb.expand(B, n, -1), self.mask_hidden.to(dtype).expand(B, n, -1)
+        h = self.fuse(self.mask_hidden.view(1, 1, -1))  # (1, 1, H): fused like real features
+        return emb.expand(B, n, -1), h.expand(B, n, -1)
 
     def _weight(self, j: int) -> float:
         w = self.cfg.loss_weights

@@ -66,7 +66,7 @@ def test_shapes_weights_and_bad_settings(target):
     assert [p.weight for p in preds] == [1.0, 0.5, 0.5, 0.25]
     assert all(p.logits.shape == (2, 14, 48) for p in preds)
     s = d.state_dict()
-    assert s["mask_hidden"].shape == (H,) and s["fc.weight"].shape == (H, 3 * H)
+    assert s["mask_hidden"].shape == (3 * H,) and s["fc.weight"].shape == (H, 3 * H)
     assert s["layers.0.self_attn.q_proj.weight"].shape == (H, 2 * H)  # EAGLE-3's midlayer
     decay = build_drafter({"name": "peagle", "ttt_length": 3, "mask_token_id": 5}, target)
     assert decay.mask_token_id == 5
@@ -144,14 +144,14 @@ def test_tree_comes_from_the_per_position_distributions(target):
 
 
 # -- losslessness -----------------------------------------------------------------------------------
-def teach(tgt, vocab, steps=60, **cfg) -> Peagle:
+def teach(tgt, vocab, steps=60, n=8, **cfg) -> Peagle:
     """A peagle drafter trained briefly on the target's own greedy text, so that decoding accepts
     drafts (a random drafter would be trivially lossless)."""
     torch.manual_seed(0)
     d = build_drafter({"name": "peagle", **cfg}, tgt)
-    prompts = torch.randint(0, vocab, (8, 4), generator=torch.Generator().manual_seed(1))
+    prompts = torch.randint(0, vocab, (n, 4), generator=torch.Generator().manual_seed(1))
     ids = torch.stack([generate(tgt, None, p, max_new_tokens=28).tokens for p in prompts])
-    ids = torch.cat([prompts, ids], 1)  # (8, 32)
+    ids = torch.cat([prompts, ids], 1)  # (n, 32)
     out = tgt.forward(ids, layers=d.feature_layers)
     ones = torch.ones_like(ids)
     batch = TrainBatch(ids, ones, ones, out.logits.float(), out.features.float())
@@ -167,7 +167,7 @@ def teach(tgt, vocab, steps=60, **cfg) -> Peagle:
 @pytest.fixture(scope="module")
 def taught():
     tgt = make_target(vocab=64, seed=3, init=0.2)
-    return tgt, teach(tgt, 64, ttt_length=4)
+    return tgt, teach(tgt, 64, steps=100, n=32, ttt_length=4)
 
 
 @pytest.mark.parametrize("tree", [False, True])

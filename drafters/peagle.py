@@ -31,8 +31,10 @@ Sources read (2026-12-01): vLLM model_executor/models/llama_eagle3.py @00bd1493 
 speculative_config.parallel_drafting: a `mask_hidden` buffer (1, 3H) loaded from the checkpoint,
 projected by combine_hidden_states = fc like the real aux states) and vLLM's
 get_parallel_drafting_token_id (the mask token id from the draft config's `mask_token_id`, else
-`pard_token` / `ptd_token_id`; queries = [last token; masks] at consecutive positions). Engine export layouts are NOT registered yet (unverified): this
-drafter exports as `hf` only.
+`pard_token` / `ptd_token_id`; queries = [last token; masks] at consecutive positions). Exports: `hf` (ours, lossless) and `vllm`: EAGLE-3's vLLM layout
+(drafters/eagle3.py) plus the `mask_hidden` tensor and `mask_token_id` / `parallel_drafting` in
+config.json, served with `"method": "eagle3", "parallel_drafting": true`. The speculators `peagle`
+format is not written yet (not verified against its sources).
 """
 from __future__ import annotations
 
@@ -42,10 +44,12 @@ from typing import Optional
 import torch
 from torch import nn
 
-from drafters.base import (ChainProposal, DecodeState, DraftPrediction, TrainBatch, TreeProposal,
-                           register)
+from drafters.base import (ChainProposal, DecodeState, DraftPrediction, ExportLayout, TrainBatch,
+                           TreeProposal, register)
 from drafters.eagle import additive_mask
-from drafters.eagle3 import Eagle3, Eagle3Config, ttt_attention
+from drafters.eagle3 import (Eagle3, Eagle3Config, engine_config, engine_refusal, engine_state,
+                             state_from_engine, ttt_attention)
+from drafters.export_formats import WEIGHTS, torch_dtype
 from drafters.sampling import SamplingParams
 from drafters.tree import dynamic_tree
 
@@ -62,7 +66,30 @@ class PeagleConfig(Eagle3Config):
     loss_weights: Optional[list[float]] = None
 
 
-@register("peagle", config=PeagleConfig)
+# == Export: vLLM's EAGLE-3 loader with parallel drafting (llama_eagle3.py @00bd1493): the eagle3 ==
+# == vllm layout, `mask_hidden` (3H,) loaded into its (1, 3H) buffer, the mask token id in config. ==
+def _write_vllm(drafter, state, ctx):
+    tensors = engine_state(drafter, "vllm", state, torch_dtype(ctx.dtype))  # mask_hidden kept as is
+    config = engine_config(drafter, "vllm", ctx.speculative_tokens, ctx.meta.get("base_model"),
+                           ctx.dtype)
+    config.update(parallel_drafting=True, mask_token_id=drafter.mask_token_id)
+    return {**config, **ctx.common()}, {WEIGHTS: tensors}
+
+
+def _read_vllm(files, dcfg, vocab_size):
+    return state_from_engine(files[WEIGHTS], "vllm", dcfg.get("draft_vocab_size") is not None)
+
+
+VLLM = ExportLayout(
+    format="vllm", summary="vLLM's EAGLE-3 layout with parallel drafting (LlamaForCausalLMEagle3 + "
+    "mask_hidden; mask_token_id in config.json; aux-layer ids = ours).",
+    usage="vllm serve {base} --speculative-config '{{\"method\": \"eagle3\", \"model\": "
+          "\"{path}\", \"num_speculative_tokens\": {k}, \"parallel_drafting\": true}}'",
+    write=_write_vllm, read=_read_vllm, check=lambda dcfg: engine_refusal(dcfg, "vllm"),
+    tags=("vllm", "eagle3", "peagle"))
+
+
+@register("peagle", config=PeagleConfig, layouts=(VLLM,))
 class Peagle(Eagle3):
     """P-EAGLE drafter: EAGLE-3's network + a learnt mask hidden state; k drafts per forward."""
 

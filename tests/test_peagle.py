@@ -1,7 +1,8 @@
 """P-EAGLE (drafters/peagle.py) on tiny random targets: shapes and options, training logits equal
 the decode-time single forward's (mask positions included, padded row and a cache carried over
 rounds), adaptive length, the tree from per-position top-k, greedy losslessness with a briefly trained drafter,
-sampling losslessness (chi-square with a wrong-rule control), and a short run of the real recipe."""
+sampling losslessness (chi-square with a wrong-rule control), a short run of the real recipe,
+and the vLLM parallel-drafting export against the engine's forward rebuilt from the files."""
 from __future__ import annotations
 
 import json
@@ -10,12 +11,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import decode.spec
 from decode.spec import generate
 from decode_toys import chi2_stat, make_target, wrong_rule
+from eagle3_engines import engine_forward, fused_features
 from drafters.base import DecodeState, TrainBatch, build_drafter, fit_draft_vocab
+from drafters.export import export_drafter, load_export
 from drafters.peagle import Peagle
 from drafters.sampling import SamplingParams, warp
 from drafters.target import Target
@@ -243,3 +247,40 @@ def test_recipe_trains_peagle_and_loss_goes_down(tmp_path):
     assert last < 0.7 * first, (first, last)
     step = [x for x in rows if "loss" in x][-1]  # all 3 draft positions scored
     assert {"div/s1", "div/s3"} <= set(step)
+
+
+# -- export -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cfg", [{}, {"draft_vocab_size": 48, "num_layers": 2}], ids=["full", "pruned"])
+def test_vllm_export_matches_the_engine_parallel_forward(target, cfg, tmp_path):
+    """format=vllm, then vLLM's parallel-drafting forward rebuilt from the files alone: queries
+    [real positions (target embedding of token t+1, fc(aux states t)); k-1 masks (embedding of
+    config mask_token_id, fc(mask_hidden))] at consecutive positions, causal, in ONE pass; its
+    k logits at the last real position and the masks == our training logits; our decoder reads
+    the folder back to the same drafts."""
+    d = make(target, ttt_length=4, mask_token_id=7, **cfg)
+    folder = export_drafter(d, {"name": "peagle", "ttt_length": 4, "mask_token_id": 7, **cfg},
+                            target, "vllm", tmp_path / "v", base_model="org/tiny8")["path"]
+    config = json.loads((folder / "config.json").read_text())
+    W = load_file(str(folder / "model.safetensors"))
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["parallel_drafting"]
+    assert config["mask_token_id"] == 7 and W["mask_hidden"].shape == (3 * H,)
+    assert config["eagle_aux_hidden_state_layer_ids"] == list(d.feature_layers)
+    b = make_batch(target, d, B=1)
+    ids = b.input_ids[0]
+    with torch.no_grad():
+        preds = d.forward_train(b)
+        for t in (3, 8):
+            real = fused_features("vllm", config, W, target, ids[:t + 1])  # (t+1, H)
+            masks = (W["mask_hidden"] @ W["fc.weight"].T).expand(3, -1)  # (k-1, H)
+            toks = torch.cat([ids[1:t + 2], torch.full((3,), config["mask_token_id"])])
+            logits, _ = engine_forward("vllm", config, W, target.embed_tokens()(toks),
+                                       torch.cat([real, masks]), torch.arange(t + 4))
+            for j in range(4):
+                torch.testing.assert_close(logits[t + j], preds[j].logits[0, t].float(),
+                                           atol=2e-4, rtol=1e-4)
+    back = load_export(folder, target)
+    state = DecodeState(ids[:10], b.features[0, :9])
+    for x in (d, back):
+        x.reset()
+    assert torch.equal(d.propose(state, 4, SamplingParams()).tokens,
+                       back.propose(state, 4, SamplingParams()).tokens)

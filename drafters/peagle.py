@@ -4,8 +4,8 @@ EAGLE-3 drafts k tokens with k drafter steps, each reading the previous step's o
 replaces steps 2..k by k-1 *mask positions* appended after the last real position and run in the
 same forward: a mask position reads a learnt `mask_hidden` (3H,) in place of the concatenated
 aux-layer target features (fused by the same fc, as vLLM does) and the embedding of
-`mask_token_id` in place of a token, so its input does not depend on
-the drafts before it, and all k draft distributions come out of one forward:
+`mask_token_id` in place of a token, so its input does not depend on the drafts before it, and
+all k draft distributions come out of one forward:
 
     query = [real positions (token t+1, fused feature t) ...; mask_1 .. mask_{k-1}]   causal
     draft 1 = head(out at the last real position);  draft 1+i = head(out at mask_i)
@@ -31,10 +31,13 @@ Sources read (2026-12-01): vLLM model_executor/models/llama_eagle3.py @00bd1493 
 speculative_config.parallel_drafting: a `mask_hidden` buffer (1, 3H) loaded from the checkpoint,
 projected by combine_hidden_states = fc like the real aux states) and vLLM's
 get_parallel_drafting_token_id (the mask token id from the draft config's `mask_token_id`, else
-`pard_token` / `ptd_token_id`; queries = [last token; masks] at consecutive positions). Exports: `hf` (ours, lossless) and `vllm`: EAGLE-3's vLLM layout
-(drafters/eagle3.py) plus the `mask_hidden` tensor and `mask_token_id` / `parallel_drafting` in
-config.json, served with `"method": "eagle3", "parallel_drafting": true`. The speculators `peagle`
-format is not written yet (not verified against its sources).
+`pard_token` / `ptd_token_id`; queries = [last token; masks] at consecutive positions);
+speculators' models/peagle (config: speculators_model_type "peagle", mask_token_id; mask_hidden
+(1, 1, 3H) fused by fc), read but not exported yet: its training layout varies across versions.
+
+Exports: `hf` (ours, lossless) and `vllm`: EAGLE-3's vLLM layout (drafters/eagle3.py) plus the
+`mask_hidden` tensor and `mask_token_id` / `parallel_drafting` in config.json, served with
+`"method": "eagle3", "parallel_drafting": true`.
 """
 from __future__ import annotations
 
@@ -66,8 +69,8 @@ class PeagleConfig(Eagle3Config):
     loss_weights: Optional[list[float]] = None
 
 
-# == Export: vLLM's EAGLE-3 loader with parallel drafting (llama_eagle3.py @00bd1493): the eagle3 ==
-# == vllm layout, `mask_hidden` (3H,) loaded into its (1, 3H) buffer, the mask token id in config. ==
+# == Export: vLLM's EAGLE-3 loader with parallel drafting (llama_eagle3.py @00bd1493): eagle3's ==
+# == vllm layout, `mask_hidden` (3H,) loaded into its (1, 3H) buffer, the mask id in config.    ==
 def _write_vllm(drafter, state, ctx):
     tensors = engine_state(drafter, "vllm", state, torch_dtype(ctx.dtype))  # mask_hidden kept as is
     config = engine_config(drafter, "vllm", ctx.speculative_tokens, ctx.meta.get("base_model"),
@@ -131,10 +134,11 @@ class Peagle(Eagle3):
         H = self.target.hidden_size
         if feats is None or feats.shape[-1] != 3 * H:
             raise ValueError(f"peagle: the batch needs the features of aux layers "
-                             f"{self.feature_layers} (width {3 * H}); got {getattr(feats, 'shape', None)}")
+                             f"{self.feature_layers} (width {3 * H}); "
+                             f"got {getattr(feats, 'shape', None)}")
         B, T = ids.shape
         pos = torch.arange(T, device=ids.device)
-        keys = batch.attention_mask[:, None, None, :].bool()  # (B, 1, 1, T): never attend to padding
+        keys = batch.attention_mask[:, None, None, :].bool()  # (B, 1, 1, T): padding never seen
         causal = (pos[None, :] <= pos[:, None])[None, None] & keys  # (B, 1, T, T)
         store: list[list] = [[] for _ in self.layers]  # per layer: (k, v) of each position
         # 1. the real positions: token t+1 (the last column a filler, never counted), feature t

@@ -1,8 +1,9 @@
 """P-EAGLE (drafters/peagle.py) on tiny random targets: shapes and options, training logits equal
 the decode-time single forward's (mask positions included, padded row and a cache carried over
-rounds), adaptive length, the tree from per-position top-k, greedy losslessness with a briefly trained drafter,
-sampling losslessness (chi-square with a wrong-rule control), a short run of the real recipe,
-and the vLLM parallel-drafting export against the engine's forward rebuilt from the files."""
+rounds), adaptive length, the tree from per-position top-k, greedy losslessness with a briefly
+trained drafter, sampling losslessness (chi-square with a wrong-rule control), a short run of the
+real recipe, and the vLLM parallel-drafting export against the engine's forward rebuilt from the
+files."""
 from __future__ import annotations
 
 import json
@@ -250,7 +251,8 @@ def test_recipe_trains_peagle_and_loss_goes_down(tmp_path):
 
 
 # -- export -----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("cfg", [{}, {"draft_vocab_size": 48, "num_layers": 2}], ids=["full", "pruned"])
+@pytest.mark.parametrize("cfg", [{}, {"draft_vocab_size": 48, "num_layers": 2}],
+                         ids=["full", "pruned"])
 def test_vllm_export_matches_the_engine_parallel_forward(target, cfg, tmp_path):
     """format=vllm, then vLLM's parallel-drafting forward rebuilt from the files alone: queries
     [real positions (target embedding of token t+1, fc(aux states t)); k-1 masks (embedding of

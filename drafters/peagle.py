@@ -1,0 +1,214 @@
+"""P-EAGLE: parallel drafting on EAGLE-3's network. ONE drafter forward proposes the whole draft.
+
+EAGLE-3 drafts k tokens with k drafter steps, each reading the previous step's output. P-EAGLE
+replaces steps 2..k by k-1 *mask positions* appended after the last real position and run in the
+same forward: a mask position reads a learnt `mask_hidden` (3H,) in place of the concatenated
+aux-layer target features (fused by the same fc, as vLLM does) and the embedding of
+`mask_token_id` in place of a token, so its input does not depend on the drafts before it, and
+all k draft distributions come out of one forward:
+
+    query = [real positions (token t+1, fused feature t) ...; mask_1 .. mask_{k-1}]   causal
+    draft 1 = head(out at the last real position);  draft 1+i = head(out at mask_i)
+
+The network (fc fusion of the low / mid / high target layers, midlayer over [embed; feature],
+norm, pruned head) is EAGLE-3's, inherited from drafters.eagle3.Eagle3 with the same parameter
+names, plus `mask_hidden`.
+
+Training (`forward_train`) reuses EAGLE-3's training-time-test attention: "step" 1 is the real
+positions (causal over real features), step j > 1 is mask j-1 at every anchor t, at position
+t+j-1, attending to the real keys at anchors <= t and to masks 1..j-1 of the same anchor: exactly
+what mask j-1 sees at decode time after the real prefix ending at t. Step j predicts the target's
+token t+j+1 (DraftPrediction shift=j), weighted `loss_weights[j-1]` (default ttt_decay ** (j-1)).
+
+Proposals are per-position argmax / samples (Drafter.draft_chain over the k precomputed logits),
+returning the q each token was sampled from (lossless speculative sampling); the adaptive length
+cuts the chain where a position's confidence falls below min_confidence. Trees (greedy) come
+from the same single forward: EAGLE-2's dynamic tree over the per-position distributions (a node
+at depth d expands with position d's top-k, whatever its ancestors), scored by cumulative
+log-probability.
+
+Sources read (2026-12-01): vLLM model_executor/models/llama_eagle3.py @00bd1493 (with
+speculative_config.parallel_drafting: a `mask_hidden` buffer (1, 3H) loaded from the checkpoint,
+projected by combine_hidden_states = fc like the real aux states) and vLLM's
+get_parallel_drafting_token_id (the mask token id from the draft config's `mask_token_id`, else
+`pard_token` / `ptd_token_id`; queries = [last token; masks] at consecutive positions);
+speculators' models/peagle (config: speculators_model_type "peagle", mask_token_id; mask_hidden
+(1, 1, 3H) fused by fc), read but not exported yet: its training layout varies across versions.
+
+Exports: `hf` (ours, lossless) and `vllm`: EAGLE-3's vLLM layout (drafters/eagle3.py) plus the
+`mask_hidden` tensor and `mask_token_id` / `parallel_drafting` in config.json, served with
+`"method": "eagle3", "parallel_drafting": true`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from drafters.base import (ChainProposal, DecodeState, DraftPrediction, ExportLayout, TrainBatch,
+                           TreeProposal, register)
+from drafters.eagle import additive_mask
+from drafters.eagle3 import (Eagle3, Eagle3Config, engine_config, engine_refusal, engine_state,
+                             state_from_engine, ttt_attention)
+from drafters.export_formats import WEIGHTS, torch_dtype
+from drafters.sampling import SamplingParams
+from drafters.tree import dynamic_tree
+
+
+@dataclass
+class PeagleConfig(Eagle3Config):
+    """P-EAGLE drafter settings: EAGLE-3's (network, aux layers, pruned head) plus the masks."""
+
+    name: str = "peagle"  # registry key
+    # draft positions trained: the real one + ttt_length - 1 masks; the largest k it drafts
+    ttt_length: int = 8
+    mask_token_id: Optional[int] = None  # id whose embedding mask positions read (None = V - 1)
+    # loss weight per draft position (ttt_length values); None = ttt_decay ** (position - 1)
+    loss_weights: Optional[list[float]] = None
+
+
+# == Export: vLLM's EAGLE-3 loader with parallel drafting (llama_eagle3.py @00bd1493): eagle3's ==
+# == vllm layout, `mask_hidden` (3H,) loaded into its (1, 3H) buffer, the mask id in config.    ==
+def _write_vllm(drafter, state, ctx):
+    tensors = engine_state(drafter, "vllm", state, torch_dtype(ctx.dtype))  # mask_hidden kept as is
+    config = engine_config(drafter, "vllm", ctx.speculative_tokens, ctx.meta.get("base_model"),
+                           ctx.dtype)
+    config.update(parallel_drafting=True, mask_token_id=drafter.mask_token_id)
+    return {**config, **ctx.common()}, {WEIGHTS: tensors}
+
+
+def _read_vllm(files, dcfg, vocab_size):
+    return state_from_engine(files[WEIGHTS], "vllm", dcfg.get("draft_vocab_size") is not None)
+
+
+VLLM = ExportLayout(
+    format="vllm", summary="vLLM's EAGLE-3 layout with parallel drafting (LlamaForCausalLMEagle3 + "
+    "mask_hidden; mask_token_id in config.json; aux-layer ids = ours).",
+    usage="vllm serve {base} --speculative-config '{{\"method\": \"eagle3\", \"model\": "
+          "\"{path}\", \"num_speculative_tokens\": {k}, \"parallel_drafting\": true}}'",
+    write=_write_vllm, read=_read_vllm, check=lambda dcfg: engine_refusal(dcfg, "vllm"),
+    tags=("vllm", "eagle3", "peagle"))
+
+
+@register("peagle", config=PeagleConfig, layouts=(VLLM,))
+class Peagle(Eagle3):
+    """P-EAGLE drafter: EAGLE-3's network + a learnt mask hidden state; k drafts per forward."""
+
+    tags = ("peagle", "parallel-drafting")
+
+    def __init__(self, cfg: PeagleConfig, target) -> None:
+        V = target.vocab_size
+        mask_id = V - 1 if cfg.mask_token_id is None else cfg.mask_token_id
+        if not 0 <= mask_id < V:
+            raise ValueError(f"peagle: mask_token_id must be a target token id in [0, {V}), got "
+                             f"{mask_id}; null takes {V - 1}")
+        if cfg.loss_weights is not None and len(cfg.loss_weights) != cfg.ttt_length:
+            raise ValueError(f"peagle: loss_weights needs one weight per draft position "
+                             f"(ttt_length={cfg.ttt_length}), got {list(cfg.loss_weights)}")
+        super().__init__(cfg, target)  # EAGLE-3's network, head, device, cache
+        self.mask_token_id = mask_id
+        g = torch.Generator().manual_seed(0)  # a small fixed start; trained with the rest
+        self.mask_hidden = nn.Parameter(  # (3H,) stands in for the aux-layer features; fused by fc
+            (0.02 * torch.randn(3 * target.hidden_size, generator=g)).to(self.fc.weight.device))
+
+    def _mask_inputs(self, B: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The inputs of n mask positions per row: (embedding, hidden), each (B, n, H)."""
+        dtype = self.fc.weight.dtype
+        tok = torch.full((1, 1), self.mask_token_id, device=self.mask_hidden.device)
+        emb = self.target.embed_tokens()(tok).to(dtype)  # (1, 1, H), frozen
+        h = self.fuse(self.mask_hidden.view(1, 1, -1))  # (1, 1, H): fused like real features
+        return emb.expand(B, n, -1), h.expand(B, n, -1)
+
+    def _weight(self, j: int) -> float:
+        w = self.cfg.loss_weights
+        return float(w[j - 1]) if w is not None else self.cfg.ttt_decay ** (j - 1)
+
+    # -- training ---------------------------------------------------------------------------------
+    def forward_train(self, batch: TrainBatch) -> list[DraftPrediction]:
+        """Draft position j = 1..ttt_length at every anchor t: j = 1 reads the real token t+1 and
+        fused feature t; j > 1 is mask j-1 at position t+j-1 (mask inputs, no own outputs fed
+        back). Attention as at decode time (ttt_attention). Returns shifts 1..ttt_length."""
+        ids, feats = batch.input_ids, batch.features  # (B, T), (B, T, 3H)
+        H = self.target.hidden_size
+        if feats is None or feats.shape[-1] != 3 * H:
+            raise ValueError(f"peagle: the batch needs the features of aux layers "
+                             f"{self.feature_layers} (width {3 * H}); "
+                             f"got {getattr(feats, 'shape', None)}")
+        B, T = ids.shape
+        pos = torch.arange(T, device=ids.device)
+        keys = batch.attention_mask[:, None, None, :].bool()  # (B, 1, 1, T): padding never seen
+        causal = (pos[None, :] <= pos[:, None])[None, None] & keys  # (B, 1, T, T)
+        store: list[list] = [[] for _ in self.layers]  # per layer: (k, v) of each position
+        # 1. the real positions: token t+1 (the last column a filler, never counted), feature t
+        tok = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)  # (B, T)
+        h = self.fuse(feats)  # (B, T, H)
+        emb = self.target.embed_tokens()(tok).to(h.dtype)  # (B, T, H), frozen
+        mask_emb, mask_h = self._mask_inputs(B, T)  # (B, T, H) each
+        preds = []
+        for j in range(1, max(1, min(self.cfg.ttt_length, T - 2)) + 1):
+            # 2. j > 1: mask j-1 at every anchor, at position t+j-1
+            if j > 1:
+                emb, h = mask_emb, mask_h
+            out = self._run(emb, h, (pos + j - 1).expand(B, T),
+                            lambda i: lambda q, k, v: ttt_attention(q, k, v, store[i], causal))
+            preds.append(DraftPrediction(logits=self.head(out), shift=j,  # (B, T, Vd)
+                                         weight=self._weight(j)))
+        return preds
+
+    # -- decoding ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def draft_logits(self, state: DecodeState, k: int) -> torch.Tensor:
+        """The k draft distributions (k, Vd) after state.tokens, from ONE forward over the new
+        real positions and k-1 mask positions; the cache keeps the real ones only."""
+        tokens, feats = state.tokens, state.features  # (T,), (T-1, 3H)
+        T = tokens.shape[0]
+        if feats is None or T < 2 or feats.shape[0] != T - 1:
+            raise ValueError("peagle: propose needs >= 2 tokens and state.features for tokens[:-1]")
+        # 1. crop the cache to the prefix it still shares (recomputing at least the last position)
+        cache = self._cache
+        keep = max(0, min(cache.committed, cache.shared_prefix(tokens) - 1, T - 2))
+        cache.sync_to(tokens, keep, committed=T - 1)
+        # 2. inputs: the new real positions keep .. T-2, then k-1 masks at T-1 .. T+k-3
+        real = self._inputs(tokens[keep + 1:][None], feats[keep:][None])  # (1, n_new, 2H)
+        mask = torch.cat(self._mask_inputs(1, k - 1), dim=-1)  # (1, k-1, 2H)
+        x = torch.cat([real, mask], dim=1)  # (1, n_new + k-1, 2H)
+        pos = torch.arange(keep, T + k - 2, device=tokens.device)  # (n_new + k-1,)
+        allowed = torch.arange(T + k - 2, device=tokens.device)[None, :] <= pos[:, None]  # causal
+        try:
+            # 3. one forward through the cache; the last real position and the masks give drafts
+            h = self._layers(x, pos[None], additive_mask(allowed[None], x.dtype), cache.kv)
+            return self.head(h[0, real.shape[1] - 1:]).float()  # (k, Vd)
+        finally:
+            cache.forget_drafts()  # masks are per round: drop them, keep the real positions
+
+    @torch.no_grad()
+    def propose(self, state: DecodeState, k: int, sampling: SamplingParams,
+                generator: torch.Generator | None = None,
+                min_confidence: float = 0.0) -> ChainProposal:
+        """Up to k drafts (at most ttt_length, the positions trained) from one forward; each drawn
+        from its own position's distribution, cut where confidence < min_confidence."""
+        if k < 1:
+            return ChainProposal(tokens=state.tokens.new_empty(0))
+        k = min(k, self.cfg.ttt_length)
+        logits = self.draft_logits(state, k)  # (k, Vd)
+        return self.draft_chain(logits[0], lambda i, token: logits[i + 1], k, sampling, generator,
+                                min_confidence)
+
+    @torch.no_grad()
+    def propose_tree(self, state: DecodeState, sampling: SamplingParams) -> TreeProposal:
+        """A draft tree from ONE forward (greedy only): EAGLE-2's dynamic tree (tree_top_k,
+        tree_depth capped at ttt_length, tree_total_tokens) where every node at depth d expands
+        with position d+1's distribution: parallel drafts do not depend on the tokens before."""
+        if not sampling.greedy:
+            raise ValueError("peagle: tree drafting supports greedy decoding only; use a chain")
+        depth = min(self.cfg.tree_depth, self.cfg.ttt_length)
+        logp = self.draft_logits(state, depth).log_softmax(-1)  # (D, Vd)
+
+        def expand(tokens: torch.Tensor, parents: torch.Tensor, frontier: torch.Tensor):
+            d = TreeProposal(tokens, parents).depths()[frontier]  # (F,) 1 = child of the root
+            return logp[d]  # (F, Vd): the next position's distribution
+
+        tree = dynamic_tree(expand, logp[0], self.cfg.tree_top_k, depth, self.cfg.tree_total_tokens)
+        return TreeProposal(tokens=self.target_ids(tree.tokens), parents=tree.parents)

@@ -1,0 +1,288 @@
+"""P-EAGLE (drafters/peagle.py) on tiny random targets: shapes and options, training logits equal
+the decode-time single forward's (mask positions included, padded row and a cache carried over
+rounds), adaptive length, the tree from per-position top-k, greedy losslessness with a briefly
+trained drafter, sampling losslessness (chi-square with a wrong-rule control), a short run of the
+real recipe, and the vLLM parallel-drafting export against the engine's forward rebuilt from the
+files."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import decode.spec
+from decode.spec import generate
+from decode_toys import chi2_stat, make_target, wrong_rule
+from eagle3_engines import engine_forward, fused_features
+from drafters.base import DecodeState, TrainBatch, build_drafter, fit_draft_vocab
+from drafters.export import export_drafter, load_export
+from drafters.peagle import Peagle
+from drafters.sampling import SamplingParams, warp
+from drafters.target import Target
+from train.losses import distill_loss
+
+V, H, L = 128, 32, 8
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def target() -> Target:
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=64,
+                                         num_hidden_layers=L, num_attention_heads=4,
+                                         num_key_value_heads=2, rope_theta=500.0))
+    with torch.no_grad():  # peaked next-token distributions, like a trained LM
+        model.lm_head.weight.mul_(20.0)
+    return Target(model, SimpleNamespace(eos_token_id=2), "tiny8")
+
+
+def make(target, seed=1, **cfg) -> Peagle:
+    """A drafter moved off its init (so every weight matters), with a real pruned map if any."""
+    d = build_drafter({"name": "peagle", **cfg}, target)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g))
+    if cfg.get("draft_vocab_size"):
+        fit_draft_vocab(d, torch.arange(V).flip(0).float(), always_include=[2])
+    return d
+
+
+def make_batch(target, drafter, B=2, T=14, seed=0) -> TrainBatch:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (B, T), generator=g)  # (B, T)
+    attn = torch.ones(B, T, dtype=torch.long)
+    attn[-1, T - 4:] = 0  # right padding on the last row
+    out = target.forward(ids, layers=drafter.feature_layers, attention_mask=attn)
+    return TrainBatch(ids, attn, attn.clone(), out.logits, out.features)
+
+
+# -- the network ----------------------------------------------------------------------------------
+def test_shapes_weights_and_bad_settings(target):
+    d = make(target, ttt_length=4, draft_vocab_size=48, loss_weights=[1.0, 0.5, 0.5, 0.25])
+    assert d.feature_layers == (2, 4, 5) and d.mask_token_id == V - 1 and d.supports_tree
+    preds = d.forward_train(make_batch(target, d))
+    assert [p.shift for p in preds] == [1, 2, 3, 4]
+    assert [p.weight for p in preds] == [1.0, 0.5, 0.5, 0.25]
+    assert all(p.logits.shape == (2, 14, 48) for p in preds)
+    s = d.state_dict()
+    assert s["mask_hidden"].shape == (3 * H,) and s["fc.weight"].shape == (H, 3 * H)
+    assert s["layers.0.self_attn.q_proj.weight"].shape == (H, 2 * H)  # EAGLE-3's midlayer
+    decay = build_drafter({"name": "peagle", "ttt_length": 3, "mask_token_id": 5}, target)
+    assert decay.mask_token_id == 5
+    assert [p.weight for p in decay.forward_train(make_batch(target, decay))] == \
+        pytest.approx([1, 0.8, 0.64])
+    with pytest.raises(ValueError, match="mask_token_id"):
+        build_drafter({"name": "peagle", "mask_token_id": V}, target)
+    with pytest.raises(ValueError, match="one weight per draft position"):
+        build_drafter({"name": "peagle", "ttt_length": 3, "loss_weights": [1.0]}, target)
+
+
+@pytest.mark.parametrize("cfg", [{}, {"num_layers": 2, "draft_vocab_size": 48, "fc_norm": True,
+                                      "norm_before_residual": True}], ids=["default", "options"])
+def test_training_logits_equal_the_decode_forward(target, cfg):
+    """Position j at anchor t in training == draft j of ONE decode-time forward after tokens[:t+2]
+    (the masks see what they see in training), fresh and through a cache kept from a shorter
+    prefix (an earlier round); the padded row included."""
+    d = make(target, ttt_length=5, **cfg)
+    batch = make_batch(target, d)
+    with torch.no_grad():
+        preds = d.forward_train(batch)
+    for row, t in ((0, 2), (0, 8), (1, 4)):  # row 1 is padded after position 9
+        ids, feats = batch.input_ids[row], batch.features[row]
+        for earlier in (None, t - 2):
+            d.reset()
+            if earlier is not None:  # a round at a shorter prefix leaves its cache behind
+                d.draft_logits(DecodeState(ids[:earlier + 2], feats[:earlier + 1]), 3)
+            logits = d.draft_logits(DecodeState(ids[:t + 2], feats[:t + 1]), 5)  # (5, Vd)
+            assert len(d._cache) == t + 1  # only the real positions stay cached
+            for j in range(5):
+                torch.testing.assert_close(logits[j], preds[j].logits[row, t].float(),
+                                           atol=1e-4, rtol=1e-4)
+
+
+def test_propose_caps_k_and_cuts_on_confidence(target):
+    d = make(target, ttt_length=4)
+    batch = make_batch(target, d)
+    state = DecodeState(batch.input_ids[0, :8], batch.features[0, :7])
+    d.reset()
+    probs = d.draft_logits(state, 4).softmax(-1)  # (4, V)
+    greedy = SamplingParams()
+    chain = d.propose(state, 9, greedy)  # k capped at the 4 positions trained
+    assert chain.tokens.tolist() == probs.argmax(-1).tolist() and chain.probs is None
+    conf = probs.max(-1).values  # (4,)
+    cut = float(conf[1:].min()) + 1e-6  # the least confident later draft stops the chain there
+    n = 1 + int(conf[1:].argmin())
+    assert d.propose(state, 4, greedy, min_confidence=cut).tokens.tolist() == \
+        probs.argmax(-1)[:n].tolist()
+    sp = SamplingParams(temperature=1.0)
+    sampled = d.propose(state, 4, sp, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(sampled.probs, warp(probs.log(), sp))  # q per position, (4, V)
+
+
+def test_tree_comes_from_the_per_position_distributions(target):
+    """Every node at depth d holds one of position d's top-k tokens; the argmax chain is a path;
+    the size is tree_total_tokens; sampling is refused."""
+    d = make(target, ttt_length=4, tree_top_k=3, tree_depth=6, tree_total_tokens=10)
+    batch = make_batch(target, d)
+    state = DecodeState(batch.input_ids[0, :8], batch.features[0, :7])
+    d.reset()
+    top = d.draft_logits(state, 4).topk(3, dim=-1).indices  # (4, 3)
+    tree = d.propose_tree(state, SamplingParams())
+    depth = tree.depths()
+    assert len(tree.tokens) == 10 and int(depth.max()) <= 4  # depth capped at ttt_length
+    for tok, dep in zip(tree.tokens.tolist(), depth.tolist()):
+        assert tok in top[dep - 1].tolist()
+    node = -1
+    for dep in range(int(depth.max())):  # the chain of argmaxes is a path from the root
+        kids = [i for i in range(len(tree.tokens)) if int(tree.parents[i]) == node
+                and int(tree.tokens[i]) == int(top[dep, 0])]
+        assert len(kids) == 1
+        node = kids[0]
+    with pytest.raises(ValueError, match="greedy"):
+        d.propose_tree(state, SamplingParams(temperature=1.0))
+
+
+# -- losslessness -----------------------------------------------------------------------------------
+def teach(tgt, vocab, steps=60, n=8, **cfg) -> Peagle:
+    """A peagle drafter trained briefly on the target's own greedy text, so that decoding accepts
+    drafts (a random drafter would be trivially lossless)."""
+    torch.manual_seed(0)
+    d = build_drafter({"name": "peagle", **cfg}, tgt)
+    prompts = torch.randint(0, vocab, (n, 4), generator=torch.Generator().manual_seed(1))
+    ids = torch.stack([generate(tgt, None, p, max_new_tokens=28).tokens for p in prompts])
+    ids = torch.cat([prompts, ids], 1)  # (n, 32)
+    out = tgt.forward(ids, layers=d.feature_layers)
+    ones = torch.ones_like(ids)
+    batch = TrainBatch(ids, ones, ones, out.logits.float(), out.features.float())
+    opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=3e-3)
+    for _ in range(steps):
+        loss, _ = distill_loss(d.forward_train(batch), batch, "forward_kl")
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return d
+
+
+@pytest.fixture(scope="module")
+def taught():
+    tgt = make_target(vocab=64, seed=3, init=0.2)
+    return tgt, teach(tgt, 64, steps=100, n=32, ttt_length=4)
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_greedy_decoding_is_lossless(taught, tree):
+    tgt, d = taught
+    accepted = 0
+    for seed in range(4):
+        prompt = torch.randint(0, 64, (6,), generator=torch.Generator().manual_seed(100 + seed))
+        plain = generate(tgt, None, prompt, max_new_tokens=30)
+        spec = generate(tgt, d, prompt, max_new_tokens=30, k=4, tree=tree)
+        assert spec.tokens.tolist() == plain.tokens.tolist()
+        accepted += sum(spec.accepted)
+    assert accepted > 10  # the drafter was right often enough for acceptance to be exercised
+
+
+def test_sampled_generation_has_the_target_distribution(monkeypatch):
+    """Tokens 2 and 3 come from one round of 2 parallel drafts; their empirical joint matches the
+    exact one from the target's logits, and the same test catches a wrong acceptance rule."""
+    Vs, prompt = 8, [1, 2, 3, 4]
+    tgt = make_target(vocab=Vs, seed=3, init=0.2)
+    torch.manual_seed(0)  # untrained: q far from p, so a wrong rule shows plainly
+    d = build_drafter({"name": "peagle", "ttt_length": 2}, tgt)
+    sp = SamplingParams(temperature=1.0, top_k=6)
+    seqs = torch.tensor([prompt + [a, b] for a in range(Vs) for b in range(Vs)])  # (V*V, 6)
+    p = warp(tgt.model(seqs).logits, sp)  # (V*V, 6, V)
+    p1, p2 = p[0, 3], p[::Vs, 4]  # (V,), (V, V) [t1, t2]
+    p3 = p[:, 5].reshape(Vs, Vs, Vs)  # [t1, t2, t3]
+    joint = torch.einsum("a,ab,abc->bc", p1, p2, p3).reshape(-1)  # (V*V,)
+
+    def counts(n):
+        gen = torch.Generator().manual_seed(0)
+        c, first_round = torch.zeros(Vs * Vs), torch.zeros(3)
+        for _ in range(n):
+            res = generate(tgt, d, prompt, max_new_tokens=4, k=2, sampling=sp, generator=gen)
+            c[res.tokens[1] * Vs + res.tokens[2]] += 1
+            first_round[res.accepted[0]] += 1
+        return c, first_round
+
+    c, first_round = counts(2000)
+    assert bool((first_round > 50).all()), first_round  # 0, 1 and 2 drafts accepted, each often
+    stat, crit = chi2_stat(c, joint)
+    assert stat < crit, (stat, crit)
+    monkeypatch.setattr(decode.spec, "accept_chain", wrong_rule("resample_from_p"))
+    stat, crit = chi2_stat(counts(2000)[0], joint)
+    assert stat > 3 * crit, (stat, crit)  # the wrong rule is far off, not borderline
+
+
+# -- the real recipe --------------------------------------------------------------------------------
+def test_recipe_trains_peagle_and_loss_goes_down(tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    import train.__main__  # noqa: F401  (stores the schemas)
+    from conftest import write_chats
+    from train.recipe import DistillRecipe
+
+    chats = write_chats(tmp_path / "chats.jsonl", 32, 12)
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=[
+            "target=tiny", "data=jsonl", f"data.path={chats}", "data.max_length=96",
+            "data.eval_fraction=0.1", f"data.cache_dir={tmp_path / 'cache'}", "trainer=smoke",
+            "trainer.final_eval=null", f"run_dir={tmp_path / 'run'}", "logger=jsonl",
+            "drafter=peagle", "drafter.draft_vocab_size=512", "drafter.ttt_length=3",
+            "trainer.max_steps=30", "trainer.lr=3e-3", "trainer.eval_every=0",
+            "trainer.save_every=0", "trainer.log_every=1"])
+    r = DistillRecipe(cfg)
+    r.setup()
+    r.train()
+    r.cleanup()
+    rows = [json.loads(line) for line in open(Path(cfg.run_dir) / "metrics.jsonl")]
+    loss = {x["step"]: x["loss"] for x in rows if "loss" in x}
+    first, last = sum(loss[s] for s in range(1, 5)) / 4, sum(loss[s] for s in range(27, 31)) / 4
+    assert last < 0.7 * first, (first, last)
+    step = [x for x in rows if "loss" in x][-1]  # all 3 draft positions scored
+    assert {"div/s1", "div/s3"} <= set(step)
+
+
+# -- export -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cfg", [{}, {"draft_vocab_size": 48, "num_layers": 2}],
+                         ids=["full", "pruned"])
+def test_vllm_export_matches_the_engine_parallel_forward(target, cfg, tmp_path):
+    """format=vllm, then vLLM's parallel-drafting forward rebuilt from the files alone: queries
+    [real positions (target embedding of token t+1, fc(aux states t)); k-1 masks (embedding of
+    config mask_token_id, fc(mask_hidden))] at consecutive positions, causal, in ONE pass; its
+    k logits at the last real position and the masks == our training logits; our decoder reads
+    the folder back to the same drafts."""
+    d = make(target, ttt_length=4, mask_token_id=7, **cfg)
+    folder = export_drafter(d, {"name": "peagle", "ttt_length": 4, "mask_token_id": 7, **cfg},
+                            target, "vllm", tmp_path / "v", base_model="org/tiny8")["path"]
+    config = json.loads((folder / "config.json").read_text())
+    W = load_file(str(folder / "model.safetensors"))
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["parallel_drafting"]
+    assert config["mask_token_id"] == 7 and W["mask_hidden"].shape == (3 * H,)
+    assert config["eagle_aux_hidden_state_layer_ids"] == list(d.feature_layers)
+    b = make_batch(target, d, B=1)
+    ids = b.input_ids[0]
+    with torch.no_grad():
+        preds = d.forward_train(b)
+        for t in (3, 8):
+            real = fused_features("vllm", config, W, target, ids[:t + 1])  # (t+1, H)
+            masks = (W["mask_hidden"] @ W["fc.weight"].T).expand(3, -1)  # (k-1, H)
+            toks = torch.cat([ids[1:t + 2], torch.full((3,), config["mask_token_id"])])
+            logits, _ = engine_forward("vllm", config, W, target.embed_tokens()(toks),
+                                       torch.cat([real, masks]), torch.arange(t + 4))
+            for j in range(4):
+                torch.testing.assert_close(logits[t + j], preds[j].logits[0, t].float(),
+                                           atol=2e-4, rtol=1e-4)
+    back = load_export(folder, target)
+    state = DecodeState(ids[:10], b.features[0, :9])
+    for x in (d, back):
+        x.reset()
+    assert torch.equal(d.propose(state, 4, SamplingParams()).tokens,
+                       back.propose(state, 4, SamplingParams()).tokens)

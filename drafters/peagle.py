@@ -41,6 +41,7 @@ Exports: `hf` (ours, lossless) and `vllm`: EAGLE-3's vLLM layout (drafters/eagle
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Optional
 
@@ -109,6 +110,7 @@ class Peagle(Eagle3):
                              f"(ttt_length={cfg.ttt_length}), got {list(cfg.loss_weights)}")
         super().__init__(cfg, target)  # EAGLE-3's network, head, device, cache
         self.mask_token_id = mask_id
+        self._warned_k = False  # k > ttt_length is said once per drafter
         g = torch.Generator().manual_seed(0)  # a small fixed start; trained with the rest
         self.mask_hidden = nn.Parameter(  # (3H,) stands in for the aux-layer features; fused by fc
             (0.02 * torch.randn(3 * target.hidden_size, generator=g)).to(self.fc.weight.device))
@@ -191,6 +193,11 @@ class Peagle(Eagle3):
         from its own position's distribution, cut where confidence < min_confidence."""
         if k < 1:
             return ChainProposal(tokens=state.tokens.new_empty(0))
+        if k > self.cfg.ttt_length and not self._warned_k:  # said once, not silently
+            logging.getLogger(__name__).warning(
+                "peagle: k=%d but only %d draft positions were trained (drafter.ttt_length): "
+                "drafting %d per round", k, self.cfg.ttt_length, self.cfg.ttt_length)
+            self._warned_k = True
         k = min(k, self.cfg.ttt_length)
         logits = self.draft_logits(state, k)  # (k, Vd)
         return self.draft_chain(logits[0], lambda i, token: logits[i + 1], k, sampling, generator,

@@ -17,4 +17,9 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    import sys
+
+    from drafters.cli import check_out_dir_arg
+
+    check_out_dir_arg("python -m decode", sys.argv[1:])
     main()

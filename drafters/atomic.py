@@ -31,6 +31,18 @@ def fsync_tree(folder: Path) -> None:
             os.close(fd)
 
 
+def _ordinary_modes(folder: Path) -> None:
+    """Files 0666 and folders 0777 less the umask (0644 / 0755 usually), as `open` would make
+    them: safetensors writes 0600, which a serving account reading the export could not open."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for root, dirs, files in os.walk(folder):
+        for d in dirs:
+            os.chmod(Path(root) / d, 0o777 & ~umask)
+        for f in files:
+            os.chmod(Path(root) / f, 0o666 & ~umask)
+
+
 def commit_folder(tmp: Path, dest: Path, marker: str | None = None) -> Path:
     """Flush a filled staging folder and rename it to `dest`, replacing an existing one (moved
     aside first, removed after). `marker`: an empty-ish file written last, e.g. COMPLETE, that
@@ -38,6 +50,7 @@ def commit_folder(tmp: Path, dest: Path, marker: str | None = None) -> Path:
     tmp, dest = Path(tmp), Path(dest)
     if marker is not None:
         (tmp / marker).write_text("ok\n")
+    _ordinary_modes(tmp)
     fsync_tree(tmp)
     old = dest.parent / f".old-{dest.name}"
     if dest.exists():

@@ -71,3 +71,24 @@ def check_ranges(cfg, rules: dict[str, tuple]) -> None:
             bad.append(f"{key}={value} is outside {rng}")
     if bad:
         raise UserError("invalid settings: " + "; ".join(bad))
+
+
+def check_out_dir_arg(command: str, argv: list[str], key: str = "run_dir") -> None:
+    """Before Hydra creates its output folder: a `key=<dir>` override that cannot be created
+    (a read-only mount, /proc, a file in the way) ends the command with one line and exit 2,
+    instead of Hydra's traceback."""
+    for arg in argv:
+        if arg.startswith(f"{key}=") and "${" not in arg:
+            path = arg.split("=", 1)[1]
+            try:
+                os.makedirs(os.path.expanduser(path), exist_ok=True)
+                writable = os.access(os.path.expanduser(path), os.W_OK)
+            except OSError as e:
+                reason = e.strerror
+            else:
+                if writable:
+                    return
+                reason = "not writable"
+            print(f"{command}: error: cannot create or write {key}={path} ({reason}); set {key}= "
+                  f"to a writable folder", file=sys.stderr, flush=True)
+            sys.exit(USAGE_EXIT)

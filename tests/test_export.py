@@ -472,6 +472,10 @@ def test_overwrite_replaces_only_an_earlier_export(tmp_path, target):
     src, cfg = trained(target, {"name": "eagle", "draft_vocab_size": None, "input_norm": False})
     out = export_drafter(src, cfg, target, "vllm", tmp_path / "e")["path"]
     export_drafter(src, cfg, target, "vllm", out, overwrite=True)  # an earlier export: replaced
+    umask = os.umask(0o022)
+    os.umask(umask)
+    modes = {f.name: f.stat().st_mode & 0o777 for f in out.iterdir()}
+    assert set(modes.values()) == {0o666 & ~umask}, modes  # readable by a serving account
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("keep me")

@@ -153,6 +153,10 @@ def test_cli_user_errors_are_one_line_and_exit_2(tmp_path):
     assert "Traceback" not in res.stderr and "SPECDISTILL_DEBUG=1" in res.stderr
     res = _cli("decode", "target=tiny", "drafter=ngram", "eval.limit=0", f"run_dir={tmp_path / 'd'}")
     assert res.returncode == 2 and "eval.limit=0 is outside [1, inf]" in res.stderr
+    for cmd in ("train", "decode"):  # an uncreatable run_dir (case 15): one line, before Hydra
+        res = _cli(cmd, "target=tiny", "run_dir=/proc/specdistill-run")
+        assert res.returncode == 2 and "Traceback" not in res.stderr
+        assert f"python -m {cmd}: error: cannot create or write run_dir=/proc/specdistill-run" in res.stderr
 
 
 def test_ctrl_c_says_how_to_resume(tmp_path, chat_file):  # noqa: F811

@@ -293,26 +293,35 @@ class Eagle(Drafter):
     def reset(self) -> None:
         self._cache = DraftCache()  # positions 0..committed-1 from real target features
 
-    @torch.no_grad()
-    def _sync(self, state: DecodeState) -> torch.Tensor:
-        """Bring the cache up to date with the committed tokens; return the predicted feature of
-        the position after the last processed one (1, 1, H): the input for the first draft."""
-        tokens, feats = state.tokens, state.features  # (T,), (T-1, H)
+    def _sync_inputs(self, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor]:
+        """Crop the cache to what it still shares with the committed tokens and return the inputs
+        (1, n_new, .) and positions (n_new,) of the committed positions it lacks, built from the
+        real target features (at least the last position is redone, so its output is at hand)."""
+        tokens, feats = state.tokens, state.features  # (T,), (T-1, F)
         T = tokens.shape[0]
         if feats is None or T < 2 or feats.shape[0] != T - 1:
-            raise ValueError("eagle: propose needs >= 2 tokens and state.features for tokens[:-1]")
-        # 1. position t needs tokens[: t + 2] unchanged; crop to the shared prefix (at least the
-        #    last position is recomputed, so its output is at hand)
+            raise ValueError(f"{self.name}: propose needs >= 2 tokens and state.features for "
+                             f"tokens[:-1]")
+        # 1. position t needs tokens[: t + 2] unchanged; crop to the shared prefix
         cache = self._cache
         keep = max(0, min(cache.committed, cache.shared_prefix(tokens) - 1, T - 2))
         cache.sync_to(tokens, keep, committed=T - 1)
         # 2. the new committed positions keep .. T-2, from real target features
-        n_new = T - 1 - keep
-        x = self._inputs(tokens[keep + 1:][None], feats[keep:][None])  # (1, n_new, H)
-        pos = torch.arange(keep, T - 1, device=tokens.device)  # (n_new,)
-        allowed = torch.arange(T - 1, device=tokens.device)[None, :] <= pos[:, None]  # (n_new, T-1)
-        h = self._layers(x, pos[None], additive_mask(allowed[None], x.dtype), cache.kv)
-        assert len(cache) == cache.committed and n_new >= 1
+        x = self._inputs(tokens[keep + 1:][None], feats[keep:][None])  # (1, n_new, .)
+        return x, torch.arange(keep, T - 1, device=tokens.device)  # (n_new,)
+
+    def _run_causal(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """x (1, n, .) at positions pos (n,), the last ones of the sequence: causal attention over
+        the cache and themselves -> features (1, n, H)."""
+        allowed = torch.arange(int(pos[-1]) + 1, device=pos.device)[None, :] <= pos[:, None]  # (n, K)
+        return self._layers(x, pos[None], additive_mask(allowed[None], x.dtype), self._cache.kv)
+
+    @torch.no_grad()
+    def _sync(self, state: DecodeState) -> torch.Tensor:
+        """Bring the cache up to date with the committed tokens; return the predicted feature of
+        the position after the last processed one (1, 1, H): the input for the first draft."""
+        h = self._run_causal(*self._sync_inputs(state))  # (1, n_new, H)
+        assert len(self._cache) == self._cache.committed
         return h[:, -1:]  # (1, 1, H)
 
     @torch.no_grad()

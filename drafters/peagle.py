@@ -50,7 +50,6 @@ from torch import nn
 
 from drafters.base import (ChainProposal, DecodeState, DraftPrediction, ExportLayout, TrainBatch,
                            TreeProposal, register)
-from drafters.eagle import additive_mask
 from drafters.eagle3 import (Eagle3, Eagle3Config, engine_config, engine_refusal, engine_state,
                              state_from_engine, ttt_attention)
 from drafters.export_formats import WEIGHTS, torch_dtype
@@ -164,26 +163,17 @@ class Peagle(Eagle3):
     def draft_logits(self, state: DecodeState, k: int) -> torch.Tensor:
         """The k draft distributions (k, Vd) after state.tokens, from ONE forward over the new
         real positions and k-1 mask positions; the cache keeps the real ones only."""
-        tokens, feats = state.tokens, state.features  # (T,), (T-1, 3H)
-        T = tokens.shape[0]
-        if feats is None or T < 2 or feats.shape[0] != T - 1:
-            raise ValueError("peagle: propose needs >= 2 tokens and state.features for tokens[:-1]")
-        # 1. crop the cache to the prefix it still shares (recomputing at least the last position)
-        cache = self._cache
-        keep = max(0, min(cache.committed, cache.shared_prefix(tokens) - 1, T - 2))
-        cache.sync_to(tokens, keep, committed=T - 1)
-        # 2. inputs: the new real positions keep .. T-2, then k-1 masks at T-1 .. T+k-3
-        real = self._inputs(tokens[keep + 1:][None], feats[keep:][None])  # (1, n_new, 2H)
+        real, pos = self._sync_inputs(state)  # 1. (1, n_new, 2H) at the new real positions
+        # 2. k-1 masks after them, at T-1 .. T+k-3
         mask = torch.cat(self._mask_inputs(1, k - 1), dim=-1)  # (1, k-1, 2H)
         x = torch.cat([real, mask], dim=1)  # (1, n_new + k-1, 2H)
-        pos = torch.arange(keep, T + k - 2, device=tokens.device)  # (n_new + k-1,)
-        allowed = torch.arange(T + k - 2, device=tokens.device)[None, :] <= pos[:, None]  # causal
+        pos = torch.cat([pos, pos[-1] + 1 + torch.arange(k - 1, device=pos.device)])
         try:
             # 3. one forward through the cache; the last real position and the masks give drafts
-            h = self._layers(x, pos[None], additive_mask(allowed[None], x.dtype), cache.kv)
+            h = self._run_causal(x, pos)  # (1, n_new + k-1, H)
             return self.head(h[0, real.shape[1] - 1:]).float()  # (k, Vd)
         finally:
-            cache.forget_drafts()  # masks are per round: drop them, keep the real positions
+            self._cache.forget_drafts()  # masks are per round: drop them, keep the real positions
 
     @torch.no_grad()
     def propose(self, state: DecodeState, k: int, sampling: SamplingParams,

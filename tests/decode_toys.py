@@ -157,3 +157,47 @@ def chi2_stat(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, float]:
     z = 3.719  # one-sided standard normal quantile for alpha = 1e-4
     crit = df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
     return stat, crit
+
+
+def pair_joint(target: Target, prompt: list[int], sampling) -> torch.Tensor:
+    """(V*V,) exact joint of generated tokens 2 and 3 (index t2 * V + t3) after `prompt`:
+    sum over t1 of p(t1) p(t2 | t1) p(t3 | t1, t2), with the warped target distributions."""
+    from drafters.sampling import warp
+
+    Vs, P = target.vocab_size, len(prompt)
+    seqs = torch.tensor([prompt + [a, b] for a in range(Vs) for b in range(Vs)])  # (V*V, P+2)
+    p = warp(target.model(seqs).logits, sampling)  # (V*V, P+2, V)
+    p1, p2 = p[0, P - 1], p[::Vs, P]  # (V,), (V, V) [t1, t2]
+    p3 = p[:, P + 1].reshape(Vs, Vs, Vs)  # [t1, t2, t3]
+    return torch.einsum("a,ab,abc->bc", p1, p2, p3).reshape(-1)  # (V*V,)
+
+
+def pair_counts(target: Target, drafter, prompt: list[int], sampling, n: int):
+    """n seeded speculative generations of 4 tokens with k=2: counts of (t2, t3) (V*V,) and of
+    the drafts accepted in the first round (3,)."""
+    from decode.spec import generate
+
+    Vs = target.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    c, first_round = torch.zeros(Vs * Vs), torch.zeros(3)
+    for _ in range(n):
+        res = generate(target, drafter, prompt, max_new_tokens=4, k=2, sampling=sampling,
+                       generator=gen)
+        c[res.tokens[1] * Vs + res.tokens[2]] += 1
+        first_round[res.accepted[0]] += 1
+    return c, first_round
+
+
+def greedy_lossless_accepted(target: Target, drafter, tree: bool, vocab: int = 64) -> int:
+    """Asserts greedy speculative output == plain greedy on 4 seeded prompts (k=4, 30 tokens);
+    returns the drafts accepted in all, so a test can check acceptance was exercised."""
+    from decode.spec import generate
+
+    accepted = 0
+    for seed in range(4):
+        prompt = torch.randint(0, vocab, (6,), generator=torch.Generator().manual_seed(100 + seed))
+        plain = generate(target, None, prompt, max_new_tokens=30)
+        spec = generate(target, drafter, prompt, max_new_tokens=30, k=4, tree=tree)
+        assert spec.tokens.tolist() == plain.tokens.tolist()
+        accepted += sum(spec.accepted)
+    return accepted

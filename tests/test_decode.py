@@ -11,10 +11,10 @@ import torch
 import decode.spec
 from decode.spec import generate
 from decode_toys import (V, FixedQ, NoisyOracle, StubTokenizer, chi2_stat, make_target,
-                         wrong_rule)
+                         pair_counts, pair_joint, wrong_rule)
 from drafters.base import Drafter
 from drafters.ngram import Ngram, NgramConfig
-from drafters.sampling import SamplingParams, warp
+from drafters.sampling import SamplingParams
 from drafters.target import Target
 
 
@@ -218,23 +218,10 @@ def test_sampled_generation_has_the_target_distribution(monkeypatch):
     Vs, prompt = 8, [1, 2, 3, 4]
     tgt = make_target(vocab=Vs, seed=3, init=0.2)
     sp = SamplingParams(temperature=1.0, top_k=6)
-    # exact joint of (t2, t3): sum over t1 of p(t1) p(t2 | t1) p(t3 | t1, t2)
-    seqs = torch.tensor([prompt + [a, b] for a in range(Vs) for b in range(Vs)])  # (V*V, 6)
-    p = warp(tgt.model(seqs).logits, sp)  # (V*V, 6, V)
-    p1 = p[0, 3]  # (V,)
-    p2 = p[::Vs, 4]  # (V, V) [t1, t2]
-    p3 = p[:, 5].reshape(Vs, Vs, Vs)  # [t1, t2, t3]
-    joint = torch.einsum("a,ab,abc->bc", p1, p2, p3).reshape(-1)  # (V*V,)
+    joint = pair_joint(tgt, prompt, sp)  # (V*V,) exact joint of (t2, t3)
 
     def counts(n):
-        gen = torch.Generator().manual_seed(0)
-        c, first_round = torch.zeros(Vs * Vs), torch.zeros(3)
-        for _ in range(n):
-            res = generate(tgt, FixedQ(Vs), prompt, max_new_tokens=4, k=2, sampling=sp,
-                           generator=gen)
-            c[res.tokens[1] * Vs + res.tokens[2]] += 1
-            first_round[res.accepted[0]] += 1
-        return c, first_round
+        return pair_counts(tgt, FixedQ(Vs), prompt, sp, n)
 
     c, first_round = counts(2000)
     assert bool((first_round > 100).all())  # 0, 1 and 2 drafts accepted, each often

@@ -17,7 +17,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import decode.spec
 from decode.spec import generate
-from decode_toys import chi2_stat, make_target, wrong_rule
+from decode_toys import (chi2_stat, greedy_lossless_accepted, make_target, pair_counts,
+                         pair_joint, wrong_rule)
 from eagle3_engines import engine_forward, fused_features
 from drafters.base import DecodeState, TrainBatch, build_drafter, fit_draft_vocab
 from drafters.export import export_drafter, load_export
@@ -178,13 +179,7 @@ def taught():
 @pytest.mark.parametrize("tree", [False, True])
 def test_greedy_decoding_is_lossless(taught, tree):
     tgt, d = taught
-    accepted = 0
-    for seed in range(4):
-        prompt = torch.randint(0, 64, (6,), generator=torch.Generator().manual_seed(100 + seed))
-        plain = generate(tgt, None, prompt, max_new_tokens=30)
-        spec = generate(tgt, d, prompt, max_new_tokens=30, k=4, tree=tree)
-        assert spec.tokens.tolist() == plain.tokens.tolist()
-        accepted += sum(spec.accepted)
+    accepted = greedy_lossless_accepted(tgt, d, tree)
     assert accepted > 10  # the drafter was right often enough for acceptance to be exercised
 
 
@@ -196,20 +191,10 @@ def test_sampled_generation_has_the_target_distribution(monkeypatch):
     torch.manual_seed(0)  # untrained: q far from p, so a wrong rule shows plainly
     d = build_drafter({"name": "peagle", "ttt_length": 2}, tgt)
     sp = SamplingParams(temperature=1.0, top_k=6)
-    seqs = torch.tensor([prompt + [a, b] for a in range(Vs) for b in range(Vs)])  # (V*V, 6)
-    p = warp(tgt.model(seqs).logits, sp)  # (V*V, 6, V)
-    p1, p2 = p[0, 3], p[::Vs, 4]  # (V,), (V, V) [t1, t2]
-    p3 = p[:, 5].reshape(Vs, Vs, Vs)  # [t1, t2, t3]
-    joint = torch.einsum("a,ab,abc->bc", p1, p2, p3).reshape(-1)  # (V*V,)
+    joint = pair_joint(tgt, prompt, sp)  # (V*V,)
 
     def counts(n):
-        gen = torch.Generator().manual_seed(0)
-        c, first_round = torch.zeros(Vs * Vs), torch.zeros(3)
-        for _ in range(n):
-            res = generate(tgt, d, prompt, max_new_tokens=4, k=2, sampling=sp, generator=gen)
-            c[res.tokens[1] * Vs + res.tokens[2]] += 1
-            first_round[res.accepted[0]] += 1
-        return c, first_round
+        return pair_counts(tgt, d, prompt, sp, n)
 
     c, first_round = counts(2000)
     assert bool((first_round > 50).all()), first_round  # 0, 1 and 2 drafts accepted, each often

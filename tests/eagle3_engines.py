@@ -127,3 +127,50 @@ def first_step_logits(folder: Path, target, ids: torch.Tensor) -> torch.Tensor:
     full = logits.new_full((T - 1, V), float("-inf"))
     full[:, cols] = logits
     return full[None]
+
+
+# -- shared toys of the EAGLE-3-family tests (test_eagle3, test_peagle) -------------------------------
+TOY_V, TOY_H, TOY_L = 128, 32, 8  # an 8-layer target: the engines' default aux layers (2, 4, 5) exist
+
+
+def tiny8_target():
+    """A random 8-layer Llama target with peaked next-token distributions, like a trained LM."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from drafters.target import Target
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=TOY_V, hidden_size=TOY_H, intermediate_size=64,
+                                         num_hidden_layers=TOY_L, num_attention_heads=4,
+                                         num_key_value_heads=2, rope_theta=500.0))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    return Target(model, SimpleNamespace(eos_token_id=2), "tiny8")
+
+
+def feature_batch(target, drafter, B=2, T=14, seed=0):
+    """A TrainBatch of random ids with the target's features, right padding on the last row."""
+    from drafters.base import TrainBatch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, TOY_V, (B, T), generator=g)  # (B, T)
+    attn = torch.ones(B, T, dtype=torch.long)
+    attn[-1, T - 4:] = 0
+    out = target.forward(ids, layers=drafter.feature_layers, attention_mask=attn)
+    return TrainBatch(ids, attn, attn.clone(), out.logits, out.features)
+
+
+def perturbed_drafter(target, name: str, seed=1, **cfg):
+    """A drafter moved off its init (so every weight matters), with a real pruned map if any."""
+    from drafters.base import build_drafter, fit_draft_vocab
+
+    d = build_drafter({"name": name, **cfg}, target)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g))
+    if cfg.get("draft_vocab_size"):
+        fit_draft_vocab(d, torch.arange(TOY_V).flip(0).float(), always_include=[2])
+    return d

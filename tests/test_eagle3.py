@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from decode.evaluate import is_near_tie
 from decode.spec import generate
@@ -22,51 +20,26 @@ from drafters.base import DecodeState, TrainBatch, build_drafter, config_dict, f
 from drafters.target import Target
 from drafters.export import export_drafter, load_export
 from drafters.export_formats import ExportError
-from eagle3_engines import engine_chain, engine_name
+from eagle3_engines import (TOY_H, TOY_L, TOY_V, engine_chain, engine_name, feature_batch,
+                            perturbed_drafter, tiny8_target)
 from train.losses import distill_loss
 
-V, H, L = 128, 32, 8  # an 8-layer target: the engines' default aux layers (2, 4, 5) exist
+V, H, L = TOY_V, TOY_H, TOY_L  # an 8-layer target: the engines' default aux layers (2, 4, 5) exist
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from threads, and spinning threads crawl when the cores are busy."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
 def target() -> Target:
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=64,
-                                         num_hidden_layers=L, num_attention_heads=4,
-                                         num_key_value_heads=2, rope_theta=500.0))
-    with torch.no_grad():  # peaked next-token distributions, like a trained LM
-        model.lm_head.weight.mul_(20.0)
-    return Target(model, SimpleNamespace(eos_token_id=2), "tiny8")
+    return tiny8_target()
 
 
-def make_batch(target, drafter, B=2, T=14, seed=0) -> TrainBatch:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, V, (B, T), generator=g)  # (B, T)
-    attn = torch.ones(B, T, dtype=torch.long)
-    attn[-1, T - 4:] = 0  # right padding on the last row
-    out = target.forward(ids, layers=drafter.feature_layers, attention_mask=attn)
-    return TrainBatch(ids, attn, attn.clone(), out.logits, out.features)
+make_batch = feature_batch
 
 
 def make(target, seed=1, **cfg) -> e3.Eagle3:
-    """A drafter moved off its init (so every weight matters), with a real pruned map if any."""
-    d = build_drafter({"name": "eagle3", **cfg}, target)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in d.parameters():
-            p.add_(0.3 * torch.randn(p.shape, generator=g))
-    if cfg.get("draft_vocab_size"):
-        fit_draft_vocab(d, torch.arange(V).flip(0).float(), always_include=[2])
-    return d
+    return perturbed_drafter(target, "eagle3", seed, **cfg)
 
 
 ALL_OPTIONS = dict(num_layers=2, norm_before_residual=True, norm_before_fc=True, fc_norm=True,

@@ -8,59 +8,38 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import decode.spec
 from decode.spec import generate
 from decode_toys import (chi2_stat, greedy_lossless_accepted, make_target, pair_counts,
                          pair_joint, wrong_rule)
-from eagle3_engines import engine_forward, fused_features
-from drafters.base import DecodeState, TrainBatch, build_drafter, fit_draft_vocab
+from eagle3_engines import (TOY_H, TOY_L, TOY_V, engine_forward, feature_batch, fused_features,
+                            perturbed_drafter, tiny8_target)
+from drafters.base import DecodeState, TrainBatch, build_drafter
 from drafters.export import export_drafter, load_export
 from drafters.peagle import Peagle
 from drafters.sampling import SamplingParams, warp
 from drafters.target import Target
 from train.losses import distill_loss
 
-V, H, L = 128, 32, 8
+V, H, L = TOY_V, TOY_H, TOY_L
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def target() -> Target:
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=64,
-                                         num_hidden_layers=L, num_attention_heads=4,
-                                         num_key_value_heads=2, rope_theta=500.0))
-    with torch.no_grad():  # peaked next-token distributions, like a trained LM
-        model.lm_head.weight.mul_(20.0)
-    return Target(model, SimpleNamespace(eos_token_id=2), "tiny8")
+    return tiny8_target()
 
 
 def make(target, seed=1, **cfg) -> Peagle:
-    """A drafter moved off its init (so every weight matters), with a real pruned map if any."""
-    d = build_drafter({"name": "peagle", **cfg}, target)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in d.parameters():
-            p.add_(0.3 * torch.randn(p.shape, generator=g))
-    if cfg.get("draft_vocab_size"):
-        fit_draft_vocab(d, torch.arange(V).flip(0).float(), always_include=[2])
-    return d
+    return perturbed_drafter(target, "peagle", seed, **cfg)
 
 
-def make_batch(target, drafter, B=2, T=14, seed=0) -> TrainBatch:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, V, (B, T), generator=g)  # (B, T)
-    attn = torch.ones(B, T, dtype=torch.long)
-    attn[-1, T - 4:] = 0  # right padding on the last row
-    out = target.forward(ids, layers=drafter.feature_layers, attention_mask=attn)
-    return TrainBatch(ids, attn, attn.clone(), out.logits, out.features)
+make_batch = feature_batch
 
 
 # -- the network ----------------------------------------------------------------------------------

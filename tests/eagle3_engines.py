@@ -174,3 +174,30 @@ def perturbed_drafter(target, name: str, seed=1, **cfg):
     if cfg.get("draft_vocab_size"):
         fit_draft_vocab(d, torch.arange(TOY_V).flip(0).float(), always_include=[2])
     return d
+
+
+def recipe_cfg(tmp_path, chats, name: str, *overrides):
+    """The train config of a short EAGLE-3-family run (drafter `name`, 3 draft steps, pruned
+    vocab 512) on the tiny target and a chats file."""
+    from hydra import compose, initialize_config_dir
+
+    import train.__main__  # noqa: F401  (stores the schemas)
+
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        return compose(config_name="train", overrides=[
+            "target=tiny", "data=jsonl", f"data.path={chats}", "data.max_length=96",
+            "data.eval_fraction=0.1", f"data.cache_dir={tmp_path / 'cache'}", "trainer=smoke",
+            "trainer.final_eval=null", f"run_dir={tmp_path / 'run'}", "logger=jsonl",
+            f"drafter={name}", "drafter.draft_vocab_size=512", "drafter.ttt_length=3", *overrides])
+
+
+def train_rows(cfg) -> list[dict]:
+    """Run the recipe on cfg; its metrics.jsonl rows."""
+    from train.recipe import DistillRecipe
+
+    r = DistillRecipe(cfg)
+    r.setup()
+    r.train()
+    r.cleanup()
+    return [json.loads(line) for line in open(Path(cfg.run_dir) / "metrics.jsonl")]

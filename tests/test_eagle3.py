@@ -21,7 +21,8 @@ from drafters.target import Target
 from drafters.export import export_drafter, load_export
 from drafters.export_formats import ExportError
 from eagle3_engines import (TOY_H, TOY_L, TOY_V, engine_chain, engine_name, feature_batch,
-                            perturbed_drafter, tiny8_target)
+                            perturbed_drafter, tiny8_target, train_rows)
+from eagle3_engines import recipe_cfg as eagle3_recipe_cfg
 from train.losses import distill_loss
 
 V, H, L = TOY_V, TOY_H, TOY_L  # an 8-layer target: the engines' default aux layers (2, 4, 5) exist
@@ -172,29 +173,12 @@ def chats(tmp_path_factory) -> Path:
 
 
 def recipe_cfg(tmp_path, chats, *overrides):
-    from hydra import compose, initialize_config_dir
-
-    import train.__main__  # noqa: F401  (stores the schemas)
-
-    conf = Path(__file__).resolve().parents[1] / "conf"
-    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
-        return compose(config_name="train", overrides=[
-            "target=tiny", "data=jsonl", f"data.path={chats}", "data.max_length=96",
-            "data.eval_fraction=0.1", f"data.cache_dir={tmp_path / 'cache'}", "trainer=smoke",
-            "trainer.final_eval=null", f"run_dir={tmp_path / 'run'}", "logger=jsonl",
-            "drafter=eagle3", "drafter.draft_vocab_size=512", "drafter.ttt_length=3", *overrides])
+    return eagle3_recipe_cfg(tmp_path, chats, "eagle3", *overrides)
 
 
 def test_recipe_trains_eagle3_and_loss_goes_down(tmp_path, chats):
-    from train.recipe import DistillRecipe
-
-    cfg = recipe_cfg(tmp_path, chats, "trainer.max_steps=30", "trainer.lr=3e-3",
-                     "trainer.eval_every=0", "trainer.save_every=0", "trainer.log_every=1")
-    r = DistillRecipe(cfg)
-    r.setup()
-    r.train()
-    r.cleanup()
-    rows = [json.loads(line) for line in open(Path(cfg.run_dir) / "metrics.jsonl")]
+    rows = train_rows(recipe_cfg(tmp_path, chats, "trainer.max_steps=30", "trainer.lr=3e-3",
+                                 "trainer.eval_every=0", "trainer.save_every=0", "trainer.log_every=1"))
     loss = {x["step"]: x["loss"] for x in rows if "loss" in x}
     first, last = sum(loss[s] for s in range(1, 5)) / 4, sum(loss[s] for s in range(27, 31)) / 4
     assert last < 0.7 * first, (first, last)

@@ -7,7 +7,6 @@ files."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ from decode.spec import generate
 from decode_toys import (chi2_stat, greedy_lossless_accepted, make_target, pair_counts,
                          pair_joint, wrong_rule)
 from eagle3_engines import (TOY_H, TOY_L, TOY_V, engine_forward, feature_batch, fused_features,
-                            perturbed_drafter, tiny8_target)
+                            perturbed_drafter, recipe_cfg, tiny8_target, train_rows)
 from drafters.base import DecodeState, TrainBatch, build_drafter
 from drafters.export import export_drafter, load_export
 from drafters.peagle import Peagle
@@ -186,27 +185,11 @@ def test_sampled_generation_has_the_target_distribution(monkeypatch):
 
 # -- the real recipe --------------------------------------------------------------------------------
 def test_recipe_trains_peagle_and_loss_goes_down(tmp_path):
-    from hydra import compose, initialize_config_dir
-
-    import train.__main__  # noqa: F401  (stores the schemas)
     from conftest import write_chats
-    from train.recipe import DistillRecipe
 
     chats = write_chats(tmp_path / "chats.jsonl", 32, 12)
-    conf = Path(__file__).resolve().parents[1] / "conf"
-    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=[
-            "target=tiny", "data=jsonl", f"data.path={chats}", "data.max_length=96",
-            "data.eval_fraction=0.1", f"data.cache_dir={tmp_path / 'cache'}", "trainer=smoke",
-            "trainer.final_eval=null", f"run_dir={tmp_path / 'run'}", "logger=jsonl",
-            "drafter=peagle", "drafter.draft_vocab_size=512", "drafter.ttt_length=3",
-            "trainer.max_steps=30", "trainer.lr=3e-3", "trainer.eval_every=0",
-            "trainer.save_every=0", "trainer.log_every=1"])
-    r = DistillRecipe(cfg)
-    r.setup()
-    r.train()
-    r.cleanup()
-    rows = [json.loads(line) for line in open(Path(cfg.run_dir) / "metrics.jsonl")]
+    rows = train_rows(recipe_cfg(tmp_path, chats, "peagle", "trainer.max_steps=30", "trainer.lr=3e-3",
+                                 "trainer.eval_every=0", "trainer.save_every=0", "trainer.log_every=1"))
     loss = {x["step"]: x["loss"] for x in rows if "loss" in x}
     first, last = sum(loss[s] for s in range(1, 5)) / 4, sum(loss[s] for s in range(27, 31)) / 4
     assert last < 0.7 * first, (first, last)

@@ -165,11 +165,14 @@ class OfflineFeatures:
             raise FileNotFoundError(f"no {MANIFEST} in {self.folder}; run `python -m data.capture "
                                     f"out={self.folder} ...` first")
         self.manifest = json.loads(mpath.read_text())
-        if list(layers) != self.manifest["layers"] or target.hidden_size != self.manifest["hidden_size"]:
+        # every capture stores the final hidden state, so a drafter that reads only it (EAGLE-1:
+        # [-1]) or nothing (small_lm: []) can train on any capture, e.g. an EAGLE-3 one
+        served = list(layers) in ([-1], []) or list(layers) == self.manifest["layers"]
+        if not served or target.hidden_size != self.manifest["hidden_size"]:
             raise ValueError(f"capture {self.folder} has layers {self.manifest['layers']} of hidden "
                              f"size {self.manifest['hidden_size']}; the drafter needs {list(layers)} "
                              f"of {target.hidden_size}: capture again with layers={list(layers)}")
-        self.only_final = self.manifest["layers"] == [-1]
+        self.layers = list(layers)
         self._open: dict[int, Any] = {}  # shard id -> safe_open handle (memory-mapped reads)
 
     def __len__(self) -> int:
@@ -194,9 +197,9 @@ class OfflineFeatures:
             raise ValueError(f"capture {self.folder} does not match the data (conversation {i} "
                              f"differs): the data or tokenizer changed since the capture; capture again")
         final = sh.get_slice("final")[a:b].float()
-        if not self.manifest["layers"]:  # the drafter reads no features (small_lm): logits only
+        if not self.layers:  # the drafter reads no features (small_lm): logits only
             return None, final
-        feats = final if self.only_final else sh.get_slice("features")[a:b].float()
+        feats = final if self.layers == [-1] else sh.get_slice("features")[a:b].float()
         return feats, final
 
     def batch(self, indices: list[int], rows: list[dict], T: int):
@@ -227,7 +230,9 @@ def offline_features(target, rows, folder: Path, cfg: CaptureConfig, *, is_main:
                      progress: bool = True) -> OfflineFeatures:
     """The training loop's offline features: rank 0 captures `rows` into `folder` (resumable; a
     no-op when complete), every rank waits at `barrier`, then opens it and checks it holds `rows`."""
-    if is_main:
+    reuse = (folder / MANIFEST).is_file() and list(cfg.layers) in ([-1], []) and json.loads(
+        (folder / MANIFEST).read_text())["layers"] not in ([-1], [])  # the final state of a
+    if is_main and not reuse:  # capture of more layers (complete: checked below) serves [-1] / []
         capture_split(target, rows, cfg, folder, progress=progress)
     barrier()
     features = OfflineFeatures(folder, cfg.layers, target)

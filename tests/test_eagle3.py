@@ -187,7 +187,7 @@ def test_recipe_trains_eagle3_and_loss_goes_down(tmp_path, chats):
 
 
 def test_online_and_offline_capture_of_three_layers(tmp_path, chats):
-    from data.capture import CaptureConfig, OfflineFeatures, capture_dir, capture_split
+    from data.capture import CaptureConfig, OfflineFeatures, capture, capture_dir, capture_split
     from train.recipe import DistillRecipe
 
     r = DistillRecipe(recipe_cfg(tmp_path, chats, "trainer.max_steps=1"))
@@ -202,8 +202,15 @@ def test_online_and_offline_capture_of_three_layers(tmp_path, chats):
     real = raw["attention_mask"].bool()
     assert online.features.shape[-1] == 3 * r.target.hidden_size  # (B, T, 3H)
     torch.testing.assert_close(offline.features[real], online.features[real], rtol=1e-4, atol=1e-5)
-    with pytest.raises(ValueError, match="layers"):  # an eagle (final state) capture is refused
-        OfflineFeatures(out, (-1,), r.target)
+    with pytest.raises(ValueError, match="layers"):  # another layer set is refused
+        OfflineFeatures(out, (0, 1, 1), r.target)
+    # every capture holds the final state: an EAGLE-1 drafter ([-1]) and a small LM ([]) train on it
+    feats, final = OfflineFeatures(out, (-1,), r.target).get(0, r.train_ds[0]["input_ids"])
+    torch.testing.assert_close(feats, final)
+    ids = torch.tensor([r.train_ds[0]["input_ids"]])
+    _, online_final = capture(r.target, ids, torch.ones_like(ids), ())  # (1, T, H)
+    torch.testing.assert_close(final, online_final[0], rtol=1e-4, atol=1e-5)
+    assert OfflineFeatures(out, (), r.target).get(0, r.train_ds[0]["input_ids"])[0] is None
     # the default capture folder (train/recipe.py) is keyed by the layer set: eagle's and
     # eagle3's never mix
     folders = {capture_dir(tmp_path, r.target, r.train_ds, "chats", layers, None)

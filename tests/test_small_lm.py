@@ -400,7 +400,7 @@ def test_bench_grid_replay_equals_the_real_decoder(tmp_path):
 
 
 def test_bench_standard_errors_count_prompts_not_rounds():
-    from train.benchmarks.small_lm import paired_gap, ratio_se
+    from train.benchmarks.replaying import paired_gap, ratio_se
 
     assert ratio_se([3, 1], [1, 1]) == pytest.approx((2.0, 1.0))  # residuals +1, -1 over 2 prompts
     assert ratio_se([2, 4], [1, 2]) == pytest.approx((2.0, 0.0))  # every prompt at the ratio

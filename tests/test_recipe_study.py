@@ -1,0 +1,49 @@
+"""`python -m train.benchmarks.recipe` (issue 14's study) on the tiny target: arms trained as real
+`python -m train` processes on the study's settings, every checkpoint of a curve arm replayed on
+MT-bench and HumanEval answers, the table and the learning-curve plot."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from train.benchmarks.recipe import ARMS, arm_overrides, main
+
+
+def test_every_arm_composes_into_a_train_config(tmp_path):
+    """A misspelt override in ARMS would only fail hours into a study: compose every arm now."""
+    from argparse import Namespace
+
+    from train.benchmarks.replaying import compose
+
+    args = Namespace(tiny=False, features_dir=str(tmp_path), steps=10, save_every=5, seed=0, set=[])
+    for name in ARMS:
+        cfg = compose(arm_overrides(name, args))
+        assert cfg.trainer.features_dir == str(tmp_path) and cfg.trainer.max_steps == 10
+        assert cfg.drafter.name == ARMS[name][1][0].split("=")[1]
+    with pytest.raises(SystemExit, match="unknown arm"):
+        arm_overrides("eagle4", args)
+
+
+@pytest.mark.timeout(600)
+def test_study_trains_replays_and_plots(tmp_path):
+    out = tmp_path / "study"
+    md = main(["--tiny", "--out", str(out), "--arms", "eagle", "e3_ttt2", "--steps", "4",
+               "--save-every", "2", "--jobs", "2", "--threads", "1", "--replay-prompts", "2",
+               "--humaneval-prompts", "2", "--replay-tokens", "8", "--curves", "e3_ttt2"])
+    arms = [json.loads(line) for line in (out / "arms.jsonl").read_text().splitlines()]
+    assert sorted(a["run"] for a in arms) == ["e3_ttt2", "eagle"]
+    rep = [json.loads(line) for line in (out / "replay.jsonl").read_text().splitlines()]
+    # the curve arm: both checkpoints on both prompt sets; the other arm: its last checkpoint
+    assert sorted((r["arm"], r["step"], r["kind"]) for r in rep) == [
+        ("e3_ttt2", 2, "humaneval"), ("e3_ttt2", 2, "mtbench"), ("e3_ttt2", 4, "humaneval"),
+        ("e3_ttt2", 4, "mtbench"), ("eagle", 4, "humaneval"), ("eagle", 4, "mtbench")]
+    assert all(r["rounds"] > 0 and r["minutes"] > 0 for r in rep)
+    e3 = sorted((r for r in rep if r["arm"] == "e3_ttt2"), key=lambda r: r["step"])
+    assert e3[0]["minutes"] < e3[-1]["minutes"]  # the clock runs with the steps
+    assert "| eagle |" in md and "| e3_ttt2 |" in md and "replay tau k=5 humaneval" in md
+    assert (out / "curves.png").stat().st_size > 0
+    # a rerun trains and replays nothing again
+    main(["--tiny", "--out", str(out), "--replay-prompts", "2", "--humaneval-prompts", "2",
+          "--replay-tokens", "8", "--curves", "e3_ttt2"])
+    assert len((out / "replay.jsonl").read_text().splitlines()) == len(rep)

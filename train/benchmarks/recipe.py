@@ -1,0 +1,274 @@
+"""Recipe study (issue 14): which drafter and training recipe gives the most acceptance per minute
+of the default job's budget on the embedded default (SmolLM2, ShareGPT, 2 CPU cores).
+
+    python -m train.benchmarks.recipe --features-dir /data/feats_e3 --out runs/recipe \\
+        --arms eagle e3_ttt1 e3_ttt2 --jobs 2 --threads 1       # train the arms, 2 at a time
+    python -m train.benchmarks.recipe --out runs/recipe --curves e3_ttt2   # + a learning curve
+    python -m train.benchmarks.recipe --tiny --out /tmp/recipe --arms eagle e3_ttt2   # seconds
+
+Every arm is `python -m train` with the default job's settings plus the arm's overrides, run as
+its own process (OMP threads = --threads), on ONE offline capture shared by every arm
+(`--features-dir`: an EAGLE-3 capture of layers (2, L//2, L-3); its final hidden state also serves
+EAGLE-1 and small LMs), so arms differ only in what they name. The capture's cost is the same
+for every arm and not counted in their minutes. Every arm saves a checkpoint every --save-every
+steps; minutes are wall time from the arm's launch to the metrics line of that step (arms that
+ran concurrently shared the machine equally; the table says how many ran at once).
+
+Each arm's last checkpoint is scored by the greedy replay (decode/replay.py, train/benchmarks/
+replaying.py): the decoder's exact greedy chain rounds (k = --k) on the target's own greedy
+answers to --replay-prompts MT-bench prompts and --humaneval-prompts HumanEval prompts (prompts
+the job never trains on), tau with its standard error over prompts, and the paired gap of every
+arm to the best on the same prompts. --curves replays every checkpoint of the named arms: tau
+against training minutes and tokens, plotted to <out>/curves.png.
+
+Writes <out>/<arm>/ (the run), <out>/arms.jsonl (one line per finished arm), <out>/replay.jsonl
+(one line per replayed checkpoint), <out>/table.md (printed) and <out>/curves.png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from train.benchmarks.replaying import (TINY, append_row, paired_gap, read_rows, replay_answers,
+                                        replay_run)
+
+# name -> (what it tests, overrides on top of the default job). The default job: conf/train.yaml.
+ARMS: dict[str, tuple[str, list[str]]] = {
+    "eagle": ("EAGLE-1 (today's default), teacher-forced", ["drafter=eagle"]),
+    "eagle_u2": ("EAGLE-1, 2-step unroll", ["drafter=eagle", "drafter.train_unroll=2"]),
+    "e3_ttt1": ("EAGLE-3, no training-time test", ["drafter=eagle3", "drafter.ttt_length=1"]),
+    "e3_ttt2": ("EAGLE-3, ttt 2", ["drafter=eagle3", "drafter.ttt_length=2"]),
+    "e3_ttt3": ("EAGLE-3, ttt 3", ["drafter=eagle3", "drafter.ttt_length=3"]),
+    "e3_ttt2_tv": ("EAGLE-3, ttt 2, TV loss", ["drafter=eagle3", "drafter.ttt_length=2",
+                                               "trainer.loss=tv"]),
+    "e3_ttt2_lk": ("EAGLE-3, ttt 2, LK hybrid loss", ["drafter=eagle3", "drafter.ttt_length=2",
+                                                      "trainer.loss=lk_hybrid"]),
+    "e3_ttt2_init": ("EAGLE-3, ttt 2, layer from the target's last", [
+        "drafter=eagle3", "drafter.ttt_length=2", "drafter.init_from_target_layer=-1"]),
+    "e3_ttt2_lr3": ("EAGLE-3, ttt 2, lr 3e-3", ["drafter=eagle3", "drafter.ttt_length=2",
+                                                "trainer.lr=3e-3"]),
+    "e3_ttt2_v32k": ("EAGLE-3, ttt 2, draft vocab 32k", [
+        "drafter=eagle3", "drafter.ttt_length=2", "drafter.draft_vocab_size=32768"]),
+    "e3_ttt2_31": ("EAGLE-3.1 norms, ttt 2", ["drafter=eagle3", "drafter.ttt_length=2",
+                                              "drafter.fc_norm=true", "drafter.norm_output=true"]),
+    "peagle": ("P-EAGLE (all k drafts from one forward)", ["drafter=peagle"]),
+}
+
+
+def arm_overrides(name: str, args) -> list[str]:
+    """The arm's full override list: the default job, the arm's own keys, the study's settings."""
+    if name not in ARMS:
+        raise SystemExit(f"unknown arm {name!r}; known: {', '.join(ARMS)}")
+    base = TINY if args.tiny else []
+    feats = [] if args.tiny else [f"trainer.features_dir={args.features_dir}"]
+    return [*base, *ARMS[name][1], *feats, f"trainer.max_steps={args.steps}",
+            f"trainer.save_every={args.save_every}", "trainer.keep_last=1000",
+            "trainer.eval_every=0", "trainer.final_eval=null", f"seed={args.seed}", *args.set]
+
+
+def launch(name: str, args, out: Path) -> subprocess.Popen:
+    run_dir = out / name
+    resume = (run_dir / "checkpoints").is_dir()
+    cmd = [sys.executable, "-m", "train", *arm_overrides(name, args), f"run_dir={run_dir}",
+           f"resume={str(resume).lower()}"]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "WANDB_MODE": "offline",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
+                                          os.environ.get("PYTHONPATH", "")])}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not resume:
+        (run_dir / "launch.json").write_text(json.dumps({"time": time.time(), "cmd": cmd}))
+    print(f"== train {name}: {' '.join(cmd[2:])}", flush=True)
+    return subprocess.Popen(cmd, env=env, stdout=open(run_dir / "stdout.log", "a"),
+                            stderr=subprocess.STDOUT)
+
+
+def train_arms(names: list[str], args, out: Path) -> None:
+    """Train the arms not finished yet, --jobs at a time; one line per finished arm."""
+    done = read_rows(out / "arms.jsonl")
+    todo = [n for n in names if n not in done]
+    running: dict[str, subprocess.Popen] = {}
+    while todo or running:
+        while todo and len(running) < args.jobs:
+            n = todo.pop(0)
+            running[n] = launch(n, args, out)
+        time.sleep(2)
+        for n, p in list(running.items()):
+            if p.poll() is None:
+                continue
+            del running[n]
+            if p.returncode != 0:
+                raise SystemExit(f"arm {n} failed (exit {p.returncode}): see {out / n}/stdout.log")
+            append_row(out / "arms.jsonl", {"run": n, "what": ARMS[n][0], "overrides": ARMS[n][1],
+                                            "steps": args.steps, "concurrent": args.jobs,
+                                            "threads": args.threads, "run_dir": str(out / n)})
+
+
+def checkpoint_clock(run_dir: Path) -> dict[int, float]:
+    """step -> minutes from the arm's launch to its metrics line of that step."""
+    t0 = json.loads((run_dir / "launch.json").read_text())["time"]
+    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    return {r["step"]: (r["time"] - t0) / 60 for r in rows if "loss" in r}
+
+
+def tokens_per_step(run_dir: Path) -> float:
+    """Mean target tokens per optimizer step: batch x the mean train conversation length."""
+    import yaml
+
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    man = Path(cfg["trainer"]["features_dir"] or "") / "manifest.json"
+    conv_tokens = json.loads(man.read_text()).get("tokens") if man.is_file() else None
+    if conv_tokens is None:  # older captures: count the tokens of the shards' offsets
+        from safetensors import safe_open
+
+        total = n = 0
+        for f in sorted(man.parent.glob("shard-*.safetensors")):
+            with safe_open(str(f), framework="pt") as sh:
+                off = sh.get_tensor("offsets")
+                total, n = total + int(off[-1]), n + len(off) - 1
+        conv_tokens = total / max(n, 1)
+    return cfg["trainer"]["batch_size"] * cfg["trainer"].get("grad_accum", 1) * conv_tokens
+
+
+def replay_arm(target, name: str, args, out: Path, answers: dict, every: bool) -> list[dict]:
+    """Replay the arm's last checkpoint (every checkpoint with `every`) on each prompt set."""
+    from train.checkpoint import complete_checkpoints
+
+    run_dir = out / name
+    done = read_rows(out / "replay.jsonl")
+    ckpts = complete_checkpoints(run_dir)
+    if not ckpts:
+        raise SystemExit(f"{run_dir} has no complete checkpoint")
+    clock = checkpoint_clock(run_dir)
+    per_tok = None if args.tiny else tokens_per_step(run_dir)
+    rows = []
+    for ck in ckpts if every else ckpts[-1:]:
+        step = int(ck.name.split("-")[-1])
+        for kind, ans in answers.items():
+            key = f"{name}@{step}@{kind}@{len(ans)}x{args.replay_tokens}@k{args.k}"
+            if key not in done:
+                print(f"== replay {key}", flush=True)
+                row = replay_run(target, key, ck, ans, args)
+                row.update(arm=name, step=step, kind=kind, minutes=clock.get(step),
+                           tokens=None if per_tok is None else step * per_tok)
+                append_row(out / "replay.jsonl", row)
+                done[key] = row
+            rows.append(done[key])
+    return rows
+
+
+def table(arms: list[dict], replays: list[dict], k: int) -> str:
+    """The last checkpoint of every arm: tau on each prompt set, paired gaps to the best arm."""
+    last = {}
+    for r in replays:
+        cur = last.get((r["arm"], r["kind"]))
+        if cur is None or r["step"] > cur["step"]:
+            last[(r["arm"], r["kind"])] = r
+    kinds = sorted({kd for _, kd in last}, key=lambda kd: kd != "mtbench")
+    mt = {a: r for (a, kd), r in last.items() if kd == "mtbench"}
+    best = max(mt.values(), key=lambda r: r["replay_tau"]) if mt else None
+    head = " | ".join(f"replay tau k={k} {kd}" for kd in kinds)
+    lines = [f"| arm | what | steps | minutes | {head} | gap to best (MT-bench) |",
+             "|---|---|---:|---:|" + "---:|" * len(kinds) + "---:|"]
+    for a in sorted(arms, key=lambda a: -(mt[a["run"]]["replay_tau"] if a["run"] in mt else 0)):
+        n = a["run"]
+        cells = [f"{last[(n, kd)]['replay_tau']:.3f} ± {last[(n, kd)]['replay_tau_se']:.3f}"
+                 if (n, kd) in last else "-" for kd in kinds]
+        m = mt.get(n)
+        gap = "-" if m is None or m is best else "{:+.3f} ± {:.3f}".format(
+            *(-x if i == 0 else x for i, x in enumerate(paired_gap(best, m, "tau"))))
+        mins = "-" if m is None or m["minutes"] is None else f"{m['minutes']:.1f}"
+        lines.append(f"| {n} | {a['what']} | {m['step'] if m else '-'} | {mins} | "
+                     f"{' | '.join(cells)} | {gap} |")
+    if mt:
+        one = next(iter(mt.values()))
+        lines.append(f"\n{one['replay_prompts']} MT-bench prompts x {one['replay_tokens']} tokens "
+                     f"of the target's greedy answers; ± = standard error over prompts; gaps "
+                     f"paired prompt by prompt. Best: {best['arm']}.")
+    return "\n".join(lines)
+
+
+def plot(replays: list[dict], arms: list[str], path: Path) -> None:
+    """tau (MT-bench replay) against training minutes and tokens, one line per arm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for arm in arms:
+        pts = sorted((r for r in replays if r["arm"] == arm and r["kind"] == "mtbench"),
+                     key=lambda r: r["step"])
+        if not pts:
+            continue
+        for ax, key, scale in ((axes[0], "minutes", 1.0), (axes[1], "tokens", 1e-6)):
+            xs = [r[key] * scale for r in pts if r[key] is not None]
+            ys = [r["replay_tau"] for r in pts if r[key] is not None]
+            es = [r["replay_tau_se"] for r in pts if r[key] is not None]
+            ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=arm)
+    axes[0].set_xlabel("training minutes (wall, from launch; capture excluded)")
+    axes[1].set_xlabel("target tokens seen (millions)")
+    for ax in axes:
+        ax.set_ylabel("greedy replay tau (MT-bench, chain)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> str:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--out", default="runs/recipe", help="folder of the arms and the results")
+    ap.add_argument("--arms", nargs="*", default=[], help=f"arms to train: {', '.join(ARMS)}")
+    ap.add_argument("--features-dir", help="the shared offline capture (an EAGLE-3 layer set)")
+    ap.add_argument("--steps", type=int, default=1000, help="optimizer steps of every arm")
+    ap.add_argument("--save-every", type=int, default=250, help="checkpoint (curve point) interval")
+    ap.add_argument("--jobs", type=int, default=1, help="arms trained at once")
+    ap.add_argument("--threads", type=int, default=2, help="OMP threads per arm")
+    ap.add_argument("--k", type=int, default=5, help="chain draft length of the replay")
+    ap.add_argument("--replay-prompts", type=int, default=40, help="MT-bench prompts replayed")
+    ap.add_argument("--humaneval-prompts", type=int, default=20, help="HumanEval prompts replayed")
+    ap.add_argument("--replay-tokens", type=int, default=128, help="answer length of the replay")
+    ap.add_argument("--curves", nargs="*", default=[], help="arms whose every checkpoint is replayed")
+    ap.add_argument("--no-replay", action="store_true", help="train only")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tiny", action="store_true", help="random-init tiny target: checks the script")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra Hydra override for every arm (repeatable)")
+    args = ap.parse_args(argv)
+    args.alpha_prompts = 0  # replay_run: no temperature-1 acceptance here
+    if args.arms and not args.tiny and not args.features_dir:
+        raise SystemExit("--features-dir is required to train arms: capture once with `python -m "
+                         "data.capture out=<dir> layers=[2,15,27] autocast=bfloat16` (SmolLM2)")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    train_arms(args.arms, args, out)
+    arms = list(read_rows(out / "arms.jsonl").values())
+    replays = [r for r in read_rows(out / "replay.jsonl").values()
+               if (r["replay_tokens"], r["k"]) == (args.replay_tokens, args.k)]
+    if not args.no_replay and arms:
+        from train.benchmarks.replaying import compose
+        from drafters.target import load_target
+
+        target = load_target(compose((TINY if args.tiny else []) + args.set).target, training=True)
+        answers = {"mtbench": replay_answers(target, args.replay_prompts, args.replay_tokens, out)}
+        if args.humaneval_prompts:
+            answers["humaneval"] = replay_answers(target, args.humaneval_prompts,
+                                                  args.replay_tokens, out, kind="humaneval")
+        replays = [r for a in arms for r in replay_arm(target, a["run"], args, out, answers,
+                                                         every=a["run"] in args.curves)]
+    md = table(arms, replays, args.k)
+    (out / "table.md").write_text(md + "\n")
+    if args.curves:
+        plot(replays, args.curves, out / "curves.png")
+    print(md)
+    return md
+
+
+if __name__ == "__main__":
+    main()

@@ -30,6 +30,7 @@ from decode.evaluate import is_near_tie, render
 from decode.metrics import RunMetrics
 from decode.spec import GenerationResult, generate
 from drafters.base import build_drafter, load_drafter
+from drafters.precision import cast_drafter
 from drafters.ngram import NgramConfig
 from drafters.target import NATIVE_BF16_FLAGS, TargetConfig, cpu_flags, load_target
 
@@ -108,19 +109,6 @@ def build_modes(target, drafters: list, args) -> dict:
     return modes
 
 
-def cast_own(drafter, target, dtype: torch.dtype):
-    """Cast the drafter's own floating parameters and buffers to dtype, leaving the modules it
-    shares with the target (EAGLE's frozen embedding and LM head) alone: `drafter.to(dtype)`
-    would cast the target's weights in place and change the target being measured."""
-    shared = {p.data_ptr() for p in target.model.parameters()}
-    for mod in drafter.modules():
-        for store in (mod._parameters, mod._buffers):
-            for name, t in store.items():
-                if t is not None and t.is_floating_point() and t.data_ptr() not in shared:
-                    t.data = t.data.to(dtype)
-    return drafter
-
-
 def load_drafters(target, ckpts: list[str], drafter_dtypes: list[str]) -> list:
     """(label, drafter) per checkpoint and drafter dtype ("target" = the target's dtype)."""
     out = []
@@ -128,7 +116,7 @@ def load_drafters(target, ckpts: list[str], drafter_dtypes: list[str]) -> list:
         for dd in drafter_dtypes:
             d = load_drafter(Path(path), target).eval()
             dtype = target.dtype if dd == "target" else getattr(torch, dd)
-            cast_own(d, target, dtype)
+            cast_drafter(d, target, dtype)
             out.append((f"{d.name} (drafter {str(dtype).removeprefix('torch.')})", d))
     return out
 

@@ -42,6 +42,9 @@ class DecodeConfig:
     min_confidence: float = 0.0  # adaptive draft length: stop drafting below this draft prob (0 = off)
     compare_plain: bool = True  # also decode plainly: speedup and a token-identity check (greedy)
     seed: int = 0  # sampling seed
+    # the drafter's dtype: target = the target's (bf16 drafting on native-bf16 CPUs), or a dtype
+    # name; any dtype is lossless (the target verifies), it only changes drafting speed and tau
+    drafter_dtype: str = "target"
     run_dir: str = "runs/decode/${now:%Y-%m-%d_%H-%M-%S}"  # outputs: result JSON, markdown table
 
 

@@ -130,6 +130,8 @@ def evaluate_drafter(target, drafter: Drafter | None, *, eval_kind: str = "mtben
     # "lossless" = identical to plain decoding with the same target at the same dtype: record which
     summary.update(target.dtype_choice.as_dict() if hasattr(target, "dtype_choice") else
                    {"target_dtype": str(target.dtype).removeprefix("torch.")})
+    own = [t.dtype for t in (drafter.parameters() if drafter is not None else ()) if t.is_floating_point()]
+    summary["drafter_dtype"] = str(own[0]).removeprefix("torch.") if own else None
     summary["tau"] = spec_m.tau
     summary["tau_draft"] = spec_m.tau_draft
     if plain_results:
@@ -208,9 +210,22 @@ def load_decode_drafter(cfg: DictConfig, target) -> Drafter | None:
     return build_drafter(cfg.drafter, target)
 
 
+def decode_drafter_dtype(setting: str, target) -> torch.dtype:
+    """decode's drafter_dtype: "target" = the target's dtype (bf16 drafting where the target runs
+    bf16), else a dtype name."""
+    from drafters.precision import DTYPES
+
+    if setting == "target":
+        return target.dtype
+    if setting not in DTYPES:
+        raise ValueError(f"drafter_dtype={setting!r}: use target or one of {', '.join(DTYPES)}")
+    return DTYPES[setting]
+
+
 def run(cfg: DictConfig) -> None:
     from decode.config import DECODE_RULES
     from drafters.cli import check_ranges
+    from drafters.precision import cast_drafter
     from drafters.target import load_target
 
     check_ranges(cfg, DECODE_RULES)
@@ -221,6 +236,7 @@ def run(cfg: DictConfig) -> None:
     drafter = load_decode_drafter(cfg, target)
     if drafter is not None:
         drafter.to(target.device).eval()
+        cast_drafter(drafter, target, decode_drafter_dtype(cfg.drafter_dtype, target))
     sampling = SamplingParams(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
     result = evaluate_drafter(target, drafter, eval_kind=cfg.eval.kind, path=cfg.eval.path,
                               limit=cfg.eval.limit, turns=cfg.eval.turns,

@@ -111,3 +111,22 @@ def set_threads(threads: int = 0) -> int:
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
     return n
+
+
+def cast_drafter(drafter, target, dtype: torch.dtype):
+    """Run `drafter` at `dtype` (at decode time: the target's, so the draft steps get the same
+    native-bf16 speed-up as the target's). Casts the drafter's OWN floating parameters and buffers
+    and the compute dtype of the target modules it calls (`Shared`), never the modules it shares
+    with the target: `drafter.to(dtype)` would cast the target's embedding / LM head in place and
+    change the target being verified against. Lossless at any dtype: the target verifies."""
+    from drafters.head import Shared
+
+    shared = {p.data_ptr() for p in target.model.parameters()}
+    for mod in drafter.modules():
+        if isinstance(mod, Shared):
+            mod.dtype = dtype
+        for store in (mod._parameters, mod._buffers):
+            for name, t in store.items():
+                if t is not None and t.is_floating_point() and t.data_ptr() not in shared:
+                    t.data = t.data.to(dtype)
+    return drafter

@@ -236,3 +236,44 @@ def test_bench_runs_a_trained_drafter_at_each_dtype_losslessly(tiny_run, tiny_ta
     for name in ("eagle (drafter bfloat16) k=3", "eagle (drafter bfloat16) tree",
                  "eagle (drafter float32) k=3"):
         assert torch.equal(modes[name](ids).tokens, ref), name
+
+
+@pytest.mark.parametrize("name", ["eagle", "eagle3", "peagle", "medusa", "small_lm"])
+def test_cast_drafter_runs_every_drafter_at_bf16_losslessly(tiny_target_cfg, name):
+    """decode's drafter_dtype=target: a drafter cast to bf16 on an fp32 target drafts in bf16 (its
+    own weights and the compute dtype of the target modules it calls), leaves the target's weights
+    alone, and the output is still plain decoding's."""
+    from drafters.base import CONFIGS, build_drafter
+    from drafters.head import Shared
+    from drafters.precision import cast_drafter
+
+    t = load_target(tiny_target_cfg)  # float32
+    d = build_drafter(CONFIGS[name](), t).eval()
+    cast_drafter(d, t, torch.bfloat16)
+    own = [p for p in d.parameters() if p.is_floating_point()]
+    assert own and all(p.dtype == torch.bfloat16 for p in own)
+    assert all(m.dtype == torch.bfloat16 for m in d.modules() if isinstance(m, Shared))
+    assert all(p.dtype == torch.float32 for p in t.model.parameters())
+    ids = torch.arange(5, 25)
+    ref = generate(t, None, ids, max_new_tokens=12).tokens
+    out = generate(t, d, ids, max_new_tokens=12, k=3)
+    assert torch.equal(out.tokens, ref) and len(out.accepted) > 0
+
+
+def test_decode_casts_the_drafter_to_the_target_dtype(tiny_run, tmp_path):
+    """`python -m decode ckpt=... drafter_dtype=...` records the dtype the drafter ran at."""
+    from hydra import compose, initialize_config_dir
+
+    import decode.__main__  # noqa: F401  (stores the schemas)
+    from decode.evaluate import run
+
+    conf = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "conf")
+    for setting, want in (("target", "float32"), ("bfloat16", "bfloat16")):
+        with initialize_config_dir(config_dir=conf, version_base="1.3"):
+            cfg = compose(config_name="decode", overrides=[
+                "target=tiny", f"ckpt={tiny_run}", "eval.limit=1", "max_new_tokens=8",
+                f"drafter_dtype={setting}", f"run_dir={tmp_path / setting}"])
+        run(cfg)
+        s = json.loads((tmp_path / setting / "result.json").read_text())["summary"]
+        assert s["drafter_dtype"] == want and s["target_dtype"] == "float32"
+        assert s["outputs_identical_to_plain"] is True

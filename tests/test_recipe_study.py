@@ -21,23 +21,26 @@ def test_every_arm_composes_into_a_train_config(tmp_path):
         cfg = compose(arm_overrides(name, args))
         assert cfg.trainer.features_dir == str(tmp_path) and cfg.trainer.max_steps == 10
         assert cfg.drafter.name == ARMS[name][1][0].split("=")[1]
+    assert "trainer.max_steps=30" in arm_overrides("eagle:30", args)  # an arm of its own length
     with pytest.raises(SystemExit, match="unknown arm"):
         arm_overrides("eagle4", args)
+    with pytest.raises(SystemExit, match="positive integer"):
+        arm_overrides("eagle:ten", args)
 
 
 @pytest.mark.timeout(600)
 def test_study_trains_replays_and_plots(tmp_path):
     out = tmp_path / "study"
-    md = main(["--tiny", "--out", str(out), "--arms", "eagle", "e3_ttt2", "--steps", "4",
+    md = main(["--tiny", "--out", str(out), "--arms", "eagle:2", "e3_ttt2", "--steps", "4",
                "--save-every", "2", "--jobs", "2", "--threads", "1", "--replay-prompts", "2",
                "--humaneval-prompts", "2", "--replay-tokens", "8", "--curves", "e3_ttt2"])
     arms = [json.loads(line) for line in (out / "arms.jsonl").read_text().splitlines()]
-    assert sorted(a["run"] for a in arms) == ["e3_ttt2", "eagle"]
+    assert sorted((a["run"], a["steps"]) for a in arms) == [("e3_ttt2", 4), ("eagle", 2)]
     rep = [json.loads(line) for line in (out / "replay.jsonl").read_text().splitlines()]
     # the curve arm: both checkpoints on both prompt sets; the other arm: its last checkpoint
     assert sorted((r["arm"], r["step"], r["kind"]) for r in rep) == [
         ("e3_ttt2", 2, "humaneval"), ("e3_ttt2", 2, "mtbench"), ("e3_ttt2", 4, "humaneval"),
-        ("e3_ttt2", 4, "mtbench"), ("eagle", 4, "humaneval"), ("eagle", 4, "mtbench")]
+        ("e3_ttt2", 4, "mtbench"), ("eagle", 2, "humaneval"), ("eagle", 2, "mtbench")]
     assert all(r["rounds"] > 0 and r["minutes"] > 0 for r in rep)
     e3 = sorted((r for r in rep if r["arm"] == "e3_ttt2"), key=lambda r: r["step"])
     assert e3[0]["minutes"] < e3[-1]["minutes"]  # the clock runs with the steps

@@ -30,6 +30,7 @@ from data.dataset import load_chat_dataset
 from data.regenerate import self_distilled
 from decode.simulate import simulate_acceptance
 from drafters.base import TrainBatch, build_drafter, fit_draft_vocab, load_drafter
+from drafters.precision import cast_drafter
 from drafters.target import cache_root, load_target
 from drafters.cli import check_ranges
 from train import checkpoint as ckpt
@@ -340,15 +341,27 @@ class DistillRecipe:
             return None
         from decode.evaluate import evaluate_drafter
 
-        best = self.run_dir / "best"
-        drafter = load_drafter(best, self.target) if best.is_dir() else self.drafter
-        result = evaluate_drafter(self.target, drafter.eval(), eval_kind=name,
+        best, target, drafter = self.run_dir / "best", self.target, self.drafter
+        if best.is_dir():  # measured as `python -m decode` would: the target at decode's dtype
+            target = self._decode_target()  # (auto: bf16 on native-bf16 CPUs), drafter cast to it
+            drafter = cast_drafter(load_drafter(best, target).to(target.device), target, target.dtype)
+        result = evaluate_drafter(target, drafter.eval(), eval_kind=name,
                                   limit=self.tcfg.final_eval_limit,
                                   max_new_tokens=self.tcfg.final_eval_max_new_tokens,
                                   k=self.tcfg.eval_k, out_dir=self.run_dir / "final_eval")
         self.loggers.log_decoder_eval(result["summary"], self.step)  # + histogram, bar charts
         write_report(self.run_dir)
         return result
+
+    def _decode_target(self):
+        """The target as decoding loads it: training resolves target.dtype=auto to float32, the
+        decoder to the machine's fastest lossless dtype; reload only when they differ."""
+        from drafters.precision import resolve_dtype
+
+        want = resolve_dtype(str(self.cfg.target.dtype), str(self.cfg.target.device)).dtype
+        if want == str(self.target.dtype).removeprefix("torch."):
+            return self.target
+        return load_target(self.cfg.target)
 
     def cleanup(self) -> None:
         self.loggers.close()

@@ -60,21 +60,32 @@ ARMS: dict[str, tuple[str, list[str]]] = {
 }
 
 
-def arm_overrides(name: str, args) -> list[str]:
-    """The arm's full override list: the default job, the arm's own keys, the study's settings."""
+def split_arm(spec: str, args) -> tuple[str, int]:
+    """"name" or "name:steps" (an arm of another length, e.g. a cheaper recipe run for as many
+    minutes as a costlier one) -> (name, steps)."""
+    name, _, steps = spec.partition(":")
     if name not in ARMS:
         raise SystemExit(f"unknown arm {name!r}; known: {', '.join(ARMS)}")
+    if steps and not steps.isdigit():
+        raise SystemExit(f"arm {spec!r}: the steps after ':' must be a positive integer")
+    return name, int(steps) if steps else args.steps
+
+
+def arm_overrides(spec: str, args) -> list[str]:
+    """The arm's full override list: the default job, the arm's own keys, the study's settings."""
+    name, steps = split_arm(spec, args)
     base = TINY if args.tiny else []
     feats = [] if args.tiny else [f"trainer.features_dir={args.features_dir}"]
-    return [*base, *ARMS[name][1], *feats, f"trainer.max_steps={args.steps}",
+    return [*base, *ARMS[name][1], *feats, f"trainer.max_steps={steps}",
             f"trainer.save_every={args.save_every}", "trainer.keep_last=1000",
             "trainer.eval_every=0", "trainer.final_eval=null", f"seed={args.seed}", *args.set]
 
 
-def launch(name: str, args, out: Path) -> subprocess.Popen:
+def launch(spec: str, args, out: Path) -> subprocess.Popen:
+    name = split_arm(spec, args)[0]
     run_dir = out / name
     resume = (run_dir / "checkpoints").is_dir()
-    cmd = [sys.executable, "-m", "train", *arm_overrides(name, args), f"run_dir={run_dir}",
+    cmd = [sys.executable, "-m", "train", *arm_overrides(spec, args), f"run_dir={run_dir}",
            f"resume={str(resume).lower()}"]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "WANDB_MODE": "offline",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
@@ -90,21 +101,22 @@ def launch(name: str, args, out: Path) -> subprocess.Popen:
 def train_arms(names: list[str], args, out: Path) -> None:
     """Train the arms not finished yet, --jobs at a time; one line per finished arm."""
     done = read_rows(out / "arms.jsonl")
-    todo = [n for n in names if n not in done]
+    todo = [s for s in names if split_arm(s, args)[0] not in done]
     running: dict[str, subprocess.Popen] = {}
     while todo or running:
         while todo and len(running) < args.jobs:
-            n = todo.pop(0)
-            running[n] = launch(n, args, out)
+            s = todo.pop(0)
+            running[s] = launch(s, args, out)
         time.sleep(2)
-        for n, p in list(running.items()):
+        for s, p in list(running.items()):
             if p.poll() is None:
                 continue
-            del running[n]
+            del running[s]
+            n, steps = split_arm(s, args)
             if p.returncode != 0:
                 raise SystemExit(f"arm {n} failed (exit {p.returncode}): see {out / n}/stdout.log")
             append_row(out / "arms.jsonl", {"run": n, "what": ARMS[n][0], "overrides": ARMS[n][1],
-                                            "steps": args.steps, "concurrent": args.jobs,
+                                            "steps": steps, "concurrent": args.jobs,
                                             "threads": args.threads, "run_dir": str(out / n)})
 
 
@@ -224,7 +236,8 @@ def plot(replays: list[dict], arms: list[str], path: Path) -> None:
 def main(argv: list[str] | None = None) -> str:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", default="runs/recipe", help="folder of the arms and the results")
-    ap.add_argument("--arms", nargs="*", default=[], help=f"arms to train: {', '.join(ARMS)}")
+    ap.add_argument("--arms", nargs="*", default=[],
+                    help=f"arms to train, each NAME or NAME:STEPS: {', '.join(ARMS)}")
     ap.add_argument("--features-dir", help="the shared offline capture (an EAGLE-3 layer set)")
     ap.add_argument("--steps", type=int, default=1000, help="optimizer steps of every arm")
     ap.add_argument("--save-every", type=int, default=250, help="checkpoint (curve point) interval")

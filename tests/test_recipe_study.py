@@ -50,3 +50,12 @@ def test_study_trains_replays_and_plots(tmp_path):
     main(["--tiny", "--out", str(out), "--replay-prompts", "2", "--humaneval-prompts", "2",
           "--replay-tokens", "8", "--curves", "e3_ttt2"])
     assert len((out / "replay.jsonl").read_text().splitlines()) == len(rep)
+
+
+def test_step_costs_interleave_the_arms_in_one_process(tmp_path):
+    md = main(["--tiny", "--out", str(tmp_path), "--step-costs", "eagle", "e3_ttt2", "--threads",
+               "1", "--cost-rounds", "2", "--cost-steps", "1"])
+    rows = json.loads((tmp_path / "step_costs.json").read_text())["rows"]
+    assert list(rows) == ["eagle", "e3_ttt2"] and all(len(r["rounds"]) == 2 for r in rows.values())
+    assert rows["eagle"]["vs_first"] == 1.0 and rows["e3_ttt2"]["s_per_step"] > 0
+    assert "| e3_ttt2 |" in md

@@ -120,6 +120,48 @@ def train_arms(names: list[str], args, out: Path) -> None:
                                             "threads": args.threads, "run_dir": str(out / n)})
 
 
+def step_costs(names: list[str], args, out: Path) -> str:
+    """Seconds per optimizer step of each arm's recipe, measured in ONE process with the arms
+    interleaved (round r: --cost-steps steps of every arm in turn, after one warm-up round), on
+    the same batches (same seed, same capture): the price of a recipe, free of the load that
+    concurrent arms and other jobs put on a shared machine."""
+    import statistics
+    import tempfile
+
+    import torch
+
+    from train.benchmarks.replaying import compose
+    from train.recipe import DistillRecipe
+
+    torch.set_num_threads(args.threads)
+    recipes = {}
+    tmp = Path(tempfile.mkdtemp(prefix="step_costs_"))
+    for spec in names:
+        name = split_arm(spec, args)[0]
+        cfg = compose(arm_overrides(spec, args) + [f"run_dir={tmp / name}", "logger=jsonl"])
+        recipes[name] = DistillRecipe(cfg)
+        recipes[name].setup()
+    times: dict[str, list[float]] = {n: [] for n in recipes}
+    for rnd in range(args.cost_rounds + 1):  # round 0 warms up
+        for name, r in recipes.items():
+            t0 = time.perf_counter()
+            for _ in range(args.cost_steps):
+                r.train_step()
+            if rnd:
+                times[name].append((time.perf_counter() - t0) / args.cost_steps)
+    for r in recipes.values():
+        r.cleanup()
+    ref = statistics.median(times[next(iter(times))])
+    rows = {n: {"s_per_step": statistics.median(t), "rounds": t,
+                "vs_first": statistics.median(t) / ref} for n, t in times.items()}
+    (out / "step_costs.json").write_text(json.dumps({"threads": args.threads, "rows": rows}, indent=1))
+    first = next(iter(rows))
+    lines = [f"| arm | s / step (median) | per round | vs {first} |", "|---|---:|---|---:|"]
+    lines += [f"| {n} | {r['s_per_step']:.2f} | {', '.join(f'{x:.2f}' for x in r['rounds'])} | "
+              f"{r['vs_first']:.2f}x |" for n, r in rows.items()]
+    return "\n".join(lines)
+
+
 def checkpoint_clock(run_dir: Path) -> dict[int, float]:
     """step -> minutes from the arm's launch to its metrics line of that step."""
     t0 = json.loads((run_dir / "launch.json").read_text())["time"]
@@ -249,17 +291,25 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--replay-tokens", type=int, default=128, help="answer length of the replay")
     ap.add_argument("--curves", nargs="*", default=[], help="arms whose every checkpoint is replayed")
     ap.add_argument("--no-replay", action="store_true", help="train only")
+    ap.add_argument("--step-costs", nargs="*", metavar="ARM",
+                    help="train nothing: seconds per step of these arms, interleaved in one process")
+    ap.add_argument("--cost-rounds", type=int, default=3, help="--step-costs: measured rounds")
+    ap.add_argument("--cost-steps", type=int, default=4, help="--step-costs: steps per arm and round")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tiny", action="store_true", help="random-init tiny target: checks the script")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="extra Hydra override for every arm (repeatable)")
     args = ap.parse_args(argv)
     args.alpha_prompts = 0  # replay_run: no temperature-1 acceptance here
-    if args.arms and not args.tiny and not args.features_dir:
+    if (args.arms or args.step_costs) and not args.tiny and not args.features_dir:
         raise SystemExit("--features-dir is required to train arms: capture once with `python -m "
                          "data.capture out=<dir> layers=[2,15,27] autocast=bfloat16` (SmolLM2)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.step_costs:
+        md = step_costs(args.step_costs, args, out)
+        print(md)
+        return md
     train_arms(args.arms, args, out)
     arms = list(read_rows(out / "arms.jsonl").values())
     replays = [r for r in read_rows(out / "replay.jsonl").values()

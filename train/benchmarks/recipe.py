@@ -77,7 +77,8 @@ def arm_overrides(spec: str, args) -> list[str]:
     base = TINY if args.tiny else []
     feats = [] if args.tiny else [f"trainer.features_dir={args.features_dir}"]
     return [*base, *ARMS[name][1], *feats, f"trainer.max_steps={steps}",
-            f"trainer.save_every={args.save_every}", "trainer.keep_last=1000",
+            f"trainer.save_every={args.save_every}",
+            f"trainer.keep_last={steps // max(args.save_every, 1) + 1}",  # every curve point
             "trainer.eval_every=0", "trainer.final_eval=null", f"seed={args.seed}", *args.set]
 
 

@@ -41,9 +41,9 @@ def test_study_trains_replays_and_plots(tmp_path):
     assert sorted((r["arm"], r["step"], r["kind"]) for r in rep) == [
         ("e3_ttt2", 2, "humaneval"), ("e3_ttt2", 2, "mtbench"), ("e3_ttt2", 4, "humaneval"),
         ("e3_ttt2", 4, "mtbench"), ("eagle", 2, "humaneval"), ("eagle", 2, "mtbench")]
-    assert all(r["rounds"] > 0 and r["minutes"] > 0 for r in rep)
+    assert all(r["rounds"] > 0 and r["wall_minutes"] > 0 for r in rep)
     e3 = sorted((r for r in rep if r["arm"] == "e3_ttt2"), key=lambda r: r["step"])
-    assert e3[0]["minutes"] < e3[-1]["minutes"]  # the clock runs with the steps
+    assert e3[0]["wall_minutes"] < e3[-1]["wall_minutes"]  # the clock runs with the steps
     assert "| eagle |" in md and "| e3_ttt2 |" in md and "replay tau k=5 humaneval" in md
     assert (out / "curves.png").stat().st_size > 0
     # a rerun trains and replays nothing again
@@ -59,3 +59,11 @@ def test_step_costs_interleave_the_arms_in_one_process(tmp_path):
     assert list(rows) == ["eagle", "e3_ttt2"] and all(len(r["rounds"]) == 2 for r in rows.values())
     assert rows["eagle"]["vs_first"] == 1.0 and rows["e3_ttt2"]["s_per_step"] > 0
     assert "| e3_ttt2 |" in md
+    # with measured prices, an arm's minutes are its steps x its seconds per step, not the wall
+    from train.benchmarks.recipe import price_minutes
+
+    reps = [{"arm": "e3_ttt2", "step": 60, "wall_minutes": 99.0},
+            {"arm": "other", "step": 60, "wall_minutes": 7.0}]
+    price_minutes(reps, tmp_path)
+    assert reps[0]["minutes"] == pytest.approx(rows["e3_ttt2"]["s_per_step"])  # 60 steps x s / 60
+    assert reps[1]["minutes"] == 7.0  # not measured: the wall clock

@@ -11,8 +11,10 @@ its own process (OMP threads = --threads), on ONE offline capture shared by ever
 (`--features-dir`: an EAGLE-3 capture of layers (2, L//2, L-3); its final hidden state also serves
 EAGLE-1 and small LMs), so arms differ only in what they name. The capture's cost is the same
 for every arm and not counted in their minutes. Every arm saves a checkpoint every --save-every
-steps; minutes are wall time from the arm's launch to the metrics line of that step (arms that
-ran concurrently shared the machine equally; the table says how many ran at once).
+steps. Minutes: wall time from the arm's launch to the metrics line of that step ("wall min",
+load-dependent: concurrent arms and other jobs share the machine), and, once `--step-costs` has
+measured the arms' seconds per step interleaved in one process, "min @ cost" = steps x that
+price: the comparison at equal minutes that the load cannot bias.
 
 Each arm's last checkpoint is scored by the greedy replay (decode/replay.py, train/benchmarks/
 replaying.py): the decoder's exact greedy chain rounds (k = --k) on the target's own greedy
@@ -208,12 +210,24 @@ def replay_arm(target, name: str, args, out: Path, answers: dict, every: bool) -
             if key not in done:
                 print(f"== replay {key}", flush=True)
                 row = replay_run(target, key, ck, ans, args)
-                row.update(arm=name, step=step, kind=kind, minutes=clock.get(step),
+                row.update(arm=name, step=step, kind=kind, wall_minutes=clock.get(step),
                            tokens=None if per_tok is None else step * per_tok)
                 append_row(out / "replay.jsonl", row)
                 done[key] = row
             rows.append(done[key])
     return rows
+
+
+def price_minutes(replays: list[dict], out: Path) -> None:
+    """Set r["minutes"] = steps x the arm's measured seconds per step (<out>/step_costs.json) where
+    measured, else the wall minutes."""
+    path = out / "step_costs.json"
+    cost = json.loads(path.read_text())["rows"] if path.is_file() else {}
+    for r in replays:
+        wall = r.get("wall_minutes", r.get("minutes"))
+        r["wall_minutes"] = wall
+        r["minutes"] = (r["step"] * cost[r["arm"]]["s_per_step"] / 60 if r["arm"] in cost
+                        else wall)
 
 
 def table(arms: list[dict], replays: list[dict], k: int) -> str:
@@ -227,8 +241,8 @@ def table(arms: list[dict], replays: list[dict], k: int) -> str:
     mt = {a: r for (a, kd), r in last.items() if kd == "mtbench"}
     best = max(mt.values(), key=lambda r: r["replay_tau"]) if mt else None
     head = " | ".join(f"replay tau k={k} {kd}" for kd in kinds)
-    lines = [f"| arm | what | steps | minutes | {head} | gap to best (MT-bench) |",
-             "|---|---|---:|---:|" + "---:|" * len(kinds) + "---:|"]
+    lines = [f"| arm | what | steps | min @ cost | wall min | {head} | gap to best (MT-bench) |",
+             "|---|---|---:|---:|---:|" + "---:|" * len(kinds) + "---:|"]
     for a in sorted(arms, key=lambda a: -(mt[a["run"]]["replay_tau"] if a["run"] in mt else 0)):
         n = a["run"]
         cells = [f"{last[(n, kd)]['replay_tau']:.3f} ± {last[(n, kd)]['replay_tau_se']:.3f}"
@@ -237,7 +251,8 @@ def table(arms: list[dict], replays: list[dict], k: int) -> str:
         gap = "-" if m is None or m is best else "{:+.3f} ± {:.3f}".format(
             *(-x if i == 0 else x for i, x in enumerate(paired_gap(best, m, "tau"))))
         mins = "-" if m is None or m["minutes"] is None else f"{m['minutes']:.1f}"
-        lines.append(f"| {n} | {a['what']} | {m['step'] if m else '-'} | {mins} | "
+        wall = "-" if m is None or m["wall_minutes"] is None else f"{m['wall_minutes']:.1f}"
+        lines.append(f"| {n} | {a['what']} | {m['step'] if m else '-'} | {mins} | {wall} | "
                      f"{' | '.join(cells)} | {gap} |")
     if mt:
         one = next(iter(mt.values()))
@@ -265,7 +280,7 @@ def plot(replays: list[dict], arms: list[str], path: Path) -> None:
             ys = [r["replay_tau"] for r in pts if r[key] is not None]
             es = [r["replay_tau_se"] for r in pts if r[key] is not None]
             ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=arm)
-    axes[0].set_xlabel("training minutes (wall, from launch; capture excluded)")
+    axes[0].set_xlabel("training minutes (steps x measured s/step; capture excluded)")
     axes[1].set_xlabel("target tokens seen (millions)")
     for ax in axes:
         ax.set_ylabel("greedy replay tau (MT-bench, chain)")
@@ -326,6 +341,7 @@ def main(argv: list[str] | None = None) -> str:
                                                   args.replay_tokens, out, kind="humaneval")
         replays = [r for a in arms for r in replay_arm(target, a["run"], args, out, answers,
                                                          every=a["run"] in args.curves)]
+    price_minutes(replays, out)
     md = table(arms, replays, args.k)
     (out / "table.md").write_text(md + "\n")
     if args.curves:

@@ -16,6 +16,7 @@ Prints the tables and writes bench.json + bench.md to --out.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -101,12 +102,35 @@ def build_modes(target, drafters: list, args) -> dict:
         f"ngram k={args.k}": lambda ids: generate(target, ngram, ids, max_new_tokens=n, k=args.k),
     }
     for label, d in drafters:
-        modes[f"{label} k={args.k}"] = (lambda d: lambda ids: generate(
-            target, d, ids, max_new_tokens=n, k=args.k))(d)
+        for k in getattr(args, "ks", None) or [args.k]:
+            modes[f"{label} k={k}"] = (lambda d, k: lambda ids: generate(
+                target, d, ids, max_new_tokens=n, k=k))(d, k)
         if args.tree and d.supports_tree:
             modes[f"{label} tree"] = (lambda d: lambda ids: generate(
                 target, d, ids, max_new_tokens=n, tree=True))(d)
+        for spec in getattr(args, "trees", None) or []:
+            if d.supports_tree and hasattr(d.cfg, "tree_total_tokens"):
+                modes[f"{label} tree {spec}"] = sized_tree(target, d, spec, n)
     return modes
+
+
+def sized_tree(target, drafter, spec: str, n: int):
+    """A tree mode of another size: spec "TOTAL/DEPTH/TOPK" sets the drafter's EAGLE-2 tree
+    (tree_total_tokens, tree_depth, tree_top_k) for this mode's calls only."""
+    try:
+        total, depth, top_k = (int(x) for x in spec.split("/"))
+    except ValueError:
+        raise SystemExit(f"--trees {spec!r}: give TOTAL/DEPTH/TOPK, e.g. 12/4/4") from None
+    sized = dataclasses.replace(drafter.cfg, tree_total_tokens=total, tree_depth=depth,
+                                tree_top_k=top_k)
+
+    def run(ids):
+        saved, drafter.cfg = drafter.cfg, sized
+        try:
+            return generate(target, drafter, ids, max_new_tokens=n, tree=True)
+        finally:
+            drafter.cfg = saved
+    return run
 
 
 def load_drafters(target, ckpts: list[str], drafter_dtypes: list[str]) -> list:
@@ -189,6 +213,10 @@ def main() -> None:
     ap.add_argument("--drafter-dtypes", nargs="+", default=["float32", "target"],
                     help="dtypes trained drafters run at (target = the target's dtype)")
     ap.add_argument("--tree", action="store_true", help="also run trained drafters with their tree")
+    ap.add_argument("--trees", nargs="+", default=[], metavar="TOTAL/DEPTH/TOPK",
+                    help="also run trained drafters with EAGLE-2 trees of these sizes")
+    ap.add_argument("--ks", type=int, nargs="+", default=None,
+                    help="chain draft lengths of trained drafters (default: --k)")
     ap.add_argument("--curve-rounds", type=int, default=7, help="verify-cost curve rounds (0 = skip)")
     ap.add_argument("--curve-ns", type=int, nargs="+", default=list(CURVE_NS))
     ap.add_argument("--curve-only", action="store_true", help="only the verify-cost curve")

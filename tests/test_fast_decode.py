@@ -229,13 +229,26 @@ def test_bench_runs_a_trained_drafter_at_each_dtype_losslessly(tiny_run, tiny_ta
     assert [d.fc.weight.dtype for _, d in ds] == [torch.bfloat16, torch.float32]
     # the target's weights the drafter shares (frozen embedding, LM head) stay the target's
     assert all(p.dtype == torch.float32 for p in t.model.parameters())
-    modes = bench.build_modes(t, ds, Namespace(max_new_tokens=10, k=3, prompt_lookup=3, tree=True))
-    assert {"eagle (drafter bfloat16) k=3", "eagle (drafter bfloat16) tree"} <= set(modes)
+    modes = bench.build_modes(t, ds, Namespace(max_new_tokens=10, k=3, prompt_lookup=3, tree=True,
+                                               ks=[2, 3], trees=["6/3/2"]))
+    assert {"eagle (drafter bfloat16) k=3", "eagle (drafter bfloat16) k=2",
+            "eagle (drafter bfloat16) tree", "eagle (drafter bfloat16) tree 6/3/2"} <= set(modes)
     ids = torch.arange(5, 25)
     ref = modes["plain (ours)"](ids).tokens
     for name in ("eagle (drafter bfloat16) k=3", "eagle (drafter bfloat16) tree",
-                 "eagle (drafter float32) k=3"):
+                 "eagle (drafter float32) k=3", "eagle (drafter float32) k=2",
+                 "eagle (drafter float32) tree 6/3/2"):
         assert torch.equal(modes[name](ids).tokens, ref), name
+    # a sized tree: at most 6 nodes verified per round, and the drafter's own size is back after
+    d = ds[1][1]
+    calls = []
+    orig = d.propose_tree
+    d.propose_tree = lambda *a, **kw: calls.append(orig(*a, **kw)) or calls[-1]
+    modes["eagle (drafter float32) tree 6/3/2"](ids)
+    assert calls and all(len(c.tokens) <= 6 for c in calls)
+    assert d.cfg.tree_total_tokens != 6
+    with pytest.raises(SystemExit, match="TOTAL/DEPTH/TOPK"):
+        bench.sized_tree(t, d, "6x3", 10)
 
 
 @pytest.mark.parametrize("name", ["eagle", "eagle3", "peagle", "medusa", "small_lm"])

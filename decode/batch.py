@@ -178,8 +178,9 @@ class _Batch:
         finished = [s for s, d in zip(self.seqs, done) if d]
         if finished:
             stay = [r for r, d in enumerate(done) if not d]
-            batch_cache.select_rows(self.cache, stay)
             self.seqs = [self.seqs[r] for r in stay]
+            batch_cache.select_rows(self.cache, stay, max((s.loop.T - 1 for s in self.seqs),
+                                                          default=0))
         return finished
 
 
@@ -196,7 +197,7 @@ def generate_batch(
     drafter: Drafter | Callable[[], Drafter] | None,  # one is shared (slot_drafter), or a factory
     prompts: Sequence[torch.Tensor | Sequence[int]],  # each (P_i,)
     *,
-    max_new_tokens: int,
+    max_new_tokens: int | Sequence[int],  # one budget for all, or one per prompt
     batch_size: int = 8,  # at most this many sequences in one forward
     k: int = 5,
     mode: str = "verify_all",  # plain | verify_all | budgeted
@@ -219,11 +220,15 @@ def generate_batch(
     if generators is not None and len(generators) != len(prompts):
         raise ValueError(f"{len(generators)} generators for {len(prompts)} prompts; give one each")
     prompts = [torch.as_tensor(p, dtype=torch.long).reshape(-1).to(dev) for p in prompts]
+    budgets = ([max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int)
+               else [int(n) for n in max_new_tokens])
+    if len(budgets) != len(prompts):
+        raise ValueError(f"{len(budgets)} max_new_tokens for {len(prompts)} prompts; give one "
+                         f"int or one per prompt")
     one = slot_drafter(drafter) if drafter is not None else None  # for the checks and the layers
     speculative = one is not None and k > 0 and mode != "plain"
-    for p in prompts:  # 0. guards, as spec's, before any work
-        _check_inputs(target, one if speculative else None, len(p), max_new_tokens, k, sampling,
-                      False)
+    for p, n in zip(prompts, budgets):  # 0. guards, as spec's, before any work
+        _check_inputs(target, one if speculative else None, len(p), n, k, sampling, False)
     if speculative and mode == "budgeted" and cost is None:
         cost = cost_curve(target, cache_dir)
     gens = list(generators) if generators is not None else [
@@ -241,7 +246,7 @@ def generate_batch(
         # 1. admit waiting prompts into free rows (a prompt may finish at its prefill)
         while waiting and len(batch.seqs) < batch_size:
             i = waiting.pop(0)
-            seq, added = batch.admit(i, prompts[i], max_new_tokens, gens[i])
+            seq, added = batch.admit(i, prompts[i], budgets[i], gens[i])
             if not added:
                 _finish(seq, t_start, results, latency)
         if not batch.seqs:

@@ -38,12 +38,13 @@ def add_row(cache: Any, row: Any) -> None:
         layer.values = torch.cat([_pad_to(v, n), _pad_to(rv, n)], 0)  # (B+1, H, n, D)
 
 
-def select_rows(cache: Any, rows: Sequence[int]) -> None:
-    """Keep only `rows` of the cache, in that order."""
+def select_rows(cache: Any, rows: Sequence[int], length: int) -> None:
+    """Keep only `rows` of the cache, in that order, and its first `length` columns (the longest
+    kept row)."""
     idx = torch.as_tensor(list(rows), dtype=torch.long)
     for layer, k, v in _pairs(cache):
         idx = idx.to(k.device)
-        layer.keys, layer.values = k[idx], v[idx]  # (B', H, L, D)
+        layer.keys, layer.values = k[idx, :, :length], v[idx, :, :length]  # (B', H, length, D)
 
 
 def inputs(rows: Sequence[torch.Tensor], lengths: Sequence[int], cache_len: int

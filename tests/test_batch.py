@@ -1,0 +1,285 @@
+"""Batched speculative decoding (decode/batch.py, decode/batch_cache.py, decode/budget.py) is
+lossless per sequence: greedy outputs are token-identical to decoding each prompt alone, in every
+mode, at every batch size, with ragged acceptance, prompts of different lengths, sequences ending
+at different times (EOS, budget, stop string) and waiting prompts admitted as others finish; the
+batch KV cache equals a fresh forward's for every row after every round; drafters see exactly
+what they see alone; sampling keeps the target's distribution (chi-square, with wrong-rule and
+look-ahead-budget controls); the budget follows the cost curve, which is measured once and cached.
+
+The toys are tests/decode_toys.py's float64 Llamas (no near-ties between kernel shapes).
+"""
+import pytest
+import torch
+from transformers import DynamicCache
+
+import decode.batch
+import decode.budget
+from decode.batch import generate_batch, slot_drafter
+from decode.budget import CostCurve, choose_widths, cost_curve, survival
+from decode.spec import generate
+from decode_toys import (V, FixedQ, NoisyOracle, StubTokenizer, chi2_stat, make_target,
+                         pair_joint, wrong_rule)
+from drafters.base import ChainProposal, build_drafter
+from drafters.sampling import SamplingParams
+from drafters.target import Target
+from eagle3_engines import perturbed_drafter, tiny8_target
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+PROMPTS = [[3, 17, 5, 9, 41], list(range(20, 32)), [(7 * i) % V for i in range(30)], [1, 2],
+           [5, 6, 7, 5, 6, 7, 5, 6, 7]]
+FLAT = CostCurve([1, 1024], [1.0, 1.0])  # verification is free: budgeted verifies everything
+STEEP = CostCurve([1, 2], [1.0, 2.0])  # every token costs a step: budgeted decodes plainly
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_target()
+
+
+def alone(target, drafter, prompt, n, **kw):
+    return generate(target, drafter, prompt, max_new_tokens=n, **kw)
+
+
+# -- greedy: each output equals decoding that prompt alone -------------------------------------------
+@pytest.mark.parametrize("B", [1, 2, 3, 5])
+@pytest.mark.parametrize("mode", ["plain", "verify_all", "budgeted"])
+def test_greedy_batch_equals_alone(target, B, mode):
+    budgets = [25, 9, 31, 3, 17]  # sequences finish at different rounds; 5 prompts > B admit late
+    refs = [alone(target, None, p, n).tokens.tolist() for p, n in zip(PROMPTS, budgets)]
+    cost = CostCurve([1, 4, 8], [1.0, 1.2, 3.0])  # budgeted: a width between plain and all
+    out = generate_batch(target, NoisyOracle(target, noise=0.3, seed=B), PROMPTS,
+                         max_new_tokens=budgets, batch_size=B, k=4, mode=mode, cost=cost)
+    assert [r.tokens.tolist() for r in out.results] == refs
+    assert max(out.batch_sizes) == B and len(out.batch_sizes) == out.rounds
+    assert all(r.stop_reason == "max_new_tokens" for r in out.results)
+    accepted = sum(sum(r.accepted) for r in out.results)
+    assert (accepted == 0) == (mode == "plain")  # drafts were accepted, raggedly
+    if mode == "budgeted":  # NoisyOracle's drafts score 1: the widest forward that pays per row count
+        best = {1: 4, 2: 2, 3: 2, 4: 1, 5: 1}  # e.g. 1 row: 4 tokens cost 1.2, 5 cost 1.65
+        assert all(w <= best[b] for b, w in zip(out.batch_sizes, out.widths))
+        assert max(out.widths) > 1  # at the latest when the batch thins out
+
+
+def test_eos_and_stop_strings_end_rows_at_different_times(target):
+    """Each prompt ends at its own EOS (inside an accepted block) or stop string; the batch
+    outputs and stop reasons equal the lone decoder's."""
+    eos = alone(target, None, PROMPTS[2], 20).tokens[6].item()
+    eos_target = Target(target.model, StubTokenizer(eos=eos), "tiny+eos")
+    stop = ["gA"]  # StubTokenizer: tokens 38, 7 decode to "Eg", "Ah": a stop across two tokens
+    refs = [alone(eos_target, NoisyOracle(target, noise=0.0), p, 40, k=5, stop_strings=stop)
+            for p in PROMPTS]
+    out = generate_batch(eos_target, NoisyOracle(target, noise=0.0), PROMPTS, max_new_tokens=40,
+                         batch_size=2, k=5, stop_strings=stop)
+    assert [r.tokens.tolist() for r in out.results] == [r.tokens.tolist() for r in refs]
+    assert [r.stop_reason for r in out.results] == [r.stop_reason for r in refs]
+    assert {r.stop_reason for r in refs} == {"eos", "stop_string", "max_new_tokens"}
+
+
+def test_batch_cache_equals_a_fresh_forward_after_every_round(target, monkeypatch):
+    """After each commit, every remaining row r holds the KV of its tokens[:T_r - 1] in columns
+    [0, T_r - 1), and the cache is as long as its longest row."""
+    checked = []
+    commit = decode.batch._Batch.commit
+
+    def checked_commit(self, new, kept):
+        finished = commit(self, new, kept)
+        if self.seqs:
+            lens = [s.loop.T - 1 for s in self.seqs]
+            assert self.cache.get_seq_length() == max(lens)
+            for r, s in enumerate(self.seqs):
+                fresh = DynamicCache()
+                target.forward(s.loop.buf[:lens[r]][None], cache=fresh)
+                for got, ref in zip(self.cache.layers, fresh.layers):
+                    torch.testing.assert_close(got.keys[r, :, :lens[r]], ref.keys[0])
+                    torch.testing.assert_close(got.values[r, :, :lens[r]], ref.values[0])
+            checked.append(len(self.seqs))
+        return finished
+
+    monkeypatch.setattr(decode.batch._Batch, "commit", checked_commit)
+    generate_batch(target, NoisyOracle(target, noise=0.4, seed=3), PROMPTS,
+                   max_new_tokens=[12, 5, 20, 8, 15], batch_size=3, k=3)
+    assert len(checked) > 5 and max(checked) == 3
+
+
+# -- every registered drafter: per-slot state, the same proposals as alone ---------------------------
+@pytest.fixture(scope="module")
+def target8():
+    return tiny8_target()
+
+
+@pytest.mark.parametrize("name", ["ngram", "eagle", "eagle3", "medusa", "peagle", "small_lm"])
+def test_registered_drafters_see_what_they_see_alone(target8, name, monkeypatch):
+    """Greedy outputs equal the lone decoder's, and each slot's drafter proposes exactly what the
+    drafter proposes for that prompt alone (so its own cache and the target features it reads
+    are the lone decoder's): the shallow per-slot copies share weights, never state."""
+    cfg = {"draft_vocab_size": None} if name == "eagle" else {}
+    d = (build_drafter({"name": name}, target8) if name == "ngram"
+         else perturbed_drafter(target8, name, **cfg))
+    log: dict = {}
+    propose = type(d).propose
+
+    def logged(self, state, k, *a, **kw):
+        prop = propose(self, state, k, *a, **kw)
+        key = tuple(state.tokens[:4].tolist())  # the prompts differ in their first tokens
+        log.setdefault(key, []).append(prop.tokens.tolist())
+        return prop
+
+    monkeypatch.setattr(type(d), "propose", logged)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.cat([torch.tensor([i]), torch.randint(0, 128, (n,), generator=g)])
+               for i, n in enumerate([5, 12, 8, 20])]
+    refs = [alone(target8, d, p, 14, k=3).tokens.tolist() for p in prompts]
+    ref_log, log = log, {}
+    out = generate_batch(target8, d, prompts, max_new_tokens=14, batch_size=3, k=3)
+    assert [r.tokens.tolist() for r in out.results] == refs
+    assert log == ref_log
+
+
+def test_slot_drafter_shares_weights_not_state(target8):
+    d = perturbed_drafter(target8, "eagle3")
+    a, b = slot_drafter(d), slot_drafter(lambda: d)
+    assert a is not d and a.fc.weight is d.fc.weight and b is d
+    assert a._cache is not d._cache
+
+
+# -- sampling --------------------------------------------------------------------------------------
+SP = SamplingParams(temperature=1.0, top_k=6)
+
+
+def test_sampled_verify_all_draws_what_the_lone_decoder_draws():
+    """verify_all keeps spec's order of draws, so with the same per-prompt generator each
+    sequence gets the very tokens it gets alone."""
+    tgt = make_target(vocab=8, seed=3, init=0.2)
+    prompts = [[1, 2, 3, 4], [5, 6], [7, 1, 1, 2, 3, 0, 4]]
+    refs = [generate(tgt, FixedQ(8), p, max_new_tokens=12, k=3, sampling=SP,
+                     generator=torch.Generator().manual_seed(50 + i)).tokens.tolist()
+            for i, p in enumerate(prompts)]
+    out = generate_batch(tgt, FixedQ(8), prompts, max_new_tokens=12, batch_size=2, k=3,
+                         sampling=SP, seed=50)
+    assert [r.tokens.tolist() for r in out.results] == refs
+
+
+def lookahead_survival(prop, m):
+    """A wrong budget score: reads each draft's own probability q_i(d_i) at its own depth, so
+    whether d_i is verified depends on d_i itself."""
+    own = prop.probs[:m].gather(-1, prop.tokens[:m, None]).squeeze(-1)
+    return own.cumprod(0)
+
+
+def even_q(vocab):
+    """FixedQ with q(0) = 0.5 (the other tokens share the rest): a draft's own probability
+    then says a lot about its value, so a budget that reads it is visibly biased."""
+    d = FixedQ(vocab)
+    d.logits[0] = -2.0 + float(torch.log(torch.tensor(vocab - 1.0)))
+    return d
+
+
+def batch_pair_counts(tgt, drafter, prompt, n, B, cost):
+    """n sequences (budgeted, k=2, 4 tokens, batches of B): counts of (t2, t3) (V*V,) and the
+    widths of the forwards."""
+    Vs = tgt.vocab_size
+    out = generate_batch(tgt, drafter, [prompt] * n, max_new_tokens=4, batch_size=B, k=2,
+                         mode="budgeted", sampling=SP, cost=cost)
+    c = torch.zeros(Vs * Vs)
+    for r in out.results:
+        c[r.tokens[1] * Vs + r.tokens[2]] += 1
+    return c, out.widths
+
+
+@pytest.mark.parametrize("B", [1, 4])
+def test_budgeted_sampling_has_the_target_distribution(B, monkeypatch):
+    """Budgeted widths vary with the drafts (FixedQ's q(0) = 0.93: the second depth pays only
+    after a first draft 0, in every row when B = 4); the joint of tokens 2 and 3 still matches the
+    target's exactly, and the same test catches the wrong acceptance rule."""
+    tgt = make_target(vocab=8, seed=3, init=0.2)
+    prompt = [1, 2, 3, 4]
+    joint = pair_joint(tgt, prompt, SP)
+    cost = (CostCurve([1, 2, 3], [1.0, 1.3, 1.6]) if B == 1
+            else CostCurve([4, 8, 12], [1.0, 1.3, 1.75]))
+    c, widths = batch_pair_counts(tgt, FixedQ(8), prompt, 2000, B, cost)
+    assert {2, 3} <= set(widths)  # the budget cut depth 2, and not always
+    stat, crit = chi2_stat(c, joint)
+    assert stat < crit, (stat, crit)
+    monkeypatch.setattr(decode.batch, "accept_chain", wrong_rule("resample_from_p"))
+    stat, crit = chi2_stat(batch_pair_counts(tgt, FixedQ(8), prompt, 1000, B, cost)[0], joint)
+    assert stat > 3 * crit, (stat, crit)  # the wrong rule is far off, not borderline
+
+
+def test_a_budget_that_reads_a_drafts_own_probability_is_lossy(monkeypatch):
+    """The control of the budget's lossless design: ranking draft i by q_i(d_i) (its own value)
+    instead of max q_i verifies d_1 only when it is token 0, which skews the output."""
+    tgt = make_target(vocab=8, seed=3, init=0.2)
+    prompt = [1, 2, 3, 4]
+    joint = pair_joint(tgt, prompt, SP)
+    cost = CostCurve([1, 2, 3], [1.0, 1.3, 1.45])  # depth 1 pays at score 0.5, not at 0.07
+    c, widths = batch_pair_counts(tgt, even_q(8), prompt, 1500, 1, cost)
+    assert chi2_stat(c, joint)[0] < chi2_stat(c, joint)[1]  # the right score: lossless
+    monkeypatch.setattr(decode.batch, "survival", lookahead_survival)
+    stat, crit = chi2_stat(batch_pair_counts(tgt, even_q(8), prompt, 1500, 1, cost)[0], joint)
+    assert stat > 3 * crit, (stat, crit)
+
+
+# -- the budget ------------------------------------------------------------------------------------
+def test_cost_curve_is_monotone_and_interpolates():
+    c = CostCurve([1, 2, 4, 8], [1.0, 1.6, 1.4, 2.0])
+    assert c(1) == 1.0 and c(2) == 1.4 and c(4) == 1.4 and c(6) == pytest.approx(1.7)
+    assert c(16) == pytest.approx(3.2)  # extrapolated along the last segment
+    with pytest.raises(ValueError, match="ascending"):
+        CostCurve([4, 2], [1.0, 2.0])
+
+
+def test_choose_widths():
+    s = [torch.tensor([0.9, 0.8, 0.1]), torch.tensor([0.95, 0.5]), torch.tensor([])]
+    assert choose_widths(s, FLAT, greedy=True) == [3, 2, 0]  # free: verify all
+    assert choose_widths(s, STEEP, greedy=True) == [0, 0, 0]  # a step per token: plain
+    bumpy = CostCurve([3, 6, 9, 12], [1.0, 1.7, 1.7, 3.0])  # depth 1 alone does not pay, 2 does
+    assert choose_widths(s, bumpy, greedy=True) == [2, 2, 0]
+    assert choose_widths(s, bumpy, greedy=False) == [0, 0, 0]  # sampling never looks ahead
+
+
+def test_survival_scores():
+    q = torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.6, 0.3], [0.2, 0.2, 0.6]])
+    prop = ChainProposal(tokens=torch.tensor([1, 1, 0]), probs=q)
+    # prod_{j<i} q_j(d_j) * max q_i: 0.5, 0.3 * 0.6, 0.3 * 0.6 * 0.6
+    torch.testing.assert_close(survival(prop, 3), torch.tensor([0.5, 0.18, 0.108]))
+    greedy = ChainProposal(tokens=torch.tensor([0, 1]), confidence=torch.tensor([0.5, 0.6]))
+    torch.testing.assert_close(survival(greedy, 2), torch.tensor([0.5, 0.3]))
+    assert survival(ChainProposal(tokens=torch.tensor([4, 5])), 2).tolist() == [1.0, 1.0]
+
+
+def test_draft_chain_reports_confidences(target8):
+    d = perturbed_drafter(target8, "eagle3")
+    tokens = torch.randint(0, 128, (9,), generator=torch.Generator().manual_seed(0))
+    feats = target8.forward(tokens[None, :-1], layers=d.feature_layers, logits=False).features[0]
+    from drafters.base import DecodeState
+    prop = d.propose(DecodeState(tokens, feats), 3, SamplingParams())
+    assert prop.confidence is not None and prop.confidence.shape == (3,)
+    assert bool(((prop.confidence > 0) & (prop.confidence <= 1)).all())
+
+
+def test_cost_curve_is_measured_once_per_target_and_cached(tmp_path, monkeypatch, target):
+    calls = []
+
+    def fake_measure(tgt, ns, *a, **kw):
+        calls.append(tgt)
+        return [0.01 * (1 + n / 64) for n in ns]
+
+    monkeypatch.setattr(decode.budget, "measure_cost", fake_measure)
+    a = cost_curve(target, tmp_path)
+    b = cost_curve(target, tmp_path)
+    other = cost_curve(make_target(seed=1), tmp_path)
+    assert len(calls) == 2 and a.key == b.key != other.key
+    assert len(list((tmp_path / "cost_curves").glob("*.json"))) == 2
+    assert a(1) == pytest.approx(0.01 * (1 + 1 / 64))
+
+
+def test_guards(target):
+    with pytest.raises(ValueError, match="batch mode 'fast' is unknown"):
+        generate_batch(target, None, PROMPTS, max_new_tokens=4, mode="fast")
+    with pytest.raises(ValueError, match="chains only"):
+        generate_batch(target, NoisyOracle(target), PROMPTS, max_new_tokens=4, tree=True)
+    with pytest.raises(ValueError, match="one per prompt"):
+        generate_batch(target, None, PROMPTS, max_new_tokens=[4, 5])
+    with pytest.raises(ValueError, match="prompt_ids is empty"):
+        generate_batch(target, None, [[1], []], max_new_tokens=4)

@@ -44,6 +44,8 @@ class BatchResult:
     latency: list[float]  # per prompt: seconds from the call's start to its last token
     time_total: float = 0.0  # wall-clock seconds of the whole call
     rounds: int = 0  # batched target forwards (prefills excluded)
+    time_draft: float = 0.0  # seconds inside the drafters (they run one after another)
+    time_verify: float = 0.0  # seconds inside target forwards: the batched ones and the prefills
     batch_sizes: list[int] = field(default_factory=list)  # rows in each round's forward
     widths: list[int] = field(default_factory=list)  # width Q (tokens per row) of each forward
 
@@ -97,6 +99,7 @@ class _Batch:
                                                                          stop, eos, sync)
         self.seqs: list[_Seq] = []
         self.cache = DynamicCache()
+        self.time_verify = 0.0  # seconds in target forwards, prefills included
 
     def admit(self, index: int, prompt: torch.Tensor, max_new_tokens: int,
               generator: torch.Generator | None) -> tuple[_Seq, bool]:
@@ -115,6 +118,7 @@ class _Batch:
             res.stop_reason = "max_new_tokens"
             return seq, False
         first = _prefill(loop, prompt)
+        self.time_verify += res.time_verify
         added = not _commit(loop, first, None, self.eos, self.stop)
         if added:
             if self.seqs:
@@ -156,6 +160,7 @@ class _Batch:
         out, dt = _timed(lambda: self.target.forward(ids, layers=self.layers, cache=self.cache,
                                                      attention_mask=mask, position_ids=pos),
                          self.sync)
+        self.time_verify += dt
         new, kept, n_keep = [], [], []
         for r, (s, (d, q, _), m) in enumerate(zip(self.seqs, drafts, lens)):  # 4.
             res = s.loop.res
@@ -259,4 +264,6 @@ def generate_batch(
         for seq in batch.commit(new, kept):
             _finish(seq, t_start, results, latency)
     out.time_total = time.perf_counter() - t_start
+    out.time_verify = batch.time_verify
+    out.time_draft = sum(r.time_draft for r in results)
     return out

@@ -42,6 +42,8 @@ class DecodeConfig:
     min_confidence: float = 0.0  # adaptive draft length: stop drafting below this draft prob (0 = off)
     compare_plain: bool = True  # also decode plainly: speedup and a token-identity check (greedy)
     seed: int = 0  # sampling seed
+    batch_size: int = 1  # sequences decoded together, one target forward per round (1 = one at a time)
+    batch_mode: str = "verify_all"  # batch_size > 1: plain | verify_all | budgeted (decode/budget.py)
     run_dir: str = "runs/decode/${now:%Y-%m-%d_%H-%M-%S}"  # outputs: result JSON, markdown table
 
 
@@ -57,5 +59,5 @@ def store_schemas(primary_name: str | None = None, primary: type | None = None) 
 DECODE_RULES = {
     "max_new_tokens": (1, None), "temperature": (0, None), "top_k": (0, None),
     "top_p": (0, 1, "open"), "k": (0, None), "min_confidence": (0, 1), "eval.limit": (1, None),
-    "eval.turns": (1, 2),
+    "eval.turns": (1, 2), "batch_size": (1, None),
 }

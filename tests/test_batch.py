@@ -45,7 +45,7 @@ def alone(target, drafter, prompt, n, **kw):
 @pytest.mark.parametrize("B", [1, 2, 3, 5])
 @pytest.mark.parametrize("mode", ["plain", "verify_all", "budgeted"])
 def test_greedy_batch_equals_alone(target, B, mode):
-    budgets = [25, 9, 31, 3, 17]  # sequences finish at different rounds; 5 prompts > B admit late
+    budgets = [25, 9, 31, 1, 17]  # sequences finish at different rounds; 5 prompts > B admit late
     refs = [alone(target, None, p, n).tokens.tolist() for p, n in zip(PROMPTS, budgets)]
     cost = CostCurve([1, 4, 8], [1.0, 1.2, 3.0])  # budgeted: a width between plain and all
     out = generate_batch(target, NoisyOracle(target, noise=0.3, seed=B), PROMPTS,
@@ -283,3 +283,43 @@ def test_guards(target):
         generate_batch(target, None, PROMPTS, max_new_tokens=[4, 5])
     with pytest.raises(ValueError, match="prompt_ids is empty"):
         generate_batch(target, None, [[1], []], max_new_tokens=4)
+
+
+# -- python -m decode batch_size=B ------------------------------------------------------------------
+def test_decode_cli_batch_budgeted(tmp_path, tiny_target_cfg):
+    """`python -m decode batch_size=3 batch_mode=budgeted` on the tiny target: the result records
+    the batch size and mode, every output equals plain decoding of that prompt alone, and the
+    cost curve is measured into the cache dir (here a temporary one sharing the target cache)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from drafters.target import cache_root, load_target
+
+    root = Path(__file__).resolve().parents[1]
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "targets").symlink_to(cache_root(tiny_target_cfg) / "targets")  # the tokenizer
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"id": f"p{i}", "prompt": f"Say {w} {w} {w}."})
+                                 for i, w in enumerate(["one", "two", "three", "four"])) + "\n")
+    run_dir = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-m", "decode", "target=tiny", "drafter=ngram",
+                          "eval=jsonl", f"eval.path={prompts}", "max_new_tokens=10", "k=3",
+                          "batch_size=3", "batch_mode=budgeted", f"run_dir={run_dir}"],
+                         capture_output=True, text=True, cwd=root, timeout=300,
+                         env={**os.environ, "SPECDISTILL_CACHE": str(cache)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads((run_dir / "result.json").read_text())
+    s = res["summary"]
+    assert (s["batch_size"], s["batch_mode"], s["lossless_check"]) == (3, "budgeted", "passed")
+    assert len(list((cache / "cost_curves").glob("*.json"))) == 1
+    target = load_target(tiny_target_cfg)
+    by_id = {json.loads(x)["id"]: json.loads(x)["prompt"] for x in prompts.read_text().splitlines()}
+    for row in res["prompts"]:
+        ids = target.tokenizer.apply_chat_template([{"role": "user", "content": by_id[row["id"]]}],
+                                                   add_generation_prompt=True,
+                                                   return_tensors="pt")["input_ids"][0]
+        assert generate(target, None, ids, max_new_tokens=10).tokens.tolist() == row["generated_ids"]

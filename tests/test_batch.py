@@ -51,7 +51,8 @@ def test_greedy_batch_equals_alone(target, B, mode):
     out = generate_batch(target, NoisyOracle(target, noise=0.3, seed=B), PROMPTS,
                          max_new_tokens=budgets, batch_size=B, k=4, mode=mode, cost=cost)
     assert [r.tokens.tolist() for r in out.results] == refs
-    assert max(out.batch_sizes) == B and len(out.batch_sizes) == out.rounds
+    # the 1-token prompt ends at its prefill and never takes a row
+    assert max(out.batch_sizes) == min(B, 4) and len(out.batch_sizes) == out.rounds
     assert all(r.stop_reason == "max_new_tokens" for r in out.results)
     accepted = sum(sum(r.accepted) for r in out.results)
     assert (accepted == 0) == (mode == "plain")  # drafts were accepted, raggedly

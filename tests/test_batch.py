@@ -324,3 +324,47 @@ def test_decode_cli_batch_budgeted(tmp_path, tiny_target_cfg):
                                                    add_generation_prompt=True,
                                                    return_tensors="pt")["input_ids"][0]
         assert generate(target, None, ids, max_new_tokens=10).tokens.tolist() == row["generated_ids"]
+
+
+# -- the batched benchmark --------------------------------------------------------------------------
+def test_batch_bench_table_and_plot(target, tmp_path):
+    """Every (B, mode) cell is measured, interleaved; greedy outputs equal plain's at each B; the
+    table and the PNG are written."""
+    from decode.bench_batch import batch_markdown, batch_plot, run_batch_bench
+    from drafters.ngram import Ngram
+
+    prompts = [torch.tensor(p) for p in PROMPTS[:3]]
+    order = []
+    rows = run_batch_bench(target, Ngram(vocab_size=V), prompts, batch_sizes=(1, 2, 4),
+                           k=3, max_new_tokens=12, repeats=2, cost=FLAT, log=order.append)
+    assert len(rows) == 9 and all(r["differ_from_plain"] == 0 for r in rows)
+    assert [o.split(":")[0] for o in order[:4]] == ["repeat 1/2 B=1 plain", "repeat 1/2 B=1 "
+                                                    "verify_all", "repeat 1/2 B=1 budgeted",
+                                                    "repeat 1/2 B=2 plain"]
+    assert all(r["tokens_per_s"] > 0 and len(r["runs_tokens_per_s"]) == 2 for r in rows)
+    assert {r["mean_width"] for r in rows if r["mode"] == "plain"} == {1.0}
+    table = "\n".join(batch_markdown(rows))
+    assert table.count("| plain |") == 3 and "| 4 | budgeted |" in table
+    png = batch_plot(rows, tmp_path / "batch.png", "tiny")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_batch_cli_writes_files(tiny_target_cfg, tmp_path):
+    """`python -m decode.bench --batch` minus the target loading: batch.md / .json / .png."""
+    import json
+    from argparse import Namespace
+
+    from data.prompts import load_prompts
+    from decode import bench
+    from drafters.target import load_target
+
+    tgt = load_target(tiny_target_cfg)
+    args = Namespace(ckpt=[], batch_sizes=[1, 2], batch_modes=["plain", "verify_all"], k=2,
+                     max_new_tokens=6, batch_repeats=1, eval="mtbench", target="tiny",
+                     out=str(tmp_path))
+    bench.batch_main(tgt, load_prompts("mtbench", limit=2), args, ["head", ""])
+    rows = json.loads((tmp_path / "batch.json").read_text())["rows"]
+    assert {(r["batch_size"], r["mode"]) for r in rows} == {(1, "plain"), (1, "verify_all"),
+                                                            (2, "plain"), (2, "verify_all")}
+    assert "| 2 | verify_all |" in (tmp_path / "batch.md").read_text()
+    assert (tmp_path / "batch.png").stat().st_size > 1000

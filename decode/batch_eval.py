@@ -18,7 +18,8 @@ import torch
 
 from data.prompts import load_prompts
 from decode.batch import BatchResult, generate_batch
-from decode.evaluate import _budget, _lossless_check, is_near_tie, render, results_markdown
+from decode.evaluate import (_budget, _lossless_check, finish_run, is_near_tie, render,
+                             results_markdown, setup_run)
 from decode.metrics import RunMetrics
 from drafters.base import Drafter
 from drafters.sampling import SamplingParams
@@ -116,3 +117,22 @@ def evaluate_batched(target, drafter: Drafter | None, *, batch_size: int, batch_
                                                          indent=1))
         (out_dir / "result.md").write_text(markdown + "\n")
     return {"summary": summary, "markdown": markdown, "prompts": rows}
+
+
+def run_batched(cfg) -> None:
+    """`python -m decode batch_size=B batch_mode=...` with B > 1 (decode/__main__.py)."""
+    from decode.batch import MODES
+    from drafters.target import cache_root
+
+    if cfg.batch_mode not in MODES or cfg.tree:
+        raise ValueError(f"batch_size={cfg.batch_size} needs batch_mode in {MODES} (got "
+                         f"{cfg.batch_mode!r}) and tree=false (got {cfg.tree}); batched trees "
+                         f"are not built: use batch_size=1 for tree decoding")
+    run_dir, target, drafter, sampling = setup_run(cfg)
+    result = evaluate_batched(
+        target, drafter, batch_size=cfg.batch_size, batch_mode=cfg.batch_mode,
+        eval_kind=cfg.eval.kind, path=cfg.eval.path, limit=cfg.eval.limit, turns=cfg.eval.turns,
+        max_new_tokens=cfg.max_new_tokens, k=cfg.k, sampling=sampling,
+        min_confidence=cfg.min_confidence, compare_plain=cfg.compare_plain, seed=cfg.seed,
+        out_dir=run_dir, cache_dir=str(cache_root(cfg.target)))
+    finish_run(result, run_dir)

@@ -100,6 +100,11 @@ class _Batch:
         self.seqs: list[_Seq] = []
         self.cache = DynamicCache()
         self.time_verify = 0.0  # seconds in target forwards, prefills included
+        # budgeted: drafts asked per row, at most one past the last round's width; after a plain
+        # round (width 0) the next 1, 2, 4 .. 16 rounds skip drafting before a one-draft probe, so
+        # a batch the budget keeps plain hardly pays the drafters for drafts it would cut. Both are
+        # decided from past rounds only, before any draft exists: lossless for sampling too.
+        self.draft_cap, self.skip, self.backoff = k, 0, 0
 
     def admit(self, index: int, prompt: torch.Tensor, max_new_tokens: int,
               generator: torch.Generator | None) -> tuple[_Seq, bool]:
@@ -129,20 +134,31 @@ class _Batch:
         res.cache = loop.cache = None  # the row now lives in the batch cache
         return seq, added
 
-    def _draft(self, seq: _Seq) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """Step 1 for one row: (draft (m,), q (m, V) or None, survival scores (m,))."""
+    def _draft(self, seq: _Seq) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Step 1 for one row: (draft (m,), q (m, V) or None, budgeted: survival scores (m,))."""
         loop = seq.loop
         budget = loop.end - loop.T - 1  # drafts beyond this could never be committed
         empty = loop.buf.new_empty(0)
-        if loop.drafter is None or self.mode == "plain" or budget <= 0:
+        if loop.drafter is None or self.mode == "plain" or budget <= 0 or self.skip:
             return empty, None, torch.ones(0)
-        prop, dt = _timed(lambda: loop.drafter.propose(loop.state(), min(self.k, budget),
+        prop, dt = _timed(lambda: loop.drafter.propose(loop.state(), min(self.draft_cap, budget),
                                                        self.sampling, loop.generator,
                                                        self.min_confidence), self.sync)
         loop.res.time_draft += dt
-        m = min(len(prop.tokens), self.k, budget)
+        m = min(len(prop.tokens), self.draft_cap, budget)
         q = prop.probs[:m] if prop.probs is not None else None  # (m, V)
-        return prop.tokens[:m].to(loop.buf.device), q, survival(prop, m)
+        scores = survival(prop, m) if self.mode == "budgeted" else None  # (m,)
+        return prop.tokens[:m].to(loop.buf.device), q, scores
+
+    def _plan_drafts(self, width: int) -> None:
+        """Budgeted: how many drafts the next rounds ask for, from this round's width."""
+        if self.skip:  # a round without drafts: count it off
+            self.skip -= 1
+        elif width == 0:
+            self.backoff = min(2 * self.backoff or 1, 16)
+            self.skip, self.draft_cap = self.backoff, 1
+        else:
+            self.backoff, self.draft_cap = 0, min(self.k, width + 1)
 
     def round(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None], int]:
         """One round for every row: 1. draft, 2. budget, 3. ONE padded forward, 4. accept,
@@ -152,6 +168,7 @@ class _Batch:
         lens = [len(d) for d, _, _ in drafts]
         if self.mode == "budgeted":  # 2. cut every row to the width the cost curve pays for
             lens = choose_widths([sc for _, _, sc in drafts], self.cost, self.sampling.greedy)
+            self._plan_drafts(max(lens, default=0))
         rows = [torch.cat([s.loop.buf[s.loop.T - 1:s.loop.T], d[:m]])
                 for s, (d, _, _), m in zip(self.seqs, drafts, lens)]  # (m_r+1,) each
         L = [s.loop.T - 1 for s in self.seqs]  # committed tokens in each row's cache

@@ -62,6 +62,25 @@ def test_greedy_batch_equals_alone(target, B, mode):
         assert max(out.widths) > 1  # at the latest when the batch thins out
 
 
+def test_a_batch_the_budget_keeps_plain_stops_asking_for_drafts(target):
+    """Round 1 asks every row for k drafts; once the budget picks width 0 (plain), later rounds
+    skip drafting (1, 2, 4 .. rounds) between one-draft probes, so a large batch hardly pays the
+    drafters for drafts it cuts."""
+    asked = []
+
+    class Counting(NoisyOracle):
+        def propose(self, state, k, *a, **kw):
+            asked.append(k)
+            return super().propose(state, k, *a, **kw)
+
+    out = generate_batch(target, Counting(target, noise=0.0), PROMPTS, max_new_tokens=12,
+                         batch_size=5, k=4, mode="budgeted", cost=STEEP)
+    assert set(out.widths) == {1} and asked[:5] == [4] * 5 and set(asked[5:]) == {1}
+    assert len(asked) == 5 * 3  # rounds 1, 3 and 6 of 11 (the 11th has no budget left to draft)
+    assert [r.tokens.tolist() for r in out.results] == [
+        alone(target, None, p, 12).tokens.tolist() for p in PROMPTS]
+
+
 def test_eos_and_stop_strings_end_rows_at_different_times(target):
     """Each prompt ends at its own EOS (inside an accepted block) or stop string; the batch
     outputs and stop reasons equal the lone decoder's."""

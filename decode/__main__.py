@@ -9,11 +9,17 @@ store_schemas("decode_schema", DecodeConfig)
 
 @hydra.main(config_path="../conf", config_name="decode", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    from decode.evaluate import run
     from drafters.cli import user_errors
 
     with user_errors("python -m decode"):
-        run(cfg)
+        if cfg.batch_size > 1:  # B sequences per target forward (batch_size=1: today's path)
+            from decode.batch_eval import run_batched
+
+            run_batched(cfg)
+        else:
+            from decode.evaluate import run
+
+            run(cfg)
 
 
 if __name__ == "__main__":

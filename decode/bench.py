@@ -11,7 +11,9 @@ processes hits every mode alike:
     python -m decode.bench                                   # SmolLM2, MT-bench, fp32 + bf16
     python -m decode.bench --limit 10 --max-new-tokens 128 --ckpt runs/train/<run>/best --tree
     python -m decode.bench --dtypes bfloat16 --curve-only    # just the verify-cost curve
-Prints the tables and writes bench.json + bench.md to --out.
+    python -m decode.bench --batch --ckpt <drafter> --batch-sizes 1 2 4 8 16 32   # batched
+Prints the tables and writes bench.json + bench.md (--batch: batch.json, batch.md, batch.png;
+decode/bench_batch.py) to --out.
 """
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ import torch
 from transformers import DynamicCache
 
 from data.prompts import load_prompts
+from decode.batch import MODES
+from decode.bench_batch import BATCH_SIZES, batch_markdown, batch_plot, run_batch_bench
 from decode.evaluate import is_near_tie, render
 from decode.metrics import RunMetrics
 from decode.spec import GenerationResult, generate
@@ -223,6 +227,11 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=None,
                     help="only modes whose name starts with one of these (plain always runs)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = the cores allowed)")
+    ap.add_argument("--batch", action="store_true", help="the batched benchmark instead: "
+                    "throughput and latency per batch size x mode (first dtype, first --ckpt or ngram)")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=list(BATCH_SIZES))
+    ap.add_argument("--batch-modes", nargs="+", default=list(MODES))
+    ap.add_argument("--batch-repeats", type=int, default=3, help="interleaved repeats (medians)")
     ap.add_argument("--out", default="runs/bench")
     args = ap.parse_args()
 
@@ -240,6 +249,8 @@ def main() -> None:
     report: dict = {"machine": {"flags": flags, "threads": torch.get_num_threads()},
                     "dtype_choice": {n: vars(t.dtype_choice) for n, t in targets.items()}}
     prompts = load_prompts(args.eval, limit=args.limit)
+    if args.batch:
+        return batch_main(any_t, prompts, args, head)
 
     # 2. the verify-cost curve over a real ~300-token context
     lines = list(head)
@@ -276,6 +287,24 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.md").write_text(table + "\n")
     (out / "bench.json").write_text(json.dumps(report, indent=1))
+
+
+def batch_main(target, prompts, args, head: list[str]) -> None:
+    """--batch: decode/bench_batch.py's table and plot for one target and one drafter."""
+    drafter = (load_drafters(target, args.ckpt[:1], ["target"])[0][1] if args.ckpt
+               else build_drafter(NgramConfig(), target))
+    ids = [render(target, p.turns[:1], []) for p in prompts]
+    rows = run_batch_bench(target, drafter, ids, batch_sizes=args.batch_sizes,
+                           modes=args.batch_modes, k=args.k, max_new_tokens=args.max_new_tokens,
+                           repeats=args.batch_repeats)
+    lines = head + [f"{args.eval}, {len(ids)} prompts cycled to {max(args.batch_sizes)} sequences, "
+                    f"greedy, {args.max_new_tokens} new tokens, drafter {drafter.name} k={args.k}, "
+                    f"{args.batch_repeats} interleaved repeats (medians)", ""] + batch_markdown(rows)
+    out = Path(args.out)
+    batch_plot(rows, out / "batch.png", f"{args.target}, {drafter.name} k={args.k}")
+    (out / "batch.md").write_text("\n".join(lines) + "\n")
+    (out / "batch.json").write_text(json.dumps({"rows": rows}, indent=1))
+    print("\n".join(lines), flush=True)
 
 
 if __name__ == "__main__":

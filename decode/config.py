@@ -45,6 +45,8 @@ class DecodeConfig:
     # the drafter's dtype: target = the target's (bf16 drafting on native-bf16 CPUs), or a dtype
     # name; any dtype is lossless (the target verifies), it only changes drafting speed and tau
     drafter_dtype: str = "target"
+    batch_size: int = 1  # sequences decoded together, one target forward per round (1 = one at a time)
+    batch_mode: str = "verify_all"  # batch_size > 1: plain | verify_all | budgeted (decode/budget.py)
     run_dir: str = "runs/decode/${now:%Y-%m-%d_%H-%M-%S}"  # outputs: result JSON, markdown table
 
 
@@ -60,5 +62,5 @@ def store_schemas(primary_name: str | None = None, primary: type | None = None) 
 DECODE_RULES = {
     "max_new_tokens": (1, None), "temperature": (0, None), "top_k": (0, None),
     "top_p": (0, 1, "open"), "k": (0, None), "min_confidence": (0, 1), "eval.limit": (1, None),
-    "eval.turns": (1, 2),
+    "eval.turns": (1, 2), "batch_size": (1, None),
 }

@@ -11,6 +11,7 @@ import json
 import logging
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -222,7 +223,9 @@ def decode_drafter_dtype(setting: str, target) -> torch.dtype:
     return DTYPES[setting]
 
 
-def run(cfg: DictConfig) -> None:
+def setup_run(cfg: DictConfig) -> tuple[Path, Any, Drafter | None, SamplingParams]:
+    """A decode job's start: check the settings, make the run dir (with config.yaml), load the
+    target and the drafter (cast to drafter_dtype). Returns (run_dir, target, drafter, sampling)."""
     from decode.config import DECODE_RULES
     from drafters.cli import check_ranges
     from drafters.precision import cast_drafter
@@ -238,13 +241,24 @@ def run(cfg: DictConfig) -> None:
         drafter.to(target.device).eval()
         cast_drafter(drafter, target, decode_drafter_dtype(cfg.drafter_dtype, target))
     sampling = SamplingParams(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
-    result = evaluate_drafter(target, drafter, eval_kind=cfg.eval.kind, path=cfg.eval.path,
-                              limit=cfg.eval.limit, turns=cfg.eval.turns,
-                              max_new_tokens=cfg.max_new_tokens, k=cfg.k, tree=cfg.tree,
-                              sampling=sampling, min_confidence=cfg.min_confidence,
-                              compare_plain=cfg.compare_plain, seed=cfg.seed, out_dir=run_dir)
+    return run_dir, target, drafter, sampling
+
+
+def finish_run(result: dict, run_dir: Path) -> None:
+    """A decode job's end: print the table; fail the command when the lossless check failed."""
     print(result["markdown"], flush=True)
     print(f"results: {run_dir / 'result.json'}", flush=True)
     if result["summary"].get("lossless_check") == "failed":  # a bug, not a tie: fail the command
         raise SystemExit(f"python -m decode: error: the lossless check failed (greedy outputs differ "
                          f"from plain decoding beyond near-ties); see {run_dir / 'result.json'}")
+
+
+def run(cfg: DictConfig) -> None:
+    """`python -m decode` with batch_size=1: one sequence at a time (decode/batch_eval.py: > 1)."""
+    run_dir, target, drafter, sampling = setup_run(cfg)
+    result = evaluate_drafter(target, drafter, eval_kind=cfg.eval.kind, path=cfg.eval.path,
+                              limit=cfg.eval.limit, turns=cfg.eval.turns,
+                              max_new_tokens=cfg.max_new_tokens, k=cfg.k, tree=cfg.tree,
+                              sampling=sampling, min_confidence=cfg.min_confidence,
+                              compare_plain=cfg.compare_plain, seed=cfg.seed, out_dir=run_dir)
+    finish_run(result, run_dir)

@@ -68,6 +68,9 @@ class ChainProposal:
     # (k, V) the warped draft distributions q_i the tokens were sampled from, needed by the lossless
     # sampling rule. None means a deterministic drafter: q_i is one-hot on tokens[i].
     probs: torch.Tensor | None = None
+    # (k,) the top draft probability max_x q_i(x) at each position (greedy: the drafted token's own
+    # probability), for verification budgets (decode/budget.py). None: a deterministic drafter.
+    confidence: torch.Tensor | None = None
 
 
 @dataclass
@@ -169,21 +172,23 @@ class Drafter(nn.Module):
         1. Draw draft i from the logits (argmax, or a sample from the warped q_i).
         2. Stop early when its confidence falls below min_confidence (never on the first).
         3. Map it to a target id; unless it was the k-th, step to the next logits.
-        4. Package the target ids and, when sampling, q over the target vocabulary."""
-        toks, qs = [], []
+        4. Package the target ids, their confidences and (sampling) q over the target vocab."""
+        toks, qs, confs = [], [], []
         for i in range(k):
             d, q, conf = draft_token(logits, sampling, generator, min_confidence)  # q: (Vd,) | None
             if i > 0 and conf < min_confidence:
                 break
             toks.append(self.target_ids(d))
             qs.append(q)
+            confs.append(conf)
             if i + 1 < k:
                 logits = step(i, toks[-1])  # (Vd,)
         tokens = torch.stack(toks).long()  # (n,)
+        conf = torch.tensor(confs)  # (n,)
         if sampling.greedy:
-            return ChainProposal(tokens=tokens, probs=None)
-        return ChainProposal(tokens=tokens, probs=expand_probs(torch.stack(qs), self.d2t,
-                                                               self.vocab_size))  # (n, V)
+            return ChainProposal(tokens=tokens, probs=None, confidence=conf)
+        q = expand_probs(torch.stack(qs), self.d2t, self.vocab_size)  # (n, V)
+        return ChainProposal(tokens=tokens, probs=q, confidence=conf)
 
     # A pruned draft vocabulary (drafters/head.py): drafters that support one hold `self.draft_vocab`
     # (a drafters.vocab.DraftVocab, None = the full target vocabulary) and a trainable `self.lm_head`

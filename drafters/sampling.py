@@ -65,9 +65,8 @@ def draft_token(logits: torch.Tensor, params: SamplingParams, generator: torch.G
                 min_confidence: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None, float]:
     """One drafted token from (V,) logits: (token, q, confidence). Greedy: the argmax, q None;
     sampling: a sample from the warped q. Confidence is the top draft probability (the adaptive
-    draft length stops below min_confidence); greedy skips the softmax when that is off."""
+    draft length stops below min_confidence; batched verification budgets rank drafts by it)."""
     if params.greedy:
-        conf = float(logits.softmax(-1).max()) if min_confidence > 0 else 1.0
-        return logits.argmax(), None, conf
+        return logits.argmax(), None, float(logits.float().softmax(-1).max())
     q = warp(logits, params)
     return sample(q, generator), q, float(q.max())

@@ -1,0 +1,286 @@
+"""Batched speculative decoding: B sequences share ONE target forward per round, each keeping its
+own drafts, acceptance, KV length and drafter state; finished sequences leave the batch and waiting
+prompts take their place (continuous batching, admitted at round boundaries).
+
+Every sequence runs decode/spec.py's own per-sequence state (`_Loop`: token buffer, features,
+result) and its prefill and commit steps, so a sequence decoded in a batch commits what
+`decode.spec.generate` commits for it alone (greedy: the same tokens; sampling: the same rule and,
+in verify_all mode with the same generator, the same draws). Only the verification forward is
+shared. The batch KV cache is one transformers DynamicCache with a row per sequence, rows
+left-aligned: row r holds its committed tokens[:T_r - 1] in columns [0, L_r), L_r = T_r - 1, and
+garbage after. A round appends Q columns; row r attends to its own [0, L_r) and causally within the
+new block (a 4-D mask), at positions L_r + t; afterwards the kept columns of each row move to
+[L_r, L_r + n_r + 1) and the cache is cropped to the longest row (`batch_cache.compact`).
+
+Modes: plain (no drafts), verify_all (every row verifies all its drafts), budgeted (decode/budget.py
+picks the verify width from the drafts' confidences and the target's measured cost curve).
+"""
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from transformers import DynamicCache
+
+from decode import batch_cache
+from decode.accept import accept_chain
+from decode.budget import CostCurve, choose_widths, cost_curve, survival
+from decode.spec import (GenerationResult, _check_inputs, _commit, _Loop, _prefill, _StopChecker,
+                         _timed)
+from drafters.base import Drafter
+from drafters.sampling import SamplingParams
+
+MODES = ("plain", "verify_all", "budgeted")
+
+
+@dataclass
+class BatchResult:
+    """What one `generate_batch` call produced: per prompt (in prompt order) and over the batch."""
+
+    results: list[GenerationResult]  # one per prompt; time_total = admission to finish
+    latency: list[float]  # per prompt: seconds from the call's start to its last token
+    time_total: float = 0.0  # wall-clock seconds of the whole call
+    rounds: int = 0  # batched target forwards (prefills excluded)
+    time_draft: float = 0.0  # seconds inside the drafters (they run one after another)
+    time_verify: float = 0.0  # seconds inside target forwards: the batched ones and the prefills
+    batch_sizes: list[int] = field(default_factory=list)  # rows in each round's forward
+    widths: list[int] = field(default_factory=list)  # width Q (tokens per row) of each forward
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(r.tokens) for r in self.results)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Throughput over the batch: every generated token / wall-clock seconds."""
+        return self.new_tokens / self.time_total if self.time_total else 0.0
+
+
+@dataclass
+class _Seq:
+    """One sequence in the batch: its prompt index, spec's per-sequence state and its admission time."""
+
+    index: int
+    loop: _Loop
+    t_admit: float
+
+
+def slot_drafter(drafter: Drafter | Callable[[], Drafter]) -> Drafter:
+    """A drafter for one sequence of a batch: a factory's product, or a shallow copy of `drafter`
+    that shares its modules and weights; reset() then gives it its own per-prompt state (every
+    drafter (re)assigns its caches in reset(), never mutates them in place across prompts)."""
+    d = drafter() if not isinstance(drafter, Drafter) and callable(drafter) else copy.copy(drafter)
+    d.reset()
+    return d
+
+
+def _check_batch(mode: str, tree: bool, n_prompts: int, batch_size: int) -> None:
+    if mode not in MODES:
+        raise ValueError(f"batch mode {mode!r} is unknown; use one of {MODES}")
+    if tree:
+        raise ValueError("batched decoding verifies chains only; use tree=False, or batch_size=1 "
+                         "for tree decoding")
+    if batch_size < 1 or n_prompts < 1:
+        raise ValueError(f"need batch_size >= 1 and at least one prompt (got batch_size="
+                         f"{batch_size}, {n_prompts} prompts)")
+
+
+class _Batch:
+    """The running batch: its sequences (row r of the cache = seqs[r]) and the shared settings."""
+
+    def __init__(self, target, drafter, layers, sampling, k, mode, min_confidence, cost, stop,
+                 eos, sync):
+        self.target, self.drafter, self.layers = target, drafter, layers
+        self.sampling, self.k, self.mode = sampling, k, mode
+        self.min_confidence, self.cost, self.stop, self.eos, self.sync = (min_confidence, cost,
+                                                                         stop, eos, sync)
+        self.seqs: list[_Seq] = []
+        self.cache = DynamicCache()
+        self.time_verify = 0.0  # seconds in target forwards, prefills included
+        # budgeted: drafts asked per row, at most one past the last round's width; after a plain
+        # round (width 0) the next 1, 2, 4 .. 16 rounds skip drafting before a one-draft probe, so
+        # a batch the budget keeps plain hardly pays the drafters for drafts it would cut. Both are
+        # decided from past rounds only, before any draft exists: lossless for sampling too.
+        self.draft_cap, self.skip, self.backoff = k, 0, 0
+
+    def admit(self, index: int, prompt: torch.Tensor, max_new_tokens: int,
+              generator: torch.Generator | None) -> tuple[_Seq, bool]:
+        """Prefill prompt (P,) alone (spec's step 1, its own cache), commit its first token and,
+        unless that already ends it, add it as a new row. Returns (the sequence, added)."""
+        t0, P, dev = time.perf_counter(), len(prompt), self.target.device
+        res = GenerationResult(tokens=prompt.new_empty(0).cpu(), cache=DynamicCache())
+        loop = _Loop(target=self.target, drafter=slot_drafter(self.drafter) if self.drafter else None,
+                     sampling=self.sampling, generator=generator, layers=self.layers,
+                     sync=self.sync, res=res, cache=res.cache,
+                     buf=torch.empty(P + max_new_tokens, dtype=torch.long, device=dev),
+                     P=P, end=P + max_new_tokens)
+        loop.buf[:P] = prompt
+        seq = _Seq(index, loop, t0)
+        if max_new_tokens == 0:
+            res.stop_reason = "max_new_tokens"
+            return seq, False
+        first = _prefill(loop, prompt)
+        self.time_verify += res.time_verify
+        added = not _commit(loop, first, None, self.eos, self.stop)
+        if added:
+            if self.seqs:
+                batch_cache.add_row(self.cache, loop.cache)
+            else:  # the first row: its own cache becomes the batch cache
+                self.cache = loop.cache
+            self.seqs.append(seq)
+        res.cache = loop.cache = None  # the row now lives in the batch cache
+        return seq, added
+
+    def _draft(self, seq: _Seq) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Step 1 for one row: (draft (m,), q (m, V) or None, budgeted: survival scores (m,))."""
+        loop = seq.loop
+        budget = loop.end - loop.T - 1  # drafts beyond this could never be committed
+        empty = loop.buf.new_empty(0)
+        if loop.drafter is None or self.mode == "plain" or budget <= 0 or self.skip:
+            return empty, None, torch.ones(0)
+        prop, dt = _timed(lambda: loop.drafter.propose(loop.state(), min(self.draft_cap, budget),
+                                                       self.sampling, loop.generator,
+                                                       self.min_confidence), self.sync)
+        loop.res.time_draft += dt
+        m = min(len(prop.tokens), self.draft_cap, budget)
+        q = prop.probs[:m] if prop.probs is not None else None  # (m, V)
+        scores = survival(prop, m) if self.mode == "budgeted" else None  # (m,)
+        return prop.tokens[:m].to(loop.buf.device), q, scores
+
+    def _plan_drafts(self, width: int) -> None:
+        """Budgeted: how many drafts the next rounds ask for, from this round's width."""
+        if self.skip:  # a round without drafts: count it off
+            self.skip -= 1
+        elif width == 0:
+            self.backoff = min(2 * self.backoff or 1, 16)
+            self.skip, self.draft_cap = self.backoff, 1
+        else:
+            self.backoff, self.draft_cap = 0, min(self.k, width + 1)
+
+    def round(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None], int]:
+        """One round for every row: 1. draft, 2. budget, 3. ONE padded forward, 4. accept,
+        5. compact the cache. Returns each row's tokens to commit (n_r+1,), the features (n_r+1, F)
+        of its verified inputs (or None) and the forward's width Q."""
+        drafts = [self._draft(s) for s in self.seqs]  # 1.
+        lens = [len(d) for d, _, _ in drafts]
+        if self.mode == "budgeted":  # 2. cut every row to the width the cost curve pays for
+            lens = choose_widths([sc for _, _, sc in drafts], self.cost, self.sampling.greedy)
+            self._plan_drafts(max(lens, default=0))
+        rows = [torch.cat([s.loop.buf[s.loop.T - 1:s.loop.T], d[:m]])
+                for s, (d, _, _), m in zip(self.seqs, drafts, lens)]  # (m_r+1,) each
+        L = [s.loop.T - 1 for s in self.seqs]  # committed tokens in each row's cache
+        cache_len = self.cache.get_seq_length()
+        ids, mask, pos = batch_cache.inputs(rows, L, cache_len)  # 3.
+        out, dt = _timed(lambda: self.target.forward(ids, layers=self.layers, cache=self.cache,
+                                                     attention_mask=mask, position_ids=pos),
+                         self.sync)
+        self.time_verify += dt
+        new, kept, n_keep = [], [], []
+        for r, (s, (d, q, _), m) in enumerate(zip(self.seqs, drafts, lens)):  # 4.
+            res = s.loop.res
+            res.time_verify += dt
+            res.target_forwards += 1
+            n_t, nxt = accept_chain(d[None, :m], None if q is None else q[None, :m],
+                                    out.logits[r:r + 1, :m + 1], self.sampling, s.loop.generator)
+            n = int(n_t)
+            res.drafted.append(m)
+            res.accepted.append(n)
+            new.append(torch.cat([d[:n], nxt]))  # (n+1,)
+            kept.append(out.features[r, :n + 1] if self.layers else None)  # (n+1, F)
+            n_keep.append(n + 1)
+        batch_cache.compact(self.cache, L, n_keep, cache_len)  # 5.
+        return new, kept, ids.shape[1]
+
+    def commit(self, new: list[torch.Tensor], kept: list[torch.Tensor | None]) -> list[_Seq]:
+        """Spec's commit step per row; the finished sequences leave the batch (and the cache)."""
+        done = [_commit(s.loop, n, f, self.eos, self.stop) for s, n, f in zip(self.seqs, new, kept)]
+        finished = [s for s, d in zip(self.seqs, done) if d]
+        if finished:
+            stay = [r for r, d in enumerate(done) if not d]
+            self.seqs = [self.seqs[r] for r in stay]
+            batch_cache.select_rows(self.cache, stay, max((s.loop.T - 1 for s in self.seqs),
+                                                          default=0))
+        return finished
+
+
+def _finish(seq: _Seq, t_start: float, results: list, latency: list) -> None:
+    loop, now = seq.loop, time.perf_counter()
+    loop.res.tokens = loop.buf[loop.P:loop.T].cpu()
+    loop.res.time_total = now - seq.t_admit
+    results[seq.index], latency[seq.index] = loop.res, now - t_start
+
+
+@torch.inference_mode()
+def generate_batch(
+    target: Any,  # drafters.target.Target
+    drafter: Drafter | Callable[[], Drafter] | None,  # one is shared (slot_drafter), or a factory
+    prompts: Sequence[torch.Tensor | Sequence[int]],  # each (P_i,)
+    *,
+    max_new_tokens: int | Sequence[int],  # one budget for all, or one per prompt
+    batch_size: int = 8,  # at most this many sequences in one forward
+    k: int = 5,
+    mode: str = "verify_all",  # plain | verify_all | budgeted
+    sampling: SamplingParams | None = None,  # None = greedy
+    min_confidence: float = 0.0,
+    stop_strings: Sequence[str] = (),
+    generators: Sequence[torch.Generator] | None = None,  # one per prompt (sampling)
+    seed: int = 0,  # without generators: prompt i samples with a generator seeded seed + i
+    cost: CostCurve | None = None,  # budgeted: the cost curve (None = measured once and cached)
+    cache_dir: str | None = None,  # where a measured cost curve is cached
+    tree: bool = False,  # refused: batched trees are not built
+) -> BatchResult:
+    """Decode every prompt, up to batch_size at a time in one target forward per round,
+    losslessly per sequence: each output is what `decode.spec.generate` gives that prompt alone
+    (greedy: token-identical; sampling: the target's distribution)."""
+    t_start = time.perf_counter()
+    sampling = sampling or SamplingParams()
+    dev = target.device
+    _check_batch(mode, tree, len(prompts), batch_size)
+    if generators is not None and len(generators) != len(prompts):
+        raise ValueError(f"{len(generators)} generators for {len(prompts)} prompts; give one each")
+    prompts = [torch.as_tensor(p, dtype=torch.long).reshape(-1).to(dev) for p in prompts]
+    budgets = ([max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int)
+               else [int(n) for n in max_new_tokens])
+    if len(budgets) != len(prompts):
+        raise ValueError(f"{len(budgets)} max_new_tokens for {len(prompts)} prompts; give one "
+                         f"int or one per prompt")
+    one = slot_drafter(drafter) if drafter is not None else None  # for the checks and the layers
+    speculative = one is not None and k > 0 and mode != "plain"
+    for p, n in zip(prompts, budgets):  # 0. guards, as spec's, before any work
+        _check_inputs(target, one if speculative else None, len(p), n, k, sampling, False)
+    if speculative and mode == "budgeted" and cost is None:
+        cost = cost_curve(target, cache_dir)
+    gens = list(generators) if generators is not None else [
+        torch.Generator(device=dev).manual_seed(seed + i) for i in range(len(prompts))]
+    eos = torch.tensor(sorted(target.eos_token_ids), dtype=torch.long, device=dev)  # (E,)
+    stop = _StopChecker(target.tokenizer, stop_strings) if any(stop_strings) else None
+    layers = tuple(one.feature_layers) if speculative else ()
+    batch = _Batch(target, drafter if speculative else None, layers, sampling, k, mode,
+                   min_confidence, cost, stop, eos, dev.type == "cuda")
+    results: list = [None] * len(prompts)
+    latency: list = [0.0] * len(prompts)
+    out = BatchResult(results=results, latency=latency)
+    waiting = list(range(len(prompts)))
+    while waiting or batch.seqs:
+        # 1. admit waiting prompts into free rows (a prompt may finish at its prefill)
+        while waiting and len(batch.seqs) < batch_size:
+            i = waiting.pop(0)
+            seq, added = batch.admit(i, prompts[i], budgets[i], gens[i])
+            if not added:
+                _finish(seq, t_start, results, latency)
+        if not batch.seqs:
+            continue
+        # 2. one round over the batch; 3. commit, and let the finished sequences leave
+        out.batch_sizes.append(len(batch.seqs))
+        new, kept, width = batch.round()
+        out.widths.append(width)
+        out.rounds += 1
+        for seq in batch.commit(new, kept):
+            _finish(seq, t_start, results, latency)
+    out.time_total = time.perf_counter() - t_start
+    out.time_verify = batch.time_verify
+    out.time_draft = sum(r.time_draft for r in results)
+    return out

@@ -1,0 +1,138 @@
+"""`python -m decode batch_size=B batch_mode=...` (B > 1): decode an eval set B sequences at a time
+(decode/batch.py) and write the same result.json / result.md as the single-sequence path, plus the
+batch size, the mode, the throughput over the batch and the per-sequence latencies.
+
+Turn t of every prompt is decoded in one batched call (turn t + 1 needs the model's own answer to
+turn t). With compare_plain, plain batched decoding at the same B runs first, turn by turn, for the
+speedup and, greedy, the token-identity check of every output (plain batched decoding is itself
+token-identical to decoding each prompt alone: tests/test_batch.py).
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from data.prompts import load_prompts
+from decode.batch import BatchResult, generate_batch
+from decode.evaluate import (_budget, _lossless_check, finish_run, is_near_tie, render,
+                             results_markdown, setup_run)
+from decode.metrics import RunMetrics
+from drafters.base import Drafter
+from drafters.sampling import SamplingParams
+
+
+def _batch_metrics(results: list, batches: list[BatchResult]) -> RunMetrics:
+    """Round statistics of every sequence, timed as the batches ran (wall clock, not the sum of
+    the sequences' overlapping times)."""
+    m = RunMetrics.from_results(results)
+    m.time_total = sum(b.time_total for b in batches)
+    m.time_draft = sum(b.time_draft for b in batches)
+    m.time_verify = sum(b.time_verify for b in batches)
+    m.time_other = m.time_total - m.time_draft - m.time_verify
+    m.tokens_per_s = m.new_tokens / m.time_total if m.time_total else 0.0
+    return m
+
+
+def _compare(target, ids, plain, spec, greedy: bool) -> tuple[bool | None, dict | None]:
+    """Greedy: is spec's output plain's, and where it first differs (a near-tie or a bug)."""
+    if plain is None or not greedy:
+        return None, None
+    if torch.equal(plain.tokens, spec.tokens):
+        return True, None
+    where = target.first_difference(ids, plain.tokens, spec.tokens)
+    where["near_tie"] = is_near_tie(where)
+    return False, where
+
+
+def evaluate_batched(target, drafter: Drafter | None, *, batch_size: int, batch_mode: str,
+                     eval_kind: str = "mtbench", path: str | None = None, limit: int | None = None,
+                     turns: int = 1, max_new_tokens: int = 256, k: int = 5,
+                     sampling: SamplingParams | None = None, min_confidence: float = 0.0,
+                     compare_plain: bool = True, seed: int = 0, out_dir: Path | None = None,
+                     cache_dir: str | None = None) -> dict:
+    """Decode every prompt (and turn) batch_size at a time in `batch_mode`; return {"summary",
+    "markdown", "prompts"} and write result.json + result.md into out_dir."""
+    sampling = sampling or SamplingParams()
+    prompts = load_prompts(eval_kind, path=path, limit=limit, turns=turns)
+    answers: list[list[list[int]]] = [[] for _ in prompts]
+    spec_batches, plain_batches, spec_results, rows = [], [], [], []
+    for turn in range(max(len(p.turns) for p in prompts)):
+        todo = [i for i, p in enumerate(prompts) if len(p.turns) > turn]
+        ids = [render(target, prompts[i].turns[:turn + 1], answers[i]) for i in todo]
+        budgets = [_budget(target, x, max_new_tokens, f"prompt {prompts[i].id} (turn {turn + 1})")
+                   for i, x in zip(todo, ids)]
+        kw = dict(max_new_tokens=budgets, batch_size=batch_size, sampling=sampling)
+        plain = generate_batch(target, None, ids, mode="plain", **kw) if compare_plain else None
+        spec = generate_batch(target, drafter, ids, k=k, mode=batch_mode,
+                              min_confidence=min_confidence, seed=seed + 1000 * turn,
+                              cache_dir=cache_dir, **kw)
+        spec_batches.append(spec)
+        plain_batches += [plain] if plain is not None else []
+        for j, i in enumerate(todo):
+            res, p = spec.results[j], prompts[i]
+            same, where = _compare(target, ids[j], plain.results[j] if plain else None, res,
+                                   sampling.greedy)
+            out = res.tokens.tolist()
+            answers[i].append(out)
+            spec_results.append(res)
+            rows.append({"id": p.id, "turn": turn + 1, "category": p.category,
+                         "prompt_tokens": len(ids[j]), "generated_ids": out,
+                         "text": target.tokenizer.decode(out, skip_special_tokens=False),
+                         "new_tokens": len(out), "target_forwards": res.target_forwards,
+                         "accepted": res.accepted, "drafted": res.drafted,
+                         "stop_reason": res.stop_reason, "identical_to_plain": same,
+                         "latency_s": spec.latency[j], "budget_capped": budgets[j] < max_new_tokens,
+                         **({"first_difference": where} if where else {})})
+    spec_m = _batch_metrics(spec_results, spec_batches)
+    latency = [r["latency_s"] for r in rows]
+    summary = {"eval": eval_kind, "prompts": len(prompts), "generations": len(rows),
+               "drafter": drafter.name if drafter is not None else "none", "k": k, "tree": False,
+               "temperature": sampling.temperature, "max_new_tokens": max_new_tokens,
+               "batch_size": batch_size, "batch_mode": batch_mode,
+               "latency_mean_s": statistics.mean(latency),
+               "latency_p90_s": sorted(latency)[int(0.9 * (len(latency) - 1))],
+               "mean_forward_width": statistics.mean(w for b in spec_batches for w in b.widths),
+               **{f"spec_{n}": v for n, v in asdict(spec_m).items()}}
+    summary.update(target.dtype_choice.as_dict() if hasattr(target, "dtype_choice") else
+                   {"target_dtype": str(target.dtype).removeprefix("torch.")})
+    summary["tau"], summary["tau_draft"] = spec_m.tau, spec_m.tau_draft
+    if plain_batches:
+        plain_m = _batch_metrics([r for b in plain_batches for r in b.results], plain_batches)
+        summary["plain_tokens_per_s"] = plain_m.tokens_per_s
+        summary["speedup"] = spec_m.tokens_per_s / plain_m.tokens_per_s if plain_m.tokens_per_s else 0.0
+        summary["plain_target_forwards"] = plain_m.target_forwards
+        if sampling.greedy:
+            summary.update(_lossless_check(rows))
+    markdown = (results_markdown(summary, spec_m)
+                + f"\n\nbatch_size={batch_size}, batch_mode={batch_mode}: throughput over the "
+                  f"batch, per-sequence latency mean {summary['latency_mean_s']:.2f} s")
+    if out_dir is not None:
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "result.json").write_text(json.dumps({"summary": summary, "prompts": rows},
+                                                         indent=1))
+        (out_dir / "result.md").write_text(markdown + "\n")
+    return {"summary": summary, "markdown": markdown, "prompts": rows}
+
+
+def run_batched(cfg) -> None:
+    """`python -m decode batch_size=B batch_mode=...` with B > 1 (decode/__main__.py)."""
+    from decode.batch import MODES
+    from drafters.target import cache_root
+
+    if cfg.batch_mode not in MODES or cfg.tree:
+        raise ValueError(f"batch_size={cfg.batch_size} needs batch_mode in {MODES} (got "
+                         f"{cfg.batch_mode!r}) and tree=false (got {cfg.tree}); batched trees "
+                         f"are not built: use batch_size=1 for tree decoding")
+    run_dir, target, drafter, sampling = setup_run(cfg)
+    result = evaluate_batched(
+        target, drafter, batch_size=cfg.batch_size, batch_mode=cfg.batch_mode,
+        eval_kind=cfg.eval.kind, path=cfg.eval.path, limit=cfg.eval.limit, turns=cfg.eval.turns,
+        max_new_tokens=cfg.max_new_tokens, k=cfg.k, sampling=sampling,
+        min_confidence=cfg.min_confidence, compare_plain=cfg.compare_plain, seed=cfg.seed,
+        out_dir=run_dir, cache_dir=str(cache_root(cfg.target)))
+    finish_run(result, run_dir)

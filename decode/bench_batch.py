@@ -1,0 +1,105 @@
+"""Batched decoding benchmark (`python -m decode.bench --batch`): throughput over the batch and
+per-sequence latency for every batch size x mode (plain, verify_all, budgeted), one drafter.
+
+Every (B, mode) decodes the same prompt list (as many prompts as the largest B, cycling the eval
+set if it is shorter), so each B is a full batch until its queue drains. Runs are interleaved
+round-robin (repeat 1: every B, every mode; repeat 2: ...), so load from other processes hits every
+cell alike; the table gives medians over repeats. Greedy outputs are checked against plain batched
+decoding at the same B (itself token-identical to decoding alone).
+"""
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from decode.batch import MODES, BatchResult, generate_batch
+from decode.budget import CostCurve
+
+BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+
+
+def run_batch_bench(target: Any, drafter: Any, prompts: Sequence[torch.Tensor], *,
+                    batch_sizes: Sequence[int] = BATCH_SIZES, modes: Sequence[str] = MODES,
+                    k: int = 5, max_new_tokens: int = 128, repeats: int = 1,
+                    cost: CostCurve | None = None, cache_dir: str | None = None,
+                    log=print) -> list[dict]:
+    """One row per (B, mode): medians over `repeats` interleaved runs of tokens/s over the batch
+    and of the mean / p90 per-sequence latency (seconds from the start to its last token), tau,
+    the mean forward width, and how many outputs differ from plain decoding at that B."""
+    work = [prompts[i % len(prompts)] for i in range(max(batch_sizes))]
+    runs: dict[tuple[int, str], list[BatchResult]] = {(b, m): [] for b in batch_sizes for m in modes}
+    for r in range(repeats):
+        for b in batch_sizes:
+            for m in modes:
+                runs[(b, m)].append(generate_batch(
+                    target, drafter if m != "plain" else None, work, max_new_tokens=max_new_tokens,
+                    batch_size=b, k=k, mode=m, cost=cost, cache_dir=cache_dir))
+                last = runs[(b, m)][-1]
+                log(f"repeat {r + 1}/{repeats} B={b} {m}: {last.tokens_per_s:.1f} tokens/s")
+    rows = []
+    for (b, m), rs in runs.items():
+        ref = runs.get((b, "plain"))
+        differ = 0
+        if ref:  # greedy: the same tokens as plain batched decoding (the first repeat)
+            differ = sum(not torch.equal(x.tokens, y.tokens)
+                         for x, y in zip(rs[0].results, ref[0].results))
+        rounds = [a for x in rs[0].results for a in x.accepted]
+        rows.append({
+            "batch_size": b, "mode": m,
+            "tokens_per_s": statistics.median(x.tokens_per_s for x in rs),
+            "runs_tokens_per_s": [x.tokens_per_s for x in rs],
+            "latency_mean_s": statistics.median(statistics.mean(x.latency) for x in rs),
+            "latency_p90_s": statistics.median(sorted(x.latency)[int(0.9 * (len(x.latency) - 1))]
+                                               for x in rs),
+            "tau": (sum(rounds) + len(rounds)) / len(rounds) if rounds else 0.0,
+            "mean_width": statistics.mean(rs[0].widths) if rs[0].widths else 0.0,
+            "differ_from_plain": differ})
+    return rows
+
+
+def batch_markdown(rows: list[dict]) -> list[str]:
+    """The table: per B and mode, throughput (and vs plain at that B), latency, tau, width."""
+    plain = {r["batch_size"]: r["tokens_per_s"] for r in rows if r["mode"] == "plain"}
+    lines = ["| B | mode | tokens/s | vs plain | latency mean (s) | latency p90 (s) | tau | "
+             "mean forward width | outputs differ from plain |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in sorted(rows, key=lambda r: (r["batch_size"], MODES.index(r["mode"]))):
+        base = plain.get(r["batch_size"])
+        vs = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
+        lines.append(f"| {r['batch_size']} | {r['mode']} | {r['tokens_per_s']:.1f} | {vs} | "
+                     f"{r['latency_mean_s']:.2f} | {r['latency_p90_s']:.2f} | {r['tau']:.2f} | "
+                     f"{r['mean_width']:.2f} | {r['differ_from_plain']} |")
+    return lines
+
+
+def batch_plot(rows: list[dict], path: Path, title: str = "") -> Path:
+    """A PNG: tokens/s over the batch (left) and mean per-sequence latency (right) against B,
+    one line per mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for m in MODES:
+        pts = sorted((r["batch_size"], r["tokens_per_s"], r["latency_mean_s"]) for r in rows
+                     if r["mode"] == m)
+        if pts:
+            bs, tps, lat = zip(*pts)
+            ax1.plot(bs, tps, marker="o", label=m)
+            ax2.plot(bs, lat, marker="o", label=m)
+    for ax, label in ((ax1, "tokens/s over the batch"), (ax2, "mean latency per sequence (s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size B")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

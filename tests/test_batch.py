@@ -1,0 +1,395 @@
+"""Batched speculative decoding (decode/batch.py, decode/batch_cache.py, decode/budget.py) is
+lossless per sequence: greedy outputs are token-identical to decoding each prompt alone, in every
+mode, at every batch size, with ragged acceptance, prompts of different lengths, sequences ending
+at different times (EOS, budget, stop string) and waiting prompts admitted as others finish; the
+batch KV cache equals a fresh forward's for every row after every round; drafters see exactly
+what they see alone; sampling keeps the target's distribution (chi-square, with wrong-rule and
+look-ahead-budget controls); the budget follows the cost curve, which is measured once and cached.
+
+The toys are tests/decode_toys.py's float64 Llamas (no near-ties between kernel shapes).
+"""
+import pytest
+import torch
+from transformers import DynamicCache
+
+import decode.batch
+import decode.budget
+from decode.batch import generate_batch, slot_drafter
+from decode.budget import CostCurve, choose_widths, cost_curve, survival
+from decode.spec import generate
+from decode_toys import (V, FixedQ, NoisyOracle, StubTokenizer, chi2_stat, make_target,
+                         pair_joint, wrong_rule)
+from drafters.base import ChainProposal, build_drafter
+from drafters.sampling import SamplingParams
+from drafters.target import Target
+from eagle3_engines import perturbed_drafter, tiny8_target
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+PROMPTS = [[3, 17, 5, 9, 41], list(range(20, 32)), [(7 * i) % V for i in range(30)], [1, 2],
+           [5, 6, 7, 5, 6, 7, 5, 6, 7]]
+FLAT = CostCurve([1, 1024], [1.0, 1.0])  # verification is free: budgeted verifies everything
+STEEP = CostCurve([1, 2], [1.0, 2.0])  # every token costs a step: budgeted decodes plainly
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_target()
+
+
+def alone(target, drafter, prompt, n, **kw):
+    return generate(target, drafter, prompt, max_new_tokens=n, **kw)
+
+
+# -- greedy: each output equals decoding that prompt alone -------------------------------------------
+@pytest.mark.parametrize("B", [1, 2, 3, 5])
+@pytest.mark.parametrize("mode", ["plain", "verify_all", "budgeted"])
+def test_greedy_batch_equals_alone(target, B, mode):
+    budgets = [25, 9, 31, 1, 17]  # sequences finish at different rounds; 5 prompts > B admit late
+    refs = [alone(target, None, p, n).tokens.tolist() for p, n in zip(PROMPTS, budgets)]
+    cost = CostCurve([1, 4, 8], [1.0, 1.2, 3.0])  # budgeted: a width between plain and all
+    out = generate_batch(target, NoisyOracle(target, noise=0.3, seed=B), PROMPTS,
+                         max_new_tokens=budgets, batch_size=B, k=4, mode=mode, cost=cost)
+    assert [r.tokens.tolist() for r in out.results] == refs
+    # the 1-token prompt ends at its prefill and never takes a row
+    assert max(out.batch_sizes) == min(B, 4) and len(out.batch_sizes) == out.rounds
+    assert all(r.stop_reason == "max_new_tokens" for r in out.results)
+    accepted = sum(sum(r.accepted) for r in out.results)
+    assert (accepted == 0) == (mode == "plain")  # drafts were accepted, raggedly
+    if mode == "budgeted":  # NoisyOracle's drafts score 1: the widest forward that pays per row count
+        best = {1: 4, 2: 2, 3: 2, 4: 1, 5: 1}  # e.g. 1 row: 4 tokens cost 1.2, 5 cost 1.65
+        assert all(w <= best[b] for b, w in zip(out.batch_sizes, out.widths))
+        assert max(out.widths) > 1  # at the latest when the batch thins out
+
+
+def test_a_batch_the_budget_keeps_plain_stops_asking_for_drafts(target):
+    """Round 1 asks every row for k drafts; once the budget picks width 0 (plain), later rounds
+    skip drafting (1, 2, 4 .. rounds) between one-draft probes, so a large batch hardly pays the
+    drafters for drafts it cuts."""
+    asked = []
+
+    class Counting(NoisyOracle):
+        def propose(self, state, k, *a, **kw):
+            asked.append(k)
+            return super().propose(state, k, *a, **kw)
+
+    out = generate_batch(target, Counting(target, noise=0.0), PROMPTS, max_new_tokens=12,
+                         batch_size=5, k=4, mode="budgeted", cost=STEEP)
+    assert set(out.widths) == {1} and asked[:5] == [4] * 5 and set(asked[5:]) == {1}
+    assert len(asked) == 5 * 3  # rounds 1, 3 and 6 of 11 (the 11th has no budget left to draft)
+    assert [r.tokens.tolist() for r in out.results] == [
+        alone(target, None, p, 12).tokens.tolist() for p in PROMPTS]
+
+
+def test_eos_and_stop_strings_end_rows_at_different_times(target):
+    """Each prompt ends at its own EOS (inside an accepted block) or stop string; the batch
+    outputs and stop reasons equal the lone decoder's."""
+    eos = alone(target, None, PROMPTS[2], 20).tokens[6].item()
+    eos_target = Target(target.model, StubTokenizer(eos=eos), "tiny+eos")
+    stop = ["gA"]  # StubTokenizer: tokens 38, 7 decode to "Eg", "Ah": a stop across two tokens
+    refs = [alone(eos_target, NoisyOracle(target, noise=0.0), p, 40, k=5, stop_strings=stop)
+            for p in PROMPTS]
+    out = generate_batch(eos_target, NoisyOracle(target, noise=0.0), PROMPTS, max_new_tokens=40,
+                         batch_size=2, k=5, stop_strings=stop)
+    assert [r.tokens.tolist() for r in out.results] == [r.tokens.tolist() for r in refs]
+    assert [r.stop_reason for r in out.results] == [r.stop_reason for r in refs]
+    assert {r.stop_reason for r in refs} == {"eos", "stop_string"}
+
+
+def test_batch_cache_equals_a_fresh_forward_after_every_round(target, monkeypatch):
+    """After each commit, every remaining row r holds the KV of its tokens[:T_r - 1] in columns
+    [0, T_r - 1), and the cache is as long as its longest row."""
+    checked = []
+    commit = decode.batch._Batch.commit
+
+    def checked_commit(self, new, kept):
+        finished = commit(self, new, kept)
+        if self.seqs:
+            lens = [s.loop.T - 1 for s in self.seqs]
+            assert self.cache.get_seq_length() == max(lens)
+            for r, s in enumerate(self.seqs):
+                fresh = DynamicCache()
+                target.forward(s.loop.buf[:lens[r]][None], cache=fresh)
+                for got, ref in zip(self.cache.layers, fresh.layers):
+                    torch.testing.assert_close(got.keys[r, :, :lens[r]], ref.keys[0])
+                    torch.testing.assert_close(got.values[r, :, :lens[r]], ref.values[0])
+            checked.append(len(self.seqs))
+        return finished
+
+    monkeypatch.setattr(decode.batch._Batch, "commit", checked_commit)
+    generate_batch(target, NoisyOracle(target, noise=0.4, seed=3), PROMPTS,
+                   max_new_tokens=[12, 5, 20, 8, 15], batch_size=3, k=3)
+    assert len(checked) > 5 and max(checked) == 3
+
+
+# -- every registered drafter: per-slot state, the same proposals as alone ---------------------------
+@pytest.fixture(scope="module")
+def target8():
+    return tiny8_target()
+
+
+@pytest.mark.parametrize("name,B", [(n, b) for n in ("ngram", "eagle", "eagle3") for b in (1, 2, 3, 5)]
+                         + [(n, 3) for n in ("medusa", "peagle", "small_lm")])
+def test_registered_drafters_see_what_they_see_alone(target8, name, B, monkeypatch):
+    """Greedy outputs equal the lone decoder's, and each slot's drafter proposes exactly what the
+    drafter proposes for that prompt alone (so its own cache and the target features it reads
+    are the lone decoder's): the shallow per-slot copies share weights, never state."""
+    cfg = {"draft_vocab_size": None} if name == "eagle" else {}
+    d = (build_drafter({"name": name}, target8) if name == "ngram"
+         else perturbed_drafter(target8, name, **cfg))
+    log: dict = {}
+    propose = type(d).propose
+
+    def logged(self, state, k, *a, **kw):
+        prop = propose(self, state, k, *a, **kw)
+        key = tuple(state.tokens[:4].tolist())  # the prompts differ in their first tokens
+        log.setdefault(key, []).append(prop.tokens.tolist())
+        return prop
+
+    monkeypatch.setattr(type(d), "propose", logged)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.cat([torch.tensor([i]), torch.randint(0, 128, (n,), generator=g)])
+               for i, n in enumerate([5, 12, 8, 20, 3, 9])]
+    budgets = [14, 6, 17, 9, 12, 4]  # rows end at different rounds; the queue refills them
+    refs = [alone(target8, d, p, n, k=3).tokens.tolist() for p, n in zip(prompts, budgets)]
+    ref_log, log = log, {}
+    out = generate_batch(target8, d, prompts, max_new_tokens=budgets, batch_size=B, k=3)
+    assert [r.tokens.tolist() for r in out.results] == refs
+    assert log == ref_log
+
+
+def test_slot_drafter_shares_weights_not_state(target8):
+    d = perturbed_drafter(target8, "eagle3")
+    a, b = slot_drafter(d), slot_drafter(lambda: d)
+    assert a is not d and a.fc.weight is d.fc.weight and b is d
+    assert a._cache is not d._cache
+
+
+# -- sampling --------------------------------------------------------------------------------------
+SP = SamplingParams(temperature=1.0, top_k=6)
+
+
+def test_sampled_verify_all_draws_what_the_lone_decoder_draws():
+    """verify_all keeps spec's order of draws, so with the same per-prompt generator each
+    sequence gets the very tokens it gets alone."""
+    tgt = make_target(vocab=8, seed=3, init=0.2)
+    prompts = [[1, 2, 3, 4], [5, 6], [7, 1, 1, 2, 3, 0, 4]]
+    refs = [generate(tgt, FixedQ(8), p, max_new_tokens=12, k=3, sampling=SP,
+                     generator=torch.Generator().manual_seed(50 + i)).tokens.tolist()
+            for i, p in enumerate(prompts)]
+    out = generate_batch(tgt, FixedQ(8), prompts, max_new_tokens=12, batch_size=2, k=3,
+                         sampling=SP, seed=50)
+    assert [r.tokens.tolist() for r in out.results] == refs
+
+
+def lookahead_survival(prop, m):
+    """A wrong budget score: reads each draft's own probability q_i(d_i) at its own depth, so
+    whether d_i is verified depends on d_i itself."""
+    own = prop.probs[:m].gather(-1, prop.tokens[:m, None]).squeeze(-1)
+    return own.cumprod(0)
+
+
+def even_q(vocab):
+    """FixedQ with q(0) = 0.5 (the other tokens share the rest): a draft's own probability
+    then says a lot about its value, so a budget that reads it is visibly biased."""
+    d = FixedQ(vocab)
+    d.logits[0] = -2.0 + float(torch.log(torch.tensor(vocab - 1.0)))
+    return d
+
+
+def batch_pair_counts(tgt, drafter, prompt, n, B, cost, one_call_each=False):
+    """n sequences (budgeted, k=2, 4 tokens, batches of B): counts of (t2, t3) (V*V,) and the
+    widths of the forwards. one_call_each: a generate_batch call per sequence, so no draft plan
+    (decode/batch.py's draft cap and skipped rounds) carries over from one sequence to the next."""
+    Vs = tgt.vocab_size
+    kw = dict(max_new_tokens=4, batch_size=B, k=2, mode="budgeted", sampling=SP, cost=cost)
+    outs = ([generate_batch(tgt, drafter, [prompt], seed=i, **kw) for i in range(n)]
+            if one_call_each else [generate_batch(tgt, drafter, [prompt] * n, **kw)])
+    c = torch.zeros(Vs * Vs)
+    for r in (r for out in outs for r in out.results):
+        c[r.tokens[1] * Vs + r.tokens[2]] += 1
+    return c, [w for out in outs for w in out.widths]
+
+
+@pytest.mark.parametrize("B", [1, 4])
+def test_budgeted_sampling_has_the_target_distribution(B, monkeypatch):
+    """Budgeted widths vary with the drafts (FixedQ's q(0) = 0.93: the second depth pays only
+    after a first draft 0, in every row when B = 4); the joint of tokens 2 and 3 still matches the
+    target's exactly, and the same test catches the wrong acceptance rule."""
+    tgt = make_target(vocab=8, seed=3, init=0.2)
+    prompt = [1, 2, 3, 4]
+    joint = pair_joint(tgt, prompt, SP)
+    cost = (CostCurve([1, 2, 3], [1.0, 1.3, 1.6]) if B == 1
+            else CostCurve([4, 8, 12], [1.0, 1.3, 1.75]))
+    c, widths = batch_pair_counts(tgt, FixedQ(8), prompt, 2000, B, cost)
+    assert {2, 3} <= set(widths)  # the budget cut depth 2, and not always
+    stat, crit = chi2_stat(c, joint)
+    assert stat < crit, (stat, crit)
+    monkeypatch.setattr(decode.batch, "accept_chain", wrong_rule("resample_from_p"))
+    stat, crit = chi2_stat(batch_pair_counts(tgt, FixedQ(8), prompt, 1500, B, cost)[0], joint)
+    assert stat > 2 * crit, (stat, crit)  # the wrong rule is far off, not borderline
+
+
+def test_a_budget_that_reads_a_drafts_own_probability_is_lossy(monkeypatch):
+    """The control of the budget's lossless design: ranking draft i by q_i(d_i) (its own value)
+    instead of max q_i verifies d_1 only when it is token 0, which skews the output."""
+    tgt = make_target(vocab=8, seed=3, init=0.2)
+    prompt = [1, 2, 3, 4]
+    joint = pair_joint(tgt, prompt, SP)
+    cost = CostCurve([1, 2, 3], [1.0, 1.3, 1.45])  # depth 1 pays at score 0.5, not at 0.07
+    c, widths = batch_pair_counts(tgt, even_q(8), prompt, 1500, 1, cost, one_call_each=True)
+    assert chi2_stat(c, joint)[0] < chi2_stat(c, joint)[1]  # the right score: lossless
+    monkeypatch.setattr(decode.batch, "survival", lookahead_survival)
+    stat, crit = chi2_stat(batch_pair_counts(tgt, even_q(8), prompt, 1500, 1, cost,
+                                             one_call_each=True)[0], joint)
+    assert stat > 3 * crit, (stat, crit)
+
+
+# -- the budget ------------------------------------------------------------------------------------
+def test_cost_curve_is_monotone_and_interpolates():
+    c = CostCurve([1, 2, 4, 8], [1.0, 1.6, 1.4, 2.0])
+    assert c(1) == 1.0 and c(2) == 1.4 and c(4) == 1.4 and c(6) == pytest.approx(1.7)
+    assert c(16) == pytest.approx(3.2)  # extrapolated along the last segment
+    with pytest.raises(ValueError, match="ascending"):
+        CostCurve([4, 2], [1.0, 2.0])
+
+
+def test_choose_widths():
+    s = [torch.tensor([0.9, 0.8, 0.1]), torch.tensor([0.95, 0.5]), torch.tensor([])]
+    assert choose_widths(s, FLAT, greedy=True) == [3, 2, 0]  # free: verify all
+    assert choose_widths(s, STEEP, greedy=True) == [0, 0, 0]  # a step per token: plain
+    bumpy = CostCurve([3, 6, 9, 12], [1.0, 1.7, 1.7, 3.0])  # depth 1 alone does not pay, 2 does
+    assert choose_widths(s, bumpy, greedy=True) == [2, 2, 0]
+    assert choose_widths(s, bumpy, greedy=False) == [0, 0, 0]  # sampling never looks ahead
+
+
+def test_survival_scores():
+    q = torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.6, 0.3], [0.2, 0.2, 0.6]])
+    prop = ChainProposal(tokens=torch.tensor([1, 1, 0]), probs=q)
+    # prod_{j<i} q_j(d_j) * max q_i: 0.5, 0.3 * 0.6, 0.3 * 0.6 * 0.6
+    torch.testing.assert_close(survival(prop, 3), torch.tensor([0.5, 0.18, 0.108]))
+    greedy = ChainProposal(tokens=torch.tensor([0, 1]), confidence=torch.tensor([0.5, 0.6]))
+    torch.testing.assert_close(survival(greedy, 2), torch.tensor([0.5, 0.3]))
+    assert survival(ChainProposal(tokens=torch.tensor([4, 5])), 2).tolist() == [1.0, 1.0]
+
+
+def test_draft_chain_reports_confidences(target8):
+    d = perturbed_drafter(target8, "eagle3")
+    tokens = torch.randint(0, 128, (9,), generator=torch.Generator().manual_seed(0))
+    feats = target8.forward(tokens[None, :-1], layers=d.feature_layers, logits=False).features[0]
+    from drafters.base import DecodeState
+    prop = d.propose(DecodeState(tokens, feats), 3, SamplingParams())
+    assert prop.confidence is not None and prop.confidence.shape == (3,)
+    assert bool(((prop.confidence > 0) & (prop.confidence <= 1)).all())
+
+
+def test_cost_curve_is_measured_once_per_target_and_cached(tmp_path, monkeypatch, target):
+    calls = []
+
+    def fake_measure(tgt, ns, *a, **kw):
+        calls.append(tgt)
+        return [0.01 * (1 + n / 64) for n in ns]
+
+    monkeypatch.setattr(decode.budget, "measure_cost", fake_measure)
+    a = cost_curve(target, tmp_path)
+    b = cost_curve(target, tmp_path)
+    other = cost_curve(make_target(seed=1), tmp_path)
+    assert len(calls) == 2 and a.key == b.key != other.key
+    assert len(list((tmp_path / "cost_curves").glob("*.json"))) == 2
+    assert a(1) == pytest.approx(0.01 * (1 + 1 / 64))
+
+
+def test_guards(target):
+    with pytest.raises(ValueError, match="batch mode 'fast' is unknown"):
+        generate_batch(target, None, PROMPTS, max_new_tokens=4, mode="fast")
+    with pytest.raises(ValueError, match="chains only"):
+        generate_batch(target, NoisyOracle(target), PROMPTS, max_new_tokens=4, tree=True)
+    with pytest.raises(ValueError, match="one per prompt"):
+        generate_batch(target, None, PROMPTS, max_new_tokens=[4, 5])
+    with pytest.raises(ValueError, match="prompt_ids is empty"):
+        generate_batch(target, None, [[1], []], max_new_tokens=4)
+
+
+# -- python -m decode batch_size=B ------------------------------------------------------------------
+def test_decode_cli_batch(tmp_path, tiny_target_cfg):
+    """`python -m decode batch_size=3 batch_mode=verify_all` on the tiny target: the result
+    records the batch size and mode, and every output equals plain decoding of that prompt alone
+    (budgeted differs only in the widths: tested above with a given cost curve)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from drafters.target import load_target
+
+    root = Path(__file__).resolve().parents[1]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"id": f"p{i}", "prompt": f"Say {w} {w} {w}."})
+                                 for i, w in enumerate(["one", "two", "three", "four"])) + "\n")
+    run_dir = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-m", "decode", "target=tiny", "drafter=ngram",
+                          "eval=jsonl", f"eval.path={prompts}", "max_new_tokens=10", "k=3",
+                          "batch_size=3", "batch_mode=verify_all", f"run_dir={run_dir}"],
+                         capture_output=True, text=True, cwd=root, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads((run_dir / "result.json").read_text())
+    s = res["summary"]
+    assert (s["batch_size"], s["batch_mode"], s["lossless_check"]) == (3, "verify_all", "passed")
+    target = load_target(tiny_target_cfg)
+    by_id = {json.loads(x)["id"]: json.loads(x)["prompt"] for x in prompts.read_text().splitlines()}
+    for row in res["prompts"]:
+        ids = target.tokenizer.apply_chat_template([{"role": "user", "content": by_id[row["id"]]}],
+                                                   add_generation_prompt=True,
+                                                   return_tensors="pt")["input_ids"][0]
+        assert generate(target, None, ids, max_new_tokens=10).tokens.tolist() == row["generated_ids"]
+
+
+def test_measure_cost_times_every_size(target):
+    from decode.budget import measure_cost
+
+    secs = measure_cost(target, ns=(1, 4, 16), context=8, rounds=1)
+    assert len(secs) == 3 and all(0 < x < 10 for x in secs)
+
+
+# -- the batched benchmark --------------------------------------------------------------------------
+def test_batch_bench_table_and_plot(target, tmp_path):
+    """Every (B, mode) cell is measured, interleaved; greedy outputs equal plain's at each B; the
+    table and the PNG are written."""
+    from decode.bench_batch import batch_markdown, batch_plot, run_batch_bench
+    from drafters.ngram import Ngram
+
+    prompts = [torch.tensor(p) for p in PROMPTS[:3]]
+    order = []
+    rows = run_batch_bench(target, Ngram(vocab_size=V), prompts, batch_sizes=(1, 2, 4),
+                           k=3, max_new_tokens=12, repeats=2, cost=FLAT, log=order.append)
+    assert len(rows) == 9 and all(r["differ_from_plain"] == 0 for r in rows)
+    assert [o.split(":")[0] for o in order[:4]] == ["repeat 1/2 B=1 plain", "repeat 1/2 B=1 "
+                                                    "verify_all", "repeat 1/2 B=1 budgeted",
+                                                    "repeat 1/2 B=2 plain"]
+    assert all(r["tokens_per_s"] > 0 and len(r["runs_tokens_per_s"]) == 2 for r in rows)
+    assert {r["mean_width"] for r in rows if r["mode"] == "plain"} == {1.0}
+    table = "\n".join(batch_markdown(rows))
+    assert table.count("| plain |") == 3 and "| 4 | budgeted |" in table
+    png = batch_plot(rows, tmp_path / "batch.png", "tiny")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_batch_cli_writes_files(tiny_target_cfg, tmp_path):
+    """`python -m decode.bench --batch` minus the target loading: batch.md / .json / .png."""
+    import json
+    from argparse import Namespace
+
+    from data.prompts import load_prompts
+    from decode import bench
+    from drafters.target import load_target
+
+    tgt = load_target(tiny_target_cfg)
+    args = Namespace(ckpt=[], batch_sizes=[1, 2], batch_modes=["plain", "verify_all"], k=2,
+                     max_new_tokens=6, batch_repeats=1, eval="mtbench", target="tiny",
+                     out=str(tmp_path))
+    bench.batch_main(tgt, load_prompts("mtbench", limit=2), args, ["head", ""])
+    rows = json.loads((tmp_path / "batch.json").read_text())["rows"]
+    assert {(r["batch_size"], r["mode"]) for r in rows} == {(1, "plain"), (1, "verify_all"),
+                                                            (2, "plain"), (2, "verify_all")}
+    assert "| 2 | verify_all |" in (tmp_path / "batch.md").read_text()
+    assert (tmp_path / "batch.png").stat().st_size > 1000

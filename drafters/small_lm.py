@@ -41,7 +41,7 @@ from drafters.cache import DraftCache
 from drafters.head import Shared, init_draft_head
 from drafters.hf_export import CAUSAL_LM
 from drafters.sampling import SamplingParams
-from drafters.tree import dynamic_tree
+from drafters.tree import dynamic_tree, in_target_vocab
 
 SOURCES = ("target_layers", "pretrained", "fresh")
 
@@ -285,11 +285,11 @@ class SmallLm(Drafter):
         return self.draft_chain(logits, step, k, sampling, generator, min_confidence)
 
     @torch.no_grad()
-    def propose_tree(self, state: DecodeState, sampling: SamplingParams) -> TreeProposal:
-        """Dynamic (EAGLE-2 style) tree, greedy only. A level's frontier runs as one batch through
-        the cache; each node sees the committed tokens, its ancestors and itself."""
-        if not sampling.greedy:
-            raise ValueError("small_lm: tree drafting supports greedy decoding only; use a chain")
+    def propose_tree(self, state: DecodeState, sampling: SamplingParams,
+                     generator: torch.Generator | None = None) -> TreeProposal:
+        """Dynamic (EAGLE-2 style) tree, sampled children when sampling. A level's frontier runs
+        as one batch through the cache; each node sees the committed tokens, its ancestors and
+        itself."""
         root = self._sync(state).log_softmax(-1)  # (Vd,)
 
         def expand(tokens: torch.Tensor, parents: torch.Tensor, frontier: torch.Tensor):
@@ -301,10 +301,10 @@ class SmallLm(Drafter):
 
         try:
             tree = dynamic_tree(expand, root, self.cfg.tree_top_k, self.cfg.tree_depth,
-                                self.cfg.tree_total_tokens)
+                                self.cfg.tree_total_tokens, sampling, generator)
         finally:  # forget the tree's entries: the cache holds the committed tokens only
             self._cache.forget_drafts()
-        return TreeProposal(tokens=self.target_ids(tree.tokens), parents=tree.parents)
+        return in_target_vocab(tree, self.d2t, self.vocab_size)
 
     # -- export -----------------------------------------------------------------------------------
     def to_hf_model(self) -> nn.Module:

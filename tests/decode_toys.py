@@ -74,7 +74,7 @@ class NoisyOracle(Drafter):
             toks = torch.cat([toks, torch.tensor(out[-1:])])
         return ChainProposal(tokens=torch.tensor(out, dtype=torch.long))
 
-    def propose_tree(self, state, sampling, depth=4, width=3):
+    def propose_tree(self, state, sampling, generator=None, depth=4, width=3):
         """A tree whose true path (when the noise spares it) sits at a random child index; the
         true child and the first child of each expanded node are expanded further."""
         self._record(state)

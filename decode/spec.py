@@ -254,7 +254,8 @@ def generate(
     of (greedy: is token-identical to) plain decoding with the target alone.
 
     drafter=None or k=0 gives plain decoding. tree=True verifies drafter.propose_tree (sampling:
-    with the multi-draft rule). min_confidence > 0 lets the drafter stop a chain early (adaptive draft length).
+    with the multi-draft rule). min_confidence > 0 lets the drafter stop a chain early (adaptive
+    draft length).
     """
     t_start = time.perf_counter()
     sampling = sampling or SamplingParams()

@@ -3,10 +3,10 @@
 The target sees [root, node_1 .. node_N] where the root is the last committed token. Each row may
 attend to the committed KV cache, its ancestors and itself (`tree_inputs`), and sits at position
 base + depth, so every branch is computed exactly as if it were the only continuation.
-`accept_path` then finds the longest branch the target agrees with (greedy; `sample_path` walks
-it with the multi-draft rule when sampling) and `compact_cache`
-keeps only that branch in the KV cache, so the next round starts from a cache that equals the one a
-plain decoder would have built.
+`accept_path` then finds the longest branch the target agrees with (greedy; when sampling,
+`sample_path` walks the tree with the multi-draft rule) and `compact_cache` keeps only that branch
+in the KV cache, so the next round starts from a cache that equals the one a plain decoder would
+have built.
 """
 from __future__ import annotations
 

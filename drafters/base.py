@@ -16,10 +16,10 @@ engine layouts are `ExportLayout`s registered by the drafter module that owns th
 
 Decode-time contract (see decode/spec.py for the loop that drives it):
   * Before the first round of a prompt the decoder calls `reset()`.
-  * Each round it calls `propose(state, k, sampling, generator)` (chain) or
-    `propose_tree(state, sampling, generator)` (tree). `state.tokens` holds every committed token; between
-    two calls it only grows by appending (accepted drafts + the target's bonus token), so a drafter
-    with its own KV cache crops it back to the longest prefix it still shares with `state.tokens`.
+  * Each round it calls `propose(state, k, sampling, generator)` (chain) or `propose_tree(state,
+    sampling, generator)` (tree). `state.tokens` holds every committed token; between two calls
+    it only grows by appending (accepted drafts + the target's bonus token), so a drafter with
+    its own KV cache crops it back to the longest prefix it still shares with `state.tokens`.
   * Drafters that read target features (EAGLE, Medusa) list the hidden-state indices they need in
     `feature_layers` (HF `hidden_states` indexing: 0 = embeddings, i = output of layer i, -1 = the
     final-normed state the LM head sees); the decoder then fills `state.features`.

@@ -68,6 +68,9 @@ class EagleConfig(DrafterConfig):
     tree_top_k: int = 8  # EAGLE-2 tree: children per expanded node and nodes expanded per level
     tree_depth: int = 6  # EAGLE-2 tree: levels grown
     tree_total_tokens: int = 60  # EAGLE-2 tree: nodes kept for verification
+    # sampling: draw the tree's children from the warped q (False: EAGLE-2's top-k candidates,
+    # verified as deterministic drafts; both lossless)
+    tree_sampled: bool = True
 
 
 def drafter_llama_config(target, num_layers: int) -> LlamaConfig:
@@ -370,9 +373,10 @@ class Eagle(Drafter):
             return self.head(h).float().log_softmax(-1)  # (F, Vd)
 
         root = self.head(h_root).float().log_softmax(-1)  # (Vd,)
+        sampled = sampling if self.cfg.tree_sampled else None  # None: the top-k tree
         try:
             tree = dynamic_tree(expand, root, self.cfg.tree_top_k, self.cfg.tree_depth,
-                               self.cfg.tree_total_tokens, sampling, generator)
+                               self.cfg.tree_total_tokens, sampled, generator)
         finally:
             self._cache.forget_drafts()
         return in_target_vocab(tree, self.d2t, self.vocab_size)

@@ -207,6 +207,7 @@ class Peagle(Eagle3):
             d = TreeProposal(tokens, parents).depths()[frontier]  # (F,) 1 = child of the root
             return logp[d]  # (F, Vd): the next position's distribution
 
+        sampled = sampling if self.cfg.tree_sampled else None  # None: the top-k tree
         tree = dynamic_tree(expand, logp[0], self.cfg.tree_top_k, depth, self.cfg.tree_total_tokens,
-                            sampling, generator)
+                            sampled, generator)
         return in_target_vocab(tree, self.d2t, self.vocab_size)

@@ -74,6 +74,9 @@ class SmallLmConfig(DrafterConfig):
     tree_top_k: int = 8  # dynamic tree: children per expanded node and nodes expanded per level
     tree_depth: int = 6  # dynamic tree: levels grown
     tree_total_tokens: int = 60  # dynamic tree: nodes kept for verification
+    # sampling: draw the tree's children from the warped q (False: EAGLE-2's top-k candidates,
+    # verified as deterministic drafts; both lossless)
+    tree_sampled: bool = True
 
 
 def vocab_difference(target_tok, draft_tok, target_rows: int, draft_rows: int) -> Optional[str]:
@@ -299,9 +302,10 @@ class SmallLm(Drafter):
             self._cache.add_level(frontier, base)
             return out.log_softmax(-1)
 
+        sampled = sampling if self.cfg.tree_sampled else None  # None: the top-k tree
         try:
             tree = dynamic_tree(expand, root, self.cfg.tree_top_k, self.cfg.tree_depth,
-                                self.cfg.tree_total_tokens, sampling, generator)
+                                self.cfg.tree_total_tokens, sampled, generator)
         finally:  # forget the tree's entries: the cache holds the committed tokens only
             self._cache.forget_drafts()
         return in_target_vocab(tree, self.d2t, self.vocab_size)

@@ -16,7 +16,7 @@ from decode.accept import multi_draft
 from decode.spec import generate
 from decode.tree import sample_path
 from decode_toys import chi2_stat, make_target, pair_counts, pair_joint
-from drafters.base import Drafter, TreeProposal, build_drafter
+from drafters.base import DecodeState, Drafter, TreeProposal, build_drafter
 from drafters.sampling import SamplingParams, warp
 from drafters.tree import draw_children, dynamic_tree, sampled_tree
 
@@ -248,6 +248,29 @@ def test_eagle_sampled_tree_decoding_has_the_target_distribution(tgt):
     assert bool((first_round > 50).all()), first_round
     stat, crit = chi2_stat(c, pair_joint(tgt, PROMPT, sp))
     assert stat < crit, (stat, crit)
+
+
+@pytest.mark.parametrize("name", ["eagle", "peagle", "small_lm"])
+def test_tree_sampled_false_keeps_the_top_k_tree_when_sampling(tgt, name):
+    """drafter.tree_sampled=false: at temperature > 0 the dynamic tree is the greedy one (EAGLE-2's
+    top-k candidates, probs None: verified as deterministic drafts); true: sampled, with probs."""
+    trees = {}
+    for sampled in (True, False):
+        torch.manual_seed(0)
+        d = build_drafter({"name": name, "draft_vocab_size": None, "tree_top_k": 3, "tree_depth": 3,
+                           "tree_total_tokens": 7, "tree_sampled": sampled}, tgt)
+        ids = torch.tensor(PROMPT + [5, 6])
+        feats = tgt.forward(ids[None], layers=d.feature_layers).features
+        state = DecodeState(ids, None if feats is None else feats[0, :-1])
+        d.reset()
+        greedy = d.propose_tree(state, SamplingParams())
+        d.reset()
+        trees[sampled] = d.propose_tree(state, SamplingParams(temperature=1.0),
+                                        torch.Generator().manual_seed(0))
+    assert trees[True].probs is not None and len(trees[True].tokens) == 7
+    assert trees[False].probs is None
+    assert torch.equal(trees[False].tokens, greedy.tokens)
+    assert torch.equal(trees[False].parents, greedy.parents)
 
 
 def test_decode_cli_runs_a_sampled_tree(tmp_path, tiny_run):

@@ -23,9 +23,9 @@ from transformers import DynamicCache
 
 from decode.accept import accept_chain
 from decode.tree import (accept_path, ancestors, check_tree, compact_cache, prune_depth,
-                         tree_inputs)
+                         sample_path, tree_inputs)
 from drafters.base import DecodeState, Drafter
-from drafters.sampling import SamplingParams
+from drafters.sampling import SamplingParams, warp
 
 
 @dataclass
@@ -130,12 +130,8 @@ def _check_inputs(target: Any, drafter: Drafter | None, P: int, max_new_tokens: 
         raise ValueError(f"drafter {drafter.name!r} proposes tokens of a vocabulary of "
                          f"{drafter.vocab_size}, the target's has {target.vocab_size}; train or "
                          f"load the drafter for this target")
-    if tree:
-        if not sampling.greedy:
-            raise ValueError("tree decoding is greedy only (its acceptance walk needs temperature=0); "
-                             "use a chain (tree=False) or temperature=0")
-        if not drafter.supports_tree:
-            raise ValueError(f"drafter {drafter.name!r} does not propose trees; use tree=False")
+    if tree and not drafter.supports_tree:
+        raise ValueError(f"drafter {drafter.name!r} does not propose trees; use tree=False")
 
 
 def _prefill(loop: _Loop, prompt: torch.Tensor) -> torch.Tensor:
@@ -178,20 +174,28 @@ def _commit(loop: _Loop, new: torch.Tensor, kept: torch.Tensor | None, eos: torc
 
 
 def _tree_round(loop: _Loop, budget: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Steps 3a-6 for a tree: draft a tree, verify every branch in ONE forward, keep the longest
-    accepted branch. Returns (new (n+1,) accepted nodes + bonus, kept (n+1, F) features or None)."""
+    """Steps 3a-6 for a tree: draft a tree, verify every branch in ONE forward, keep the accepted
+    branch. Returns (new (n+1,) accepted nodes + bonus, kept (n+1, F) features or None)."""
     res, dev, cache_len = loop.res, loop.buf.device, loop.T - 1
     # 3a. draft: a tree of N nodes, cut to the depth the budget can still commit
-    prop, dt = _timed(lambda: loop.drafter.propose_tree(loop.state(), loop.sampling), loop.sync)
+    prop, dt = _timed(lambda: loop.drafter.propose_tree(loop.state(), loop.sampling,
+                                                        generator=loop.generator), loop.sync)
     res.time_draft += dt
     nodes, parents = prop.tokens.to(dev), prop.parents.to(dev)  # (N,), (N,)
     check_tree(nodes, parents)
-    nodes, parents, anc = prune_depth(nodes, parents, ancestors(parents), budget)
+    anc = ancestors(parents)  # (N, N)
+    probs = None if prop.probs is None else prop.probs.to(dev)[anc.sum(-1) <= budget]  # (N', V)
+    nodes, parents, anc = prune_depth(nodes, parents, anc, budget)
     # 4. verify: [last committed, nodes] with a tree attention mask, in one forward
     ids, mask, pos = tree_inputs(loop.buf[loop.T - 1:loop.T], nodes, anc, cache_len)
     out = loop.forward(ids, attention_mask=mask, position_ids=pos)
-    # 5. accept the deepest branch that matches the target's argmax, plus its bonus token
-    keep, bonus = accept_path(nodes, parents, anc, out.logits[0].argmax(-1))
+    # 5. greedy: the deepest branch matching the target's argmax; sampling: the multi-draft walk.
+    #    Either way plus the target's token after the branch
+    if loop.sampling.greedy:
+        keep, bonus = accept_path(nodes, parents, anc, out.logits[0].argmax(-1))
+    else:
+        keep, bonus = sample_path(nodes, parents, probs, warp(out.logits[0], loop.sampling),
+                                  loop.generator)
     # 6. the cache keeps tokens[:T-1] + the accepted branch only
     compact_cache(loop.cache, cache_len, keep)
     res.drafted.append(int(anc.sum(-1).max()) if len(nodes) else 0)
@@ -249,8 +253,9 @@ def generate(
     """Generate up to max_new_tokens after prompt_ids, losslessly: the output has the distribution
     of (greedy: is token-identical to) plain decoding with the target alone.
 
-    drafter=None or k=0 gives plain decoding. tree=True verifies drafter.propose_tree (greedy
-    only). min_confidence > 0 lets the drafter stop a chain early (adaptive draft length).
+    drafter=None or k=0 gives plain decoding. tree=True verifies drafter.propose_tree (sampling:
+    with the multi-draft rule). min_confidence > 0 lets the drafter stop a chain early (adaptive
+    draft length).
     """
     t_start = time.perf_counter()
     sampling = sampling or SamplingParams()

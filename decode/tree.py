@@ -3,15 +3,19 @@
 The target sees [root, node_1 .. node_N] where the root is the last committed token. Each row may
 attend to the committed KV cache, its ancestors and itself (`tree_inputs`), and sits at position
 base + depth, so every branch is computed exactly as if it were the only continuation.
-`accept_path` then finds the longest branch the target agrees with (greedy) and `compact_cache`
-keeps only that branch in the KV cache, so the next round starts from a cache that equals the one a
-plain decoder would have built.
+`accept_path` then finds the longest branch the target agrees with (greedy; when sampling,
+`sample_path` walks the tree with the multi-draft rule) and `compact_cache` keeps only that branch
+in the KV cache, so the next round starts from a cache that equals the one a plain decoder would
+have built.
 """
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+
+from decode.accept import multi_draft
+from drafters.sampling import sample
 
 
 def check_tree(tokens: torch.Tensor, parents: torch.Tensor) -> None:
@@ -99,6 +103,33 @@ def accept_path(
     path = anc[leaf].nonzero().squeeze(-1) + 1  # (n,) input positions, ascending (topological)
     keep = torch.cat([path.new_zeros(1), path])  # (n+1,)
     return keep, best[leaf + 1: leaf + 2]
+
+
+def sample_path(
+    tokens: torch.Tensor,  # (N,) long
+    parents: torch.Tensor,  # (N,) long
+    probs: torch.Tensor | None,  # (N, V) the q each node was drawn from; None = deterministic tree
+    p: torch.Tensor,  # (N+1, V) the target's warped distributions at [root, node_1 .. node_N]
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sampling walk, lossless: from the root, the multi-draft rule (decode/accept.py) over the
+    current node's children picks one to descend into, or ends the branch with a token from the
+    residual. Each level's output then follows the target's p given the path above it, whatever
+    the drafter's q. Returns keep (n+1,) and next (1,) as `accept_path` does."""
+    kids: dict[int, list[int]] = {}  # node -> its children in index (= draw) order; -1 = the root
+    for i, par in enumerate(parents.tolist()):
+        kids.setdefault(par, []).append(i)
+    node, path = -1, []
+    while True:
+        children = torch.tensor(kids.get(node, []), dtype=torch.long, device=tokens.device)  # (m,)
+        q = None if probs is None else probs[children]  # (m, V)
+        pick, residual = multi_draft(p[node + 1], tokens[children], q)  # (m+1,), (V,)
+        i = int(torch.multinomial(pick, 1, generator=generator))
+        if i == len(children):  # every child rejected (or none): the residual's token ends it
+            keep = torch.tensor([0] + [n + 1 for n in path], dtype=torch.long, device=tokens.device)
+            return keep, sample(residual, generator)[None]
+        node = int(children[i])
+        path.append(node)
 
 
 def compact_cache(cache: Any, start: int, keep: torch.Tensor) -> None:

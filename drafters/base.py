@@ -16,10 +16,10 @@ engine layouts are `ExportLayout`s registered by the drafter module that owns th
 
 Decode-time contract (see decode/spec.py for the loop that drives it):
   * Before the first round of a prompt the decoder calls `reset()`.
-  * Each round it calls `propose(state, k, sampling, generator)` (chain) or
-    `propose_tree(state, sampling)` (tree). `state.tokens` holds every committed token; between
-    two calls it only grows by appending (accepted drafts + the target's bonus token), so a drafter
-    with its own KV cache crops it back to the longest prefix it still shares with `state.tokens`.
+  * Each round it calls `propose(state, k, sampling, generator)` (chain) or `propose_tree(state,
+    sampling, generator)` (tree). `state.tokens` holds every committed token; between two calls
+    it only grows by appending (accepted drafts + the target's bonus token), so a drafter with
+    its own KV cache crops it back to the longest prefix it still shares with `state.tokens`.
   * Drafters that read target features (EAGLE, Medusa) list the hidden-state indices they need in
     `feature_layers` (HF `hidden_states` indexing: 0 = embeddings, i = output of layer i, -1 = the
     final-normed state the LM head sees); the decoder then fills `state.features`.
@@ -79,6 +79,9 @@ class TreeProposal:
 
     tokens: torch.Tensor  # (N,) long: the token of each node
     parents: torch.Tensor  # (N,) long: index of the parent node, -1 = child of the root
+    # (N, V) warped q node i was drawn from given its path and earlier siblings (drawn in index
+    # order), for the lossless multi-draft rule; None = a deterministic tree (q one-hot on tokens)
+    probs: torch.Tensor | None = None
 
     def depths(self) -> torch.Tensor:
         """(N,) depth of each node, 1 for children of the root."""
@@ -152,8 +155,9 @@ class Drafter(nn.Module):
         next token falls below min_confidence: adaptive draft length)."""
         raise NotImplementedError
 
-    def propose_tree(self, state: DecodeState, sampling: SamplingParams) -> TreeProposal:
-        """Draft a token tree (static or dynamic) continuing state.tokens."""
+    def propose_tree(self, state: DecodeState, sampling: SamplingParams,
+                     generator: torch.Generator | None = None) -> TreeProposal:
+        """Draft a token tree (static or dynamic) continuing state.tokens (sampled: with probs)."""
         raise NotImplementedError(f"drafter {self.name!r} does not propose trees; use a chain")
 
     def forward_train(self, batch: TrainBatch) -> list[DraftPrediction]:

@@ -43,7 +43,7 @@ from drafters.cache import DraftCache
 from drafters.export_formats import WEIGHTS, llama_layer_config, speculators_config
 from drafters.head import frozen_logits, init_draft_head
 from drafters.sampling import SamplingParams
-from drafters.tree import dynamic_tree
+from drafters.tree import dynamic_tree, in_target_vocab
 
 
 @dataclass
@@ -68,6 +68,9 @@ class EagleConfig(DrafterConfig):
     tree_top_k: int = 8  # EAGLE-2 tree: children per expanded node and nodes expanded per level
     tree_depth: int = 6  # EAGLE-2 tree: levels grown
     tree_total_tokens: int = 60  # EAGLE-2 tree: nodes kept for verification
+    # sampling: draw the tree's children from the warped q (False: EAGLE-2's top-k candidates,
+    # verified as deterministic drafts; both lossless)
+    tree_sampled: bool = True
 
 
 def drafter_llama_config(target, num_layers: int) -> LlamaConfig:
@@ -349,12 +352,12 @@ class Eagle(Drafter):
             self._cache.forget_drafts()
 
     @torch.no_grad()
-    def propose_tree(self, state: DecodeState, sampling: SamplingParams) -> TreeProposal:
-        """EAGLE-2 dynamic tree (greedy only). Each level's frontier runs as one batch of queries
-        through the cache with a tree mask: a node sees the committed prefix, its ancestors and
-        itself, so a level costs one drafter step whatever its width."""
-        if not sampling.greedy:
-            raise ValueError("eagle: tree drafting supports greedy decoding only; use a chain")
+    def propose_tree(self, state: DecodeState, sampling: SamplingParams,
+                     generator: torch.Generator | None = None) -> TreeProposal:
+        """EAGLE-2 dynamic tree (sampling: children drawn from q, drafters/tree.py sampled_tree).
+        Each level's frontier runs as one batch of queries through the cache with a tree mask: a
+        node sees the committed prefix, its ancestors and itself, so a level costs one drafter
+        step whatever its width."""
         h_root = self._sync(state)[0, 0]  # (H,)
         out = {}  # pool index -> predicted feature (H,) of that node's position
 
@@ -370,9 +373,10 @@ class Eagle(Drafter):
             return self.head(h).float().log_softmax(-1)  # (F, Vd)
 
         root = self.head(h_root).float().log_softmax(-1)  # (Vd,)
+        sampled = sampling if self.cfg.tree_sampled else None  # None: the top-k tree
         try:
             tree = dynamic_tree(expand, root, self.cfg.tree_top_k, self.cfg.tree_depth,
-                               self.cfg.tree_total_tokens)
+                               self.cfg.tree_total_tokens, sampled, generator)
         finally:
             self._cache.forget_drafts()
-        return TreeProposal(tokens=self.target_ids(tree.tokens), parents=tree.parents)
+        return in_target_vocab(tree, self.d2t, self.vocab_size)

@@ -64,6 +64,9 @@ class Eagle3Config(DrafterConfig):
     tree_top_k: int = 8  # EAGLE-2 tree: children per expanded node and nodes expanded per level
     tree_depth: int = 6  # EAGLE-2 tree: levels grown
     tree_total_tokens: int = 60  # EAGLE-2 tree: nodes kept for verification
+    # sampling: draw the tree's children from the warped q (False: EAGLE-2's top-k candidates,
+    # verified as deterministic drafts; both lossless)
+    tree_sampled: bool = True
 
 
 def default_aux_layers(num_layers: int) -> list[int]:

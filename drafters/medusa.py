@@ -222,10 +222,10 @@ class Medusa(Drafter):
                                 min(k, self.cfg.num_heads), sampling, generator, min_confidence)
 
     @torch.no_grad()
-    def propose_tree(self, state: DecodeState, sampling: SamplingParams) -> TreeProposal:
-        """The static tree filled with each head's top-k tokens (greedy only)."""
-        if not sampling.greedy:
-            raise ValueError("medusa: tree drafting supports greedy decoding only; use a chain")
+    def propose_tree(self, state: DecodeState, sampling: SamplingParams,
+                     generator: torch.Generator | None = None) -> TreeProposal:
+        """The static tree filled with each head's top-k tokens. Deterministic also when sampling
+        (probs None: the multi-draft rule then tests each candidate with q one-hot on it)."""
         if state.features is None or state.features.shape[0] < 1:
             raise ValueError("medusa: propose_tree needs state.features for tokens[:-1]")
         f = state.features[-1]  # (H,)

@@ -90,8 +90,10 @@ class Ngram(Drafter):
         cont = self._continuation(toks, e, k) if e is not None and k > 0 else []
         return ChainProposal(tokens=torch.tensor(cont, dtype=torch.long, device=state.tokens.device))
 
-    def propose_tree(self, state: DecodeState, sampling: SamplingParams) -> TreeProposal:
-        """Up to tree_branches distinct continuations of tree_depth tokens, merged by prefix."""
+    def propose_tree(self, state: DecodeState, sampling: SamplingParams,
+                     generator: torch.Generator | None = None) -> TreeProposal:
+        """Up to tree_branches distinct continuations of tree_depth tokens, merged by prefix
+        (deterministic, also when sampling: probs None)."""
         toks = self._sync(state.tokens)
         conts: list[tuple[int, ...]] = []
         for e in self._matches(toks):

@@ -54,7 +54,7 @@ from drafters.eagle3 import (Eagle3, Eagle3Config, engine_config, engine_refusal
                              state_from_engine, ttt_attention)
 from drafters.export_formats import WEIGHTS, torch_dtype
 from drafters.sampling import SamplingParams
-from drafters.tree import dynamic_tree
+from drafters.tree import dynamic_tree, in_target_vocab
 
 
 @dataclass
@@ -194,12 +194,12 @@ class Peagle(Eagle3):
                                 min_confidence)
 
     @torch.no_grad()
-    def propose_tree(self, state: DecodeState, sampling: SamplingParams) -> TreeProposal:
-        """A draft tree from ONE forward (greedy only): EAGLE-2's dynamic tree (tree_top_k,
-        tree_depth capped at ttt_length, tree_total_tokens) where every node at depth d expands
-        with position d+1's distribution: parallel drafts do not depend on the tokens before."""
-        if not sampling.greedy:
-            raise ValueError("peagle: tree drafting supports greedy decoding only; use a chain")
+    def propose_tree(self, state: DecodeState, sampling: SamplingParams,
+                     generator: torch.Generator | None = None) -> TreeProposal:
+        """A draft tree from ONE forward: EAGLE-2's dynamic tree (tree_top_k, tree_depth capped at
+        ttt_length, tree_total_tokens; sampled children when sampling) where every node at depth
+        d expands with position d+1's distribution: parallel drafts do not depend on the tokens
+        before."""
         depth = min(self.cfg.tree_depth, self.cfg.ttt_length)
         logp = self.draft_logits(state, depth).log_softmax(-1)  # (D, Vd)
 
@@ -207,5 +207,7 @@ class Peagle(Eagle3):
             d = TreeProposal(tokens, parents).depths()[frontier]  # (F,) 1 = child of the root
             return logp[d]  # (F, Vd): the next position's distribution
 
-        tree = dynamic_tree(expand, logp[0], self.cfg.tree_top_k, depth, self.cfg.tree_total_tokens)
-        return TreeProposal(tokens=self.target_ids(tree.tokens), parents=tree.parents)
+        sampled = sampling if self.cfg.tree_sampled else None  # None: the top-k tree
+        tree = dynamic_tree(expand, logp[0], self.cfg.tree_top_k, depth, self.cfg.tree_total_tokens,
+                            sampled, generator)
+        return in_target_vocab(tree, self.d2t, self.vocab_size)

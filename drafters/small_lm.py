@@ -41,7 +41,7 @@ from drafters.cache import DraftCache
 from drafters.head import Shared, init_draft_head
 from drafters.hf_export import CAUSAL_LM
 from drafters.sampling import SamplingParams
-from drafters.tree import dynamic_tree
+from drafters.tree import dynamic_tree, in_target_vocab
 
 SOURCES = ("target_layers", "pretrained", "fresh")
 
@@ -74,6 +74,9 @@ class SmallLmConfig(DrafterConfig):
     tree_top_k: int = 8  # dynamic tree: children per expanded node and nodes expanded per level
     tree_depth: int = 6  # dynamic tree: levels grown
     tree_total_tokens: int = 60  # dynamic tree: nodes kept for verification
+    # sampling: draw the tree's children from the warped q (False: EAGLE-2's top-k candidates,
+    # verified as deterministic drafts; both lossless)
+    tree_sampled: bool = True
 
 
 def vocab_difference(target_tok, draft_tok, target_rows: int, draft_rows: int) -> Optional[str]:
@@ -285,11 +288,11 @@ class SmallLm(Drafter):
         return self.draft_chain(logits, step, k, sampling, generator, min_confidence)
 
     @torch.no_grad()
-    def propose_tree(self, state: DecodeState, sampling: SamplingParams) -> TreeProposal:
-        """Dynamic (EAGLE-2 style) tree, greedy only. A level's frontier runs as one batch through
-        the cache; each node sees the committed tokens, its ancestors and itself."""
-        if not sampling.greedy:
-            raise ValueError("small_lm: tree drafting supports greedy decoding only; use a chain")
+    def propose_tree(self, state: DecodeState, sampling: SamplingParams,
+                     generator: torch.Generator | None = None) -> TreeProposal:
+        """Dynamic (EAGLE-2 style) tree, sampled children when sampling. A level's frontier runs
+        as one batch through the cache; each node sees the committed tokens, its ancestors and
+        itself."""
         root = self._sync(state).log_softmax(-1)  # (Vd,)
 
         def expand(tokens: torch.Tensor, parents: torch.Tensor, frontier: torch.Tensor):
@@ -299,12 +302,13 @@ class SmallLm(Drafter):
             self._cache.add_level(frontier, base)
             return out.log_softmax(-1)
 
+        sampled = sampling if self.cfg.tree_sampled else None  # None: the top-k tree
         try:
             tree = dynamic_tree(expand, root, self.cfg.tree_top_k, self.cfg.tree_depth,
-                                self.cfg.tree_total_tokens)
+                                self.cfg.tree_total_tokens, sampled, generator)
         finally:  # forget the tree's entries: the cache holds the committed tokens only
             self._cache.forget_drafts()
-        return TreeProposal(tokens=self.target_ids(tree.tokens), parents=tree.parents)
+        return in_target_vocab(tree, self.d2t, self.vocab_size)
 
     # -- export -----------------------------------------------------------------------------------
     def to_hf_model(self) -> nn.Module:

@@ -9,7 +9,8 @@ node in one target forward (decode/tree.py).
   fills it with the candidates of one round (Medusa: head d gives the top-k tokens at depth d).
 * `dynamic_tree(...)` grows the tree from the drafter's own confidence (EAGLE-2): expand the
   top_k most likely nodes per level, then keep the `total_tokens` nodes of highest cumulative
-  draft log-probability overall.
+  draft log-probability overall. Sampling: `sampled_tree` draws the children from the warped q
+  instead (`dynamic_tree(..., sampling=...)` hands over to it) and keeps each node's q in `probs`.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from typing import Callable, Sequence
 import torch
 
 from drafters.base import TreeProposal
+from drafters.sampling import SamplingParams, warp
+from drafters.vocab import expand_probs
 
 
 @dataclass
@@ -79,6 +82,8 @@ def dynamic_tree(
     top_k: int,  # children per expanded node, and nodes expanded per level
     depth: int,  # levels to grow
     total_tokens: int,  # nodes kept in the final tree
+    sampling: SamplingParams | None = None,  # None / greedy: this top-k tree; else `sampled_tree`
+    generator: torch.Generator | None = None,  # the sampled tree's draws
 ) -> TreeProposal:
     """EAGLE-2 dynamic tree, nodes in creation order (parents first).
 
@@ -92,6 +97,8 @@ def dynamic_tree(
     if top_k < 1 or depth < 1 or total_tokens < 1:
         raise ValueError(f"top_k ({top_k}), depth ({depth}) and total_tokens ({total_tokens}) "
                          f"must be >= 1")
+    if sampling is not None and not sampling.greedy:
+        return sampled_tree(expand_fn, root_logprobs, top_k, depth, total_tokens, sampling, generator)
     dev = root_logprobs.device
     score, tok = root_logprobs.float().topk(min(top_k, root_logprobs.shape[-1]))  # (K,), (K,)
     tokens, parents, scores = [tok], [torch.full_like(tok, -1)], [score]
@@ -120,3 +127,94 @@ def dynamic_tree(
         raise ValueError("dynamic_tree: a kept node lost its parent; expand_fn must return "
                          "log-probabilities (<= 0)")
     return TreeProposal(tokens=all_tokens[keep], parents=remapped)
+
+
+def in_target_vocab(tree: TreeProposal, d2t: torch.Tensor | None, vocab_size: int) -> TreeProposal:
+    """A tree drafted over a pruned draft vocabulary (d2t (Vd,), None = the full one) -> the same
+    tree in target ids, its probs (N, Vd) spread over the target vocabulary (N, V)."""
+    if d2t is None:
+        return tree
+    probs = None if tree.probs is None else expand_probs(tree.probs, d2t, vocab_size)  # (N, V)
+    return TreeProposal(tokens=d2t[tree.tokens], parents=tree.parents, probs=probs)
+
+
+def draw_children(q: torch.Tensor, n: int, generator: torch.Generator | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """n draws without replacement from q (V,), in draw order (fewer when q has fewer non-zero
+    entries): tokens (n',) and the distribution each was drawn from (n', V), i.e. q without the
+    earlier draws, renormalised.
+
+    An exponential race: token v finishes at E_v / q_v with E_v ~ Exp(1); the first finisher is a
+    draw from q and, the clocks being memoryless, each next one a draw from q without the earlier
+    ones, so sorting the finishing times is sampling without replacement.
+    """
+    n = min(n, int((q > 0).sum()))
+    race = torch.empty_like(q, dtype=torch.float64).exponential_(generator=generator)  # (V,)
+    finish = (race / q.double()).masked_fill(q <= 0, float("inf"))  # (V,) q = 0 never finishes
+    tokens = finish.topk(n, largest=False).indices  # (n,) in finishing order
+    drawn = torch.nn.functional.one_hot(tokens, q.shape[-1]).cumsum(0)  # (n, V) drawn so far
+    before = drawn - torch.nn.functional.one_hot(tokens, q.shape[-1])  # (n, V) drawn earlier
+    cond = q.expand(n, -1).masked_fill(before > 0, 0.0)  # (n, V)
+    return tokens, cond / cond.sum(-1, keepdim=True)
+
+
+def sampled_tree(
+    expand_fn: ExpandFn,
+    root_logprobs: torch.Tensor,  # (V,) draft log-probs of the first token after the root
+    top_k: int,  # children per parent at most, and nodes expanded per level
+    depth: int,  # levels to grow
+    total_tokens: int,  # nodes in the tree
+    sampling: SamplingParams,  # warps q as the target's p is warped
+    generator: torch.Generator | None = None,
+) -> TreeProposal:
+    """A dynamic tree of sampled children whose multi-draft verification stays lossless.
+
+    The rule (decode/tree.py `sample_path`) is exact only if every node is a true draw from the q
+    it records: whether a node exists may depend on what was drawn before it, never on its own
+    token. `dynamic_tree`'s final cut by each node's own score would keep high-q draws more often,
+    so here every choice is made before the draws it concerns:
+    1. Level budget: the nodes still to place spread over the levels left (ceil).
+    2. Slot j of a parent f gets the key score(f) + log(f's j-th largest q), a stand-in for its
+       j-th draw's score that reads f only; the level's budget goes to the best keys (at most
+       top_k per parent), giving each parent a number of children.
+    3. Each parent draws that many children without replacement (`draw_children`); a node's score
+       is its parent's plus log q(its token), EAGLE-2's cumulative draft log-probability.
+    4. The top_k nodes of the level by score are expanded (expand_fn) for the next level.
+    Nodes come in creation order (parents first, siblings in draw order); probs (N, V).
+    """
+    if top_k < 1 or depth < 1 or total_tokens < 1:
+        raise ValueError(f"top_k ({top_k}), depth ({depth}) and total_tokens ({total_tokens}) "
+                         f"must be >= 1")
+    dev = root_logprobs.device
+    qs = warp(root_logprobs, sampling)[None]  # (F, V) the frontier's draft distributions
+    front, fscore = torch.full((1,), -1, device=dev), torch.zeros(1, device=dev)  # (F,), (F,)
+    tokens, parents, scores, probs = [], [], [], []  # chunks of (n,), (n,), (n,), (n, V)
+    size = 0
+    for level in range(depth):
+        # 1. this level's budget
+        cap = -(-(total_tokens - size) // (depth - level))
+        # 2. children per parent from keys that read the parents only
+        key = fscore[:, None] + qs.topk(min(top_k, qs.shape[-1]), dim=-1).values.log()  # (F, K)
+        n_ok = int(torch.isfinite(key).sum())
+        picked = key.reshape(-1).topk(min(cap, n_ok)).indices  # (n,)
+        counts = torch.bincount(picked // key.shape[1], minlength=len(front)).tolist()  # (F,)
+        # 3. draw them
+        start = size
+        for f, n in enumerate(counts):
+            if n == 0:
+                continue
+            tok, cond = draw_children(qs[f], n, generator)  # (n,), (n, V)
+            tokens.append(tok)
+            parents.append(front[f].expand(len(tok)))
+            scores.append(fscore[f] + qs[f, tok].log())
+            probs.append(cond)
+            size += len(tok)
+        if level + 1 == depth or size >= total_tokens or size == start:
+            break
+        # 4. expand the level's best nodes
+        all_scores = torch.cat(scores)  # (M,)
+        front = start + all_scores[start:].topk(min(top_k, size - start)).indices  # (F,)
+        qs = warp(expand_fn(torch.cat(tokens), torch.cat(parents), front), sampling)  # (F, V)
+        fscore = all_scores[front]
+    return TreeProposal(tokens=torch.cat(tokens), parents=torch.cat(parents),
+                        probs=torch.cat(probs))

@@ -74,7 +74,7 @@ class NoisyOracle(Drafter):
             toks = torch.cat([toks, torch.tensor(out[-1:])])
         return ChainProposal(tokens=torch.tensor(out, dtype=torch.long))
 
-    def propose_tree(self, state, sampling, depth=4, width=3):
+    def propose_tree(self, state, sampling, generator=None, depth=4, width=3):
         """A tree whose true path (when the noise spares it) sits at a random child index; the
         true child and the first child of each expanded node are expanded further."""
         self._record(state)
@@ -172,9 +172,9 @@ def pair_joint(target: Target, prompt: list[int], sampling) -> torch.Tensor:
     return torch.einsum("a,ab,abc->bc", p1, p2, p3).reshape(-1)  # (V*V,)
 
 
-def pair_counts(target: Target, drafter, prompt: list[int], sampling, n: int):
-    """n seeded speculative generations of 4 tokens with k=2: counts of (t2, t3) (V*V,) and of
-    the drafts accepted in the first round (3,)."""
+def pair_counts(target: Target, drafter, prompt: list[int], sampling, n: int, tree: bool = False):
+    """n seeded speculative generations of 4 tokens with k=2 (or a tree, cut to depth 2 by the
+    budget): counts of (t2, t3) (V*V,) and of the drafts accepted in the first round (3,)."""
     from decode.spec import generate
 
     Vs = target.vocab_size
@@ -182,7 +182,7 @@ def pair_counts(target: Target, drafter, prompt: list[int], sampling, n: int):
     c, first_round = torch.zeros(Vs * Vs), torch.zeros(3)
     for _ in range(n):
         res = generate(target, drafter, prompt, max_new_tokens=4, k=2, sampling=sampling,
-                       generator=gen)
+                       tree=tree, generator=gen)
         c[res.tokens[1] * Vs + res.tokens[2]] += 1
         first_round[res.accepted[0]] += 1
     return c, first_round

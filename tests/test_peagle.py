@@ -106,7 +106,7 @@ def test_propose_caps_k_and_cuts_on_confidence(target):
 
 def test_tree_comes_from_the_per_position_distributions(target):
     """Every node at depth d holds one of position d's top-k tokens; the argmax chain is a path;
-    the size is tree_total_tokens; sampling is refused."""
+    the size is tree_total_tokens; a sampled tree carries the q each node was drawn from."""
     d = make(target, ttt_length=4, tree_top_k=3, tree_depth=6, tree_total_tokens=10)
     batch = make_batch(target, d)
     state = DecodeState(batch.input_ids[0, :8], batch.features[0, :7])
@@ -123,8 +123,9 @@ def test_tree_comes_from_the_per_position_distributions(target):
                 and int(tree.tokens[i]) == int(top[dep, 0])]
         assert len(kids) == 1
         node = kids[0]
-    with pytest.raises(ValueError, match="greedy"):
-        d.propose_tree(state, SamplingParams(temperature=1.0))
+    sampled = d.propose_tree(state, SamplingParams(temperature=1.0), torch.Generator().manual_seed(0))
+    q_tok = sampled.probs.gather(1, sampled.tokens[:, None])  # (N, 1): q of each node's own token
+    assert len(sampled.tokens) == 10 and bool((q_tok > 0).all())
 
 
 # -- losslessness -----------------------------------------------------------------------------------

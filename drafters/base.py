@@ -68,8 +68,7 @@ class ChainProposal:
     # (k, V) the warped draft distributions q_i the tokens were sampled from, needed by the lossless
     # sampling rule. None means a deterministic drafter: q_i is one-hot on tokens[i].
     probs: torch.Tensor | None = None
-    # (k,) the top draft probability max_x q_i(x) at each position (greedy: the drafted token's own
-    # probability), for verification budgets (decode/budget.py). None: a deterministic drafter.
+    # (k,) max_x q_i(x) per position, for verify budgets (decode/budget.py); None: deterministic
     confidence: torch.Tensor | None = None
 
 
@@ -187,12 +186,9 @@ class Drafter(nn.Module):
             confs.append(conf)
             if i + 1 < k:
                 logits = step(i, toks[-1])  # (Vd,)
-        tokens = torch.stack(toks).long()  # (n,)
-        conf = torch.tensor(confs)  # (n,)
-        if sampling.greedy:
-            return ChainProposal(tokens=tokens, probs=None, confidence=conf)
-        q = expand_probs(torch.stack(qs), self.d2t, self.vocab_size)  # (n, V)
-        return ChainProposal(tokens=tokens, probs=q, confidence=conf)
+        tokens, conf = torch.stack(toks).long(), torch.tensor(confs)  # (n,), (n,)
+        q = None if sampling.greedy else expand_probs(torch.stack(qs), self.d2t, self.vocab_size)
+        return ChainProposal(tokens=tokens, probs=q, confidence=conf)  # q: (n, V) | None
 
     # A pruned draft vocabulary (drafters/head.py): drafters that support one hold `self.draft_vocab`
     # (a drafters.vocab.DraftVocab, None = the full target vocabulary) and a trainable `self.lm_head`

@@ -203,7 +203,7 @@ def diffs_markdown(diffs: dict) -> list[str]:
     return lines
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--target", default="packaged:smollm2", help="target.path")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "auto"],
@@ -233,7 +233,11 @@ def main() -> None:
     ap.add_argument("--batch-modes", nargs="+", default=list(MODES))
     ap.add_argument("--batch-repeats", type=int, default=3, help="interleaved repeats (medians)")
     ap.add_argument("--out", default="runs/bench")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
 
     # 1. one target per dtype (the same weights), and the machine facts that explain the numbers
     targets = {}

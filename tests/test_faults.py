@@ -167,12 +167,20 @@ def test_ctrl_c_says_how_to_resume(tmp_path, chat_file):  # noqa: F811
                           "trainer.max_steps=100000", "trainer.final_eval=null", "logger=jsonl",
                           f"data.cache_dir={tmp_path / 'cache'}", f"run_dir={run}",
                           "drafter.draft_vocab_size=512"],
-                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 240
-    while time.time() < deadline and not (run / "metrics.jsonl").exists():
-        time.sleep(0.5)
-    p.send_signal(signal.SIGINT)
-    _, err = p.communicate(timeout=120)
+                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         # a job a shell starts in the background (CI scripts, `nohup ... &`)
+                         # inherits SIGINT ignored, and Python then never raises KeyboardInterrupt:
+                         # give the child a terminal's default, as a user's Ctrl-C would meet
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and not (run / "metrics.jsonl").exists():
+            time.sleep(0.5)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:  # never leak a training process
+            p.kill()
     assert p.returncode == 130, err[-2000:]
     assert f"run_dir={run} resume=true" in err and "Traceback" not in err
     assert not (run / "run.lock").exists()  # released on the way out

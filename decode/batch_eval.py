@@ -9,7 +9,6 @@ token-identical to decoding each prompt alone: tests/test_batch.py).
 """
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import asdict
 from pathlib import Path
@@ -19,7 +18,7 @@ import torch
 from data.prompts import load_prompts
 from decode.batch import BatchResult, generate_batch
 from decode.evaluate import (_budget, _lossless_check, finish_run, is_near_tie, render,
-                             results_markdown, setup_run)
+                             results_markdown, setup_run, write_results)
 from decode.metrics import RunMetrics
 from drafters.base import Drafter
 from drafters.sampling import SamplingParams
@@ -110,13 +109,7 @@ def evaluate_batched(target, drafter: Drafter | None, *, batch_size: int, batch_
     markdown = (results_markdown(summary, spec_m)
                 + f"\n\nbatch_size={batch_size}, batch_mode={batch_mode}: throughput over the "
                   f"batch, per-sequence latency mean {summary['latency_mean_s']:.2f} s")
-    if out_dir is not None:
-        out_dir = Path(out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "result.json").write_text(json.dumps({"summary": summary, "prompts": rows},
-                                                         indent=1))
-        (out_dir / "result.md").write_text(markdown + "\n")
-    return {"summary": summary, "markdown": markdown, "prompts": rows}
+    return write_results(summary, rows, markdown, out_dir)
 
 
 def run_batched(cfg) -> None:

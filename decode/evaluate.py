@@ -148,7 +148,12 @@ def evaluate_drafter(target, drafter: Drafter | None, *, eval_kind: str = "mtben
         log.warning("max_new_tokens=%d does not fit the target's context (max_length %d) for %d of "
                     "%d generations: they were capped to what fits (max_new_tokens_capped in "
                     "result.json)", max_new_tokens, target.max_length, capped, len(rows))
-    markdown = results_markdown(summary, spec_m)
+    return write_results(summary, rows, results_markdown(summary, spec_m), out_dir)
+
+
+def write_results(summary: dict, rows: list[dict], markdown: str, out_dir) -> dict:
+    """A decode run's result: result.json (summary + per-prompt rows) and result.md in out_dir
+    (None: not written); returned as {"summary", "markdown", "prompts"}."""
     if out_dir is not None:
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -155,6 +155,13 @@ def capture_split(target, rows, cfg, out: Path, progress: bool = True) -> Path:
     return out
 
 
+def serves(captured, layers) -> bool:
+    """Whether a capture of `captured` layers holds what a drafter reading `layers` needs: the same
+    layers, or only the final hidden state (EAGLE-1: [-1]) or nothing (small_lm: []), which every
+    capture stores."""
+    return list(layers) in ([-1], []) or list(layers) == list(captured)
+
+
 class OfflineFeatures:
     """Reads a capture back: features and final hidden state of conversation i of the split."""
 
@@ -165,10 +172,8 @@ class OfflineFeatures:
             raise FileNotFoundError(f"no {MANIFEST} in {self.folder}; run `python -m data.capture "
                                     f"out={self.folder} ...` first")
         self.manifest = json.loads(mpath.read_text())
-        # every capture stores the final hidden state, so a drafter that reads only it (EAGLE-1:
-        # [-1]) or nothing (small_lm: []) can train on any capture, e.g. an EAGLE-3 one
-        served = list(layers) in ([-1], []) or list(layers) == self.manifest["layers"]
-        if not served or target.hidden_size != self.manifest["hidden_size"]:
+        man = self.manifest
+        if not serves(man["layers"], layers) or target.hidden_size != man["hidden_size"]:
             raise ValueError(f"capture {self.folder} has layers {self.manifest['layers']} of hidden "
                              f"size {self.manifest['hidden_size']}; the drafter needs {list(layers)} "
                              f"of {target.hidden_size}: capture again with layers={list(layers)}")
@@ -230,9 +235,11 @@ def offline_features(target, rows, folder: Path, cfg: CaptureConfig, *, is_main:
                      progress: bool = True) -> OfflineFeatures:
     """The training loop's offline features: rank 0 captures `rows` into `folder` (resumable; a
     no-op when complete), every rank waits at `barrier`, then opens it and checks it holds `rows`."""
-    reuse = (folder / MANIFEST).is_file() and list(cfg.layers) in ([-1], []) and json.loads(
-        (folder / MANIFEST).read_text())["layers"] not in ([-1], [])  # the final state of a
-    if is_main and not reuse:  # capture of more layers (complete: checked below) serves [-1] / []
+    # a capture made for OTHER layers that serves these is reused as is (the same layers resume)
+    mpath = folder / MANIFEST
+    captured = json.loads(mpath.read_text())["layers"] if mpath.is_file() else None
+    reuse = captured not in (None, list(cfg.layers)) and serves(captured, cfg.layers)
+    if is_main and not reuse:
         capture_split(target, rows, cfg, folder, progress=progress)
     barrier()
     features = OfflineFeatures(folder, cfg.layers, target)

@@ -176,22 +176,18 @@ def checkpoint_clock(run_dir: Path) -> dict[int, float]:
 
 
 def tokens_per_step(run_dir: Path) -> float:
-    """Mean target tokens per optimizer step: batch x the mean train conversation length."""
+    """Mean target tokens per optimizer step: batch x the mean train conversation length (counted
+    from the capture's offsets)."""
     import yaml
+    from safetensors import safe_open
 
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
-    man = Path(cfg["trainer"]["features_dir"] or "") / "manifest.json"
-    conv_tokens = json.loads(man.read_text()).get("tokens") if man.is_file() else None
-    if conv_tokens is None:  # older captures: count the tokens of the shards' offsets
-        from safetensors import safe_open
-
-        total = n = 0
-        for f in sorted(man.parent.glob("shard-*.safetensors")):
-            with safe_open(str(f), framework="pt") as sh:
-                off = sh.get_tensor("offsets")
-                total, n = total + int(off[-1]), n + len(off) - 1
-        conv_tokens = total / max(n, 1)
-    return cfg["trainer"]["batch_size"] * cfg["trainer"].get("grad_accum", 1) * conv_tokens
+    total = n = 0
+    for f in sorted(Path(cfg["trainer"]["features_dir"]).glob("shard-*.safetensors")):
+        with safe_open(str(f), framework="pt") as sh:
+            off = sh.get_tensor("offsets")
+            total, n = total + int(off[-1]), n + len(off) - 1
+    return cfg["trainer"]["batch_size"] * cfg["trainer"].get("grad_accum", 1) * total / max(n, 1)
 
 
 def replay_arm(target, name: str, args, out: Path, answers: dict, every: bool) -> list[dict]:

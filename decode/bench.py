@@ -40,6 +40,7 @@ from drafters.ngram import NgramConfig
 from drafters.target import NATIVE_BF16_FLAGS, TargetConfig, cpu_flags, load_target
 
 CURVE_NS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+PLAIN_EXACT = "plain (ours) exact"  # plain decoding with exact_verify: what " exact" modes match
 
 
 def hf_generate(target, ids: torch.Tensor, max_new_tokens: int, **kw) -> GenerationResult:
@@ -105,13 +106,20 @@ def build_modes(target, drafters: list, args) -> dict:
             target, ids, n, prompt_lookup_num_tokens=args.prompt_lookup),
         f"ngram k={args.k}": lambda ids: generate(target, ngram, ids, max_new_tokens=n, k=args.k),
     }
+    exacts = ("", " exact") if getattr(args, "exact", False) else ("",)
+    if len(exacts) == 2:  # the reference of every " exact" mode (run_modes)
+        modes[PLAIN_EXACT] = lambda ids: generate(target, None, ids, max_new_tokens=n,
+                                                  exact_verify=True)
+
+    def mode(d, **kw):
+        return lambda ids: generate(target, d, ids, max_new_tokens=n, **kw)
     for label, d in drafters:
         for k in getattr(args, "ks", None) or [args.k]:
-            modes[f"{label} k={k}"] = (lambda d, k: lambda ids: generate(
-                target, d, ids, max_new_tokens=n, k=k))(d, k)
+            for ex in exacts:
+                modes[f"{label} k={k}{ex}"] = mode(d, k=k, exact_verify=bool(ex))
         if args.tree and d.supports_tree:
-            modes[f"{label} tree"] = (lambda d: lambda ids: generate(
-                target, d, ids, max_new_tokens=n, tree=True))(d)
+            for ex in exacts:
+                modes[f"{label} tree{ex}"] = mode(d, tree=True, exact_verify=bool(ex))
         for spec in getattr(args, "trees", None) or []:
             if d.supports_tree and hasattr(d.cfg, "tree_total_tokens"):
                 modes[f"{label} tree {spec}"] = sized_tree(target, d, spec, n)
@@ -161,7 +169,8 @@ def run_modes(targets: dict, modes: dict, prompts, target_any) -> tuple[dict, di
             for name, fn in dmodes.items():
                 r = fn(ids)
                 results[(dn, name)].append(r)
-                ref = results[(dn, "plain (ours)")][-1].tokens
+                ref = results[(dn, PLAIN_EXACT if name.endswith(" exact") else "plain (ours)")]
+                ref = ref[-1].tokens
                 if not torch.equal(r.tokens, ref):
                     mismatch[(dn, name)] += 1
                     diffs[(dn, name)].append({"prompt": i, **targets[dn].first_difference(
@@ -217,6 +226,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--drafter-dtypes", nargs="+", default=["float32", "target"],
                     help="dtypes trained drafters run at (target = the target's dtype)")
     ap.add_argument("--tree", action="store_true", help="also run trained drafters with their tree")
+    ap.add_argument("--exact", action="store_true", help="also run plain decoding and every "
+                    "drafter mode with exact_verify (decode/kernels.py), checked against each other")
     ap.add_argument("--trees", nargs="+", default=[], metavar="TOTAL/DEPTH/TOPK",
                     help="also run trained drafters with EAGLE-2 trees of these sizes")
     ap.add_argument("--ks", type=int, nargs="+", default=None,

@@ -86,10 +86,12 @@ def evaluate_drafter(target, drafter: Drafter | None, *, eval_kind: str = "mtben
                      path: str | None = None, limit: int | None = None, turns: int = 1,
                      max_new_tokens: int = 256, k: int = 5, tree: bool = False,
                      sampling: SamplingParams | None = None, min_confidence: float = 0.0,
-                     compare_plain: bool = True, seed: int = 0,
+                     compare_plain: bool = True, seed: int = 0, exact_verify: bool = False,
                      out_dir: Path | None = None) -> dict:
     """Decode every prompt (and turn) speculatively, and plainly when compare_plain; return
-    {"summary", "markdown", "prompts"} and write result.json + result.md into out_dir."""
+    {"summary", "markdown", "prompts"} and write result.json + result.md into out_dir.
+    exact_verify: both decodes with decode/kernels.py's exact kernels (greedy chains then match
+    plain decoding bit for bit at any dtype)."""
     sampling = sampling or SamplingParams()
     prompts = load_prompts(eval_kind, path=path, limit=limit, turns=turns)
     spec_results, plain_results, rows = [], [], []
@@ -99,7 +101,7 @@ def evaluate_drafter(target, drafter: Drafter | None, *, eval_kind: str = "mtben
         for turn in range(len(p.turns)):
             ids = render(target, p.turns[:turn + 1], answers)
             budget = _budget(target, ids, max_new_tokens, f"prompt {p.id} (turn {turn + 1})")
-            kwargs = dict(max_new_tokens=budget, sampling=sampling)
+            kwargs = dict(max_new_tokens=budget, sampling=sampling, exact_verify=exact_verify)
             plain = generate(target, None, ids, **kwargs, generator=gen) if compare_plain else None
             spec = generate(target, drafter, ids, k=k, tree=tree, min_confidence=min_confidence,
                             generator=gen, **kwargs)
@@ -127,6 +129,7 @@ def evaluate_drafter(target, drafter: Drafter | None, *, eval_kind: str = "mtben
     summary = {"eval": eval_kind, "prompts": len(prompts), "generations": len(rows),
                "drafter": drafter.name if drafter is not None else "none", "k": k, "tree": tree,
                "temperature": sampling.temperature, "max_new_tokens": max_new_tokens,
+               "exact_verify": exact_verify,
                **{f"spec_{n}": v for n, v in asdict(spec_m).items()}}
     # "lossless" = identical to plain decoding with the same target at the same dtype: record which
     summary.update(target.dtype_choice.as_dict() if hasattr(target, "dtype_choice") else
@@ -265,5 +268,6 @@ def run(cfg: DictConfig) -> None:
                               limit=cfg.eval.limit, turns=cfg.eval.turns,
                               max_new_tokens=cfg.max_new_tokens, k=cfg.k, tree=cfg.tree,
                               sampling=sampling, min_confidence=cfg.min_confidence,
-                              compare_plain=cfg.compare_plain, seed=cfg.seed, out_dir=run_dir)
+                              compare_plain=cfg.compare_plain, seed=cfg.seed,
+                              exact_verify=cfg.exact_verify, out_dir=run_dir)
     finish_run(result, run_dir)

@@ -14,6 +14,7 @@ Buffers are preallocated and only appended to, so a round costs O(k), not O(T), 
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -22,6 +23,7 @@ import torch
 from transformers import DynamicCache
 
 from decode.accept import accept_chain
+from decode.kernels import ExactVerify, active
 from decode.tree import (accept_path, ancestors, check_tree, compact_cache, prune_depth,
                          sample_path, tree_inputs)
 from drafters.base import DecodeState, Drafter
@@ -92,16 +94,28 @@ class _Loop:
     sync: bool  # wait for the GPU around timed calls
     res: GenerationResult
     buf: torch.Tensor  # (end,) long: committed tokens in buf[:T]
-    cache: DynamicCache  # the target's KV cache of buf[:T-1] between rounds
+    cache: Any  # the target's KV cache of buf[:T-1] between rounds (Dynamic, or exact's Static)
     P: int  # prompt length
     end: int  # P + max_new_tokens
     T: int = 0  # committed tokens, prompt included
     feats: torch.Tensor | None = None  # (end, F) target features of buf[:T-1], allocated at prefill
+    exact: ExactVerify | None = None  # exact verification (decode/kernels.py), None = off
 
     def forward(self, ids: torch.Tensor, **kw) -> Any:
-        """One timed, counted target forward over ids (1, n) with the KV cache."""
-        out, dt = _timed(lambda: self.target.forward(ids, layers=self.layers, cache=self.cache,
-                                                     **kw), self.sync)
+        """One timed, counted target forward over ids (1, n) with the KV cache (exact
+        verification: inside `active()`, with its explicit mask over the static cache)."""
+        ctx = active() if self.exact is not None else contextlib.nullcontext()
+        if self.exact is not None:
+            if "attention_mask" in kw:  # a tree: its mask, widened to the cache's capacity
+                kw["attention_mask"] = self.exact.widen(kw["attention_mask"])
+            else:
+                kw.update(self.exact.chain(int(self.cache.get_seq_length()), ids.shape[1],
+                                           ids.device))
+
+        def run():
+            with ctx:
+                return self.target.forward(ids, layers=self.layers, cache=self.cache, **kw)
+        out, dt = _timed(run, self.sync)
         self.res.time_verify += dt
         self.res.target_forwards += 1
         return out
@@ -249,13 +263,16 @@ def generate(
     min_confidence: float = 0.0,
     stop_strings: Sequence[str] = (),
     generator: torch.Generator | None = None,
+    exact_verify: bool = False,
 ) -> GenerationResult:
     """Generate up to max_new_tokens after prompt_ids, losslessly: the output has the distribution
     of (greedy: is token-identical to) plain decoding with the target alone.
 
     drafter=None or k=0 gives plain decoding. tree=True verifies drafter.propose_tree (sampling:
     with the multi-draft rule). min_confidence > 0 lets the drafter stop a chain early (adaptive
-    draft length).
+    draft length). exact_verify=True computes every verified row with a one-token step's kernels
+    (decode/kernels.py): greedy output bit-identical to plain decoding with exact_verify=True at
+    any dtype, not only up to near-ties.
     """
     t_start = time.perf_counter()
     sampling = sampling or SamplingParams()
@@ -265,10 +282,12 @@ def generate(
     # 0. guards: fail before any work, with the numbers and the fix
     _check_inputs(target, drafter, P, max_new_tokens, k, sampling, tree)
     speculative = drafter is not None and k > 0
-    res = GenerationResult(tokens=prompt.new_empty(0).cpu(), cache=DynamicCache())
+    exact = ExactVerify(target, P, max_new_tokens) if exact_verify else None
+    res = GenerationResult(tokens=prompt.new_empty(0).cpu(),
+                           cache=exact.cache if exact else DynamicCache())
     loop = _Loop(target=target, drafter=drafter if speculative else None, sampling=sampling,
                  generator=generator, layers=tuple(drafter.feature_layers) if speculative else (),
-                 sync=dev.type == "cuda", res=res, cache=res.cache,
+                 sync=dev.type == "cuda", res=res, cache=res.cache, exact=exact,
                  buf=torch.empty(P + max_new_tokens, dtype=torch.long, device=dev),  # (end,)
                  P=P, end=P + max_new_tokens)
     loop.buf[:P] = prompt
@@ -289,7 +308,7 @@ def generate(
         else:
             new, kept = _chain_round(loop, budget, k, min_confidence)
     # 7. leave the cache holding tokens[:-1], so a caller can continue from it
-    extra = loop.cache.get_seq_length() - (loop.T - 1)
+    extra = int(loop.cache.get_seq_length()) - (loop.T - 1)
     if extra > 0:
         loop.cache.crop(-extra)
     res.tokens = loop.buf[P:loop.T].cpu()

@@ -38,9 +38,10 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 from transformers import AttentionInterface, StaticCache
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-ATTN_NAME = "specdistill_exact"  # registered in transformers' AttentionInterface
+ATTN_NAME = "specdistill_exact"  # + "_<the target's own implementation>", registered at install
 _ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("specdistill_exact", default=False)
 
 
@@ -74,8 +75,6 @@ def exact_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
     return out.permute(0, 3, 1, 2, 4).reshape(B, q, H, d), None
 
 
-AttentionInterface.register(ATTN_NAME, exact_attention)
-
 
 def _pad_one_row(module: nn.Module, args: tuple) -> tuple | None:
     """Forward pre-hook: a one-row input (..., 1, K) runs as two identical rows (GEMM, not GEMV)."""
@@ -100,8 +99,14 @@ def install(target: Any) -> None:
     model = target.model
     if getattr(model, "_specdistill_exact", False):
         return
-    model.config._specdistill_attn = model.config._attn_implementation  # the fallback
-    model.set_attn_implementation(ATTN_NAME)
+    own = model.config._attn_implementation  # the fallback, e.g. "sdpa"
+    name = f"{ATTN_NAME}_{own}"
+    # transformers builds the masks per implementation name: ours get the fallback's masks, so a
+    # forward outside `active()` sees exactly what it saw before (the explicit masks pass through)
+    AttentionInterface.register(name, exact_attention)
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[own])
+    model.config._specdistill_attn = own
+    model.set_attn_implementation(name)
     for mod in model.modules():
         if isinstance(mod, nn.Linear):
             mod.register_forward_pre_hook(_pad_one_row)

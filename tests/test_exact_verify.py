@@ -77,7 +77,16 @@ def test_hooks_are_inert_outside_the_decoder(toy):
         assert torch.equal(toy.model(ids).logits, fresh.model(ids).logits)
         one = ids[:1, :1]
         assert torch.equal(toy.model(one).logits, fresh.model(one).logits)
+        # with a KV cache, as the decoder runs: prefill, a 3-token verify, a one-token step
+        caches = DynamicCache(), DynamicCache()
+        for chunk in (ids[:1, :5], ids[:1, 5:8], ids[:1, 8:9]):
+            got, want = (t.forward(chunk, cache=c).logits for t, c in zip((toy, fresh), caches))
+            assert torch.equal(got, want), chunk.shape
     assert toy.model.config._specdistill_attn == fresh.model.config._attn_implementation
+    # and plain and speculative decoding without exact_verify are what they were
+    prompt = ids[0]
+    assert torch.equal(generate(toy, None, prompt, max_new_tokens=12).tokens,
+                       generate(fresh, None, prompt, max_new_tokens=12).tokens)
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 5])

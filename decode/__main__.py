@@ -15,7 +15,7 @@ def main(cfg: DictConfig) -> None:
         if cfg.batch_size > 1:  # B sequences per target forward (batch_size=1: today's path)
             from decode.batch_eval import run_batched
 
-            if cfg.exact_verify:
+            if str(cfg.exact_verify).lower() == "true":
                 raise ValueError(f"exact_verify=true decodes one sequence at a time; got "
                                  f"batch_size={cfg.batch_size}. Use batch_size=1, or "
                                  f"exact_verify=false for batched decoding")

@@ -46,8 +46,9 @@ class DecodeConfig:
     # name; any dtype is lossless (the target verifies), it only changes drafting speed and tau
     drafter_dtype: str = "target"
     # verify with a one-token step's kernels (decode/kernels.py): greedy chains bit-identical to
-    # plain decoding at bf16 too, not only up to near-ties; costs ~0.1 step per round (BENCHMARKS)
-    exact_verify: bool = False
+    # plain decoding at bf16 too, not only up to near-ties (~6% slower, BENCHMARKS.md). auto = on
+    # for chains at a 16-bit target dtype; true | false
+    exact_verify: str = "auto"
     batch_size: int = 1  # sequences decoded together, one target forward per round (1 = one at a time)
     batch_mode: str = "verify_all"  # batch_size > 1: plain | verify_all | budgeted (decode/budget.py)
     run_dir: str = "runs/decode/${now:%Y-%m-%d_%H-%M-%S}"  # outputs: result JSON, markdown table

@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from data import quiet
 from data.prompts import load_prompts
+from decode.kernels import resolve_exact
 from decode.metrics import RunMetrics
 from decode.spec import generate
 from drafters.base import Drafter
@@ -86,13 +87,14 @@ def evaluate_drafter(target, drafter: Drafter | None, *, eval_kind: str = "mtben
                      path: str | None = None, limit: int | None = None, turns: int = 1,
                      max_new_tokens: int = 256, k: int = 5, tree: bool = False,
                      sampling: SamplingParams | None = None, min_confidence: float = 0.0,
-                     compare_plain: bool = True, seed: int = 0, exact_verify: bool = False,
-                     out_dir: Path | None = None) -> dict:
+                     compare_plain: bool = True, seed: int = 0,
+                     exact_verify: bool | str = "auto", out_dir: Path | None = None) -> dict:
     """Decode every prompt (and turn) speculatively, and plainly when compare_plain; return
     {"summary", "markdown", "prompts"} and write result.json + result.md into out_dir.
     exact_verify: both decodes with decode/kernels.py's exact kernels (greedy chains then match
-    plain decoding bit for bit at any dtype)."""
+    plain decoding bit for bit at any dtype); auto = on for chains at a 16-bit target dtype."""
     sampling = sampling or SamplingParams()
+    exact_verify = resolve_exact(exact_verify, target.dtype, tree)
     prompts = load_prompts(eval_kind, path=path, limit=limit, turns=turns)
     spec_results, plain_results, rows = [], [], []
     gen = torch.Generator(device=target.device).manual_seed(seed)
@@ -111,7 +113,8 @@ def evaluate_drafter(target, drafter: Drafter | None, *, eval_kind: str = "mtben
                 where = None
                 if not same:  # a near-tie of the target's logits, or a bug?
                     where = target.first_difference(ids, plain.tokens, spec.tokens)
-                    where["near_tie"] = is_near_tie(where)
+                    # exact chains promise bit-identity: no tie allowance (trees keep it)
+                    where["near_tie"] = is_near_tie(where) and not (exact_verify and not tree)
             spec_results.append(spec)
             if plain is not None:
                 plain_results.append(plain)

@@ -124,6 +124,20 @@ def active() -> Iterator[None]:
         _ACTIVE.reset(token)
 
 
+def resolve_exact(setting: bool | str, dtype: torch.dtype, tree: bool) -> bool:
+    """decode's `exact_verify`: true / false, or auto = on for greedy-exact chains where it is
+    needed and cheap: a 16-bit target (bf16 / fp16; at fp32 a one-row matmul run as two costs
+    ~1.6x, and near-ties that flip are rare) decoding chains (trees keep near-tie flips anyway)."""
+    value = str(setting).strip().lower()
+    if value in ("true", "1", "yes", "on"):
+        return True
+    if value in ("false", "0", "no", "off"):
+        return False
+    if value != "auto":
+        raise ValueError(f"exact_verify={setting!r}: use auto, true or false")
+    return dtype in (torch.bfloat16, torch.float16) and not tree
+
+
 VERIFY_ROOM = 128  # cache rows past the budget a verify may write (a tree of up to 127 nodes)
 
 

@@ -157,3 +157,15 @@ def test_smollm2_bf16_exact_chain_is_plain_bit_for_bit():
         plain = generate(target, None, ids, max_new_tokens=48, exact_verify=True).tokens
         spec = generate(target, ngram, ids, max_new_tokens=48, k=5, exact_verify=True).tokens
         assert spec.tolist() == plain.tolist(), p.id
+
+
+def test_exact_verify_auto_is_on_for_16_bit_chains_only():
+    from decode.kernels import resolve_exact
+    assert resolve_exact("auto", torch.bfloat16, tree=False)
+    assert resolve_exact("auto", torch.float16, tree=False)
+    assert not resolve_exact("auto", torch.float32, tree=False)  # GEMV -> GEMM costs ~1.6x at fp32
+    assert not resolve_exact("auto", torch.bfloat16, tree=True)  # trees keep near-tie flips
+    assert resolve_exact(True, torch.float32, tree=True) and resolve_exact("True", torch.float32, True)
+    assert not resolve_exact(False, torch.bfloat16, tree=False)
+    with pytest.raises(ValueError, match="exact_verify='maybe': use auto, true or false"):
+        resolve_exact("maybe", torch.bfloat16, tree=False)

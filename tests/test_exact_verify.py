@@ -169,3 +169,15 @@ def test_exact_verify_auto_is_on_for_16_bit_chains_only():
     assert not resolve_exact(False, torch.bfloat16, tree=False)
     with pytest.raises(ValueError, match="exact_verify='maybe': use auto, true or false"):
         resolve_exact("maybe", torch.bfloat16, tree=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_exact_chain_on_cuda_is_plain_bit_for_bit():
+    """The same static-cache path on a GPU (bf16): chains equal plain decoding exactly."""
+    toy = _toy()
+    toy.model.to("cuda")  # Target.device follows the model
+    prompt = torch.randint(0, 512, (20,), generator=torch.Generator().manual_seed(3))
+    plain = generate(toy, None, prompt, max_new_tokens=40, exact_verify=True)
+    ngram = Ngram(NgramConfig(), toy.vocab_size)
+    spec = generate(toy, ngram, prompt, max_new_tokens=40, k=4, exact_verify=True)
+    assert spec.tokens.tolist() == plain.tokens.tolist()

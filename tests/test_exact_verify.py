@@ -18,12 +18,12 @@ from drafters.target import Target, load_target
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
-def _toy(seed=0, init=0.02) -> Target:
-    """A bf16 Llama wide enough (hidden 256, GQA 4/2) that bf16 kernels of different shapes round
-    differently; small init = flat logits = many near-ties."""
+def _toy(seed=0, init=0.02, kv_heads=2) -> Target:
+    """A bf16 Llama wide enough (hidden 256, 4 heads, GQA 4/2 by default) that bf16 kernels of
+    different shapes round differently; small init = flat logits = many near-ties."""
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=512,
                       initializer_range=init, bos_token_id=None, eos_token_id=None,
                       pad_token_id=None)
     model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
@@ -56,14 +56,16 @@ def _chunked_logits(target, ctx, seq, width, exact):
     return torch.cat([fwd(seq[:, j:j + width]) for j in range(0, seq.shape[1], width)], dim=1)
 
 
-def test_exact_verify_rows_equal_one_token_steps_bitwise(toy):
+@pytest.mark.parametrize("kv_heads", [2, 4])  # GQA, and plain multi-head attention (one row/head)
+def test_exact_verify_rows_equal_one_token_steps_bitwise(toy, kv_heads):
+    target = toy if kv_heads == 2 else _toy(kv_heads=kv_heads)
     g = torch.Generator().manual_seed(1)
     ctx, seq = torch.randint(0, 512, (1, 37), generator=g), torch.randint(0, 512, (1, 12), generator=g)
-    one = _chunked_logits(toy, ctx, seq, 1, exact=True)
+    one = _chunked_logits(target, ctx, seq, 1, exact=True)
     for width in (2, 3, 4, 6, 12):
-        assert torch.equal(_chunked_logits(toy, ctx, seq, width, exact=True), one), width
+        assert torch.equal(_chunked_logits(target, ctx, seq, width, exact=True), one), width
     # the exact path computes the same function as the target's own (bf16 rounding apart)
-    ref = _chunked_logits(toy, ctx, seq, 1, exact=False)
+    ref = _chunked_logits(target, ctx, seq, 1, exact=False)
     assert torch.allclose(one.float(), ref.float(), atol=0.05)
 
 

@@ -106,7 +106,8 @@ class DraftPrediction:
     """One of a drafter's training predictions, aligned for the loss.
 
     logits[:, t] is the drafter's distribution of token t + 1 + shift, so it is compared with
-    target_logits[:, t + shift] and counts where loss_mask[:, t + 1 + shift] == 1.
+    target_logits[:, t + shift] and counts where loss_mask[:, t + 1 + shift] == 1. With `anchors`
+    the logits cover only those anchors: logits[:, a] belongs to anchor anchors[:, a].
     """
 
     logits: torch.Tensor  # (B, T, Vd) over the draft vocabulary (Vd = V without a pruned vocab)
@@ -115,6 +116,9 @@ class DraftPrediction:
     # (B, T, F') EAGLE: predicted target feature of position t + shift (the one that produced
     # target_logits[:, t + shift]), regressed on it
     features: torch.Tensor | None = None
+    # (B, A) long: the anchors the logits (B, A, Vd) were computed at (a sampled subset, e.g.
+    # P-EAGLE's mask positions); None = every anchor t, logits (B, T, Vd)
+    anchors: torch.Tensor | None = None
 
 
 class Drafter(nn.Module):

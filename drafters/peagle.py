@@ -67,6 +67,10 @@ class PeagleConfig(Eagle3Config):
     mask_token_id: Optional[int] = None  # id whose embedding mask positions read (None = V - 1)
     # loss weight per draft position (ttt_length values); None = ttt_decay ** (position - 1)
     loss_weights: Optional[list[float]] = None
+    # anchors per row whose masks (draft positions 2..) are trained, drawn each step (P-EAGLE's
+    # COD sampling, flat): null or 1.0 = every anchor; a fraction in (0, 1) = that share of the
+    # row's anchors; a whole number > 1 = that many. Draft position 1 trains at every anchor.
+    mask_anchors: Optional[float] = None
 
 
 # == Export: vLLM's EAGLE-3 loader with parallel drafting (llama_eagle3.py @00bd1493): eagle3's ==
@@ -107,6 +111,10 @@ class Peagle(Eagle3):
         if cfg.loss_weights is not None and len(cfg.loss_weights) != cfg.ttt_length:
             raise ValueError(f"peagle: loss_weights needs one weight per draft position "
                              f"(ttt_length={cfg.ttt_length}), got {list(cfg.loss_weights)}")
+        m = cfg.mask_anchors
+        if m is not None and not (0 < m <= 1 or (m > 1 and float(m).is_integer())):
+            raise ValueError(f"peagle: mask_anchors must be a fraction in (0, 1], a whole number of "
+                             f"anchors > 1 or null (every anchor), got {m}")
         super().__init__(cfg, target)  # EAGLE-3's network, head, device, cache
         self.mask_token_id = mask_id
         self._warned_k = False  # k > ttt_length is said once per drafter
@@ -127,10 +135,32 @@ class Peagle(Eagle3):
         return float(w[j - 1]) if w is not None else self.cfg.ttt_decay ** (j - 1)
 
     # -- training ---------------------------------------------------------------------------------
+    def mask_anchors(self, batch: TrainBatch, J: int) -> Optional[torch.Tensor]:
+        """The anchors (B, A) whose masks train this step (cfg.mask_anchors; None = every anchor),
+        sorted: drawn uniformly without replacement (global torch RNG) among the row's anchors
+        where some mask's token (t+3 .. t+1+J) is counted; spare slots hold T-1, never counted."""
+        m = self.cfg.mask_anchors
+        if m is None or m == 1 or J < 2:
+            return None
+        B, T = batch.input_ids.shape
+        counted = batch.loss_mask.bool() & batch.attention_mask.bool()  # (B, T): scored tokens
+        cand = torch.zeros_like(counted)  # (B, T)
+        for j in range(2, min(J, T - 2) + 1):  # mask j-1 at anchor t predicts token t+1+j
+            cand[:, :T - 1 - j] |= counted[:, 1 + j:]
+        n = cand.sum(1)  # (B,) candidates per row
+        want = (n * m).ceil().long() if m < 1 else n.clamp(max=int(m))  # (B,)
+        A = max(1, int(want.max()))
+        score = torch.rand(B, T, device=cand.device).masked_fill(~cand, 2.0)  # candidates first
+        pick = score.topk(A, dim=1, largest=False).indices  # (B, A): a random draw per row
+        keep = torch.arange(A, device=cand.device)[None] < want[:, None]  # (B, A)
+        return torch.where(keep, pick, T - 1).sort(dim=1).values
+
     def forward_train(self, batch: TrainBatch) -> list[DraftPrediction]:
-        """Draft position j = 1..ttt_length at every anchor t: j = 1 reads the real token t+1 and
+        """Draft position j = 1..ttt_length: j = 1 at every anchor t reads the real token t+1 and
         fused feature t; j > 1 is mask j-1 at position t+j-1 (mask inputs, no own outputs fed
-        back). Attention as at decode time (ttt_attention). Returns shifts 1..ttt_length."""
+        back), at every anchor or at the sampled `mask_anchors` (DraftPrediction.anchors), where
+        it costs (A x T) attention instead of (T x T). Attention as at decode time
+        (ttt_attention). Returns shifts 1..ttt_length."""
         ids, feats = batch.input_ids, batch.features  # (B, T), (B, T, 3H)
         H = self.target.hidden_size
         if feats is None or feats.shape[-1] != 3 * H:
@@ -138,24 +168,31 @@ class Peagle(Eagle3):
                              f"{self.feature_layers} (width {3 * H}); "
                              f"got {getattr(feats, 'shape', None)}")
         B, T = ids.shape
+        J = max(1, min(self.cfg.ttt_length, T - 2))
         pos = torch.arange(T, device=ids.device)
         keys = batch.attention_mask[:, None, None, :].bool()  # (B, 1, 1, T): padding never seen
         causal = (pos[None, :] <= pos[:, None])[None, None] & keys  # (B, 1, T, T)
+        anchors = self.mask_anchors(batch, J)  # (B, A) or None
+        at, seen = pos.expand(B, T), causal  # mask anchors (B, A); their real keys (B, 1, A, T)
+        if anchors is not None:
+            at, seen = anchors, (pos[None, None, :] <= anchors[:, :, None])[:, None] & keys
         store: list[list] = [[] for _ in self.layers]  # per layer: (k, v) of each position
         # 1. the real positions: token t+1 (the last column a filler, never counted), feature t
         tok = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)  # (B, T)
         h = self.fuse(feats)  # (B, T, H)
         emb = self.target.embed_tokens()(tok).to(h.dtype)  # (B, T, H), frozen
-        mask_emb, mask_h = self._mask_inputs(B, T)  # (B, T, H) each
+        mask_emb, mask_h = self._mask_inputs(B, at.shape[1])  # (B, A, H) each
         preds = []
-        for j in range(1, max(1, min(self.cfg.ttt_length, T - 2)) + 1):
-            # 2. j > 1: mask j-1 at every anchor, at position t+j-1
+        for j in range(1, J + 1):
+            # 2. j > 1: mask j-1 at each mask anchor t, at position t+j-1
+            positions, mask = (pos.expand(B, T), causal) if j == 1 else (at + j - 1, seen)
             if j > 1:
                 emb, h = mask_emb, mask_h
-            out = self._run(emb, h, (pos + j - 1).expand(B, T),
-                            lambda i: lambda q, k, v: ttt_attention(q, k, v, store[i], causal))
-            preds.append(DraftPrediction(logits=self.head(out), shift=j,  # (B, T, Vd)
-                                         weight=self._weight(j)))
+            out = self._run(emb, h, positions,
+                            lambda i: lambda q, k, v: ttt_attention(q, k, v, store[i], mask))
+            preds.append(DraftPrediction(logits=self.head(out), shift=j,  # (B, T | A, Vd)
+                                         weight=self._weight(j),
+                                         anchors=None if j == 1 else anchors))
         return preds
 
     # -- decoding ---------------------------------------------------------------------------------

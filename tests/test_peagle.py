@@ -41,6 +41,13 @@ def make(target, seed=1, **cfg) -> Peagle:
 make_batch = feature_batch
 
 
+def twin(d: Peagle, **cfg) -> Peagle:
+    """A drafter of d's settings plus cfg, with d's weights."""
+    other = build_drafter({"name": "peagle", "ttt_length": d.cfg.ttt_length, **cfg}, d.target)
+    other.load_state_dict(d.state_dict())
+    return other
+
+
 # -- the network ----------------------------------------------------------------------------------
 def test_shapes_weights_and_bad_settings(target):
     d = make(target, ttt_length=4, draft_vocab_size=48, loss_weights=[1.0, 0.5, 0.5, 0.25])
@@ -83,6 +90,64 @@ def test_training_logits_equal_the_decode_forward(target, cfg):
             for j in range(5):
                 torch.testing.assert_close(logits[j], preds[j].logits[row, t].float(),
                                            atol=1e-4, rtol=1e-4)
+
+
+def test_mask_anchors_match_the_all_anchor_logits(target):
+    """mask_anchors=0.5: each row draws ceil(half its candidates) distinct anchors, each with a
+    counted mask token (t+3 .. t+5), spare slots at T-1; the masks computed there alone ((A x T)
+    attention) give the all-anchor logits at those anchors, hence the decode-time forward's;
+    draft position 1 stays at every anchor, unchanged."""
+    full = make(target, ttt_length=4)
+    sub = twin(full, mask_anchors=0.5)
+    batch = make_batch(target, full)
+    batch.loss_mask[0, :7] = 0  # a prompt: its tokens are not scored
+    with torch.no_grad():
+        ref = full.forward_train(batch)
+        torch.manual_seed(0)
+        got = sub.forward_train(batch)
+    B, T = batch.input_ids.shape
+    anchors = got[1].anchors  # (B, A)
+    assert got[0].anchors is None and torch.equal(got[0].logits, ref[0].logits)
+    assert all(p.anchors is anchors for p in got[1:]) and got[1].logits.shape[:2] == anchors.shape
+    counted = batch.loss_mask.bool() & batch.attention_mask.bool()
+    for b in range(B):
+        cand = {t for t in range(T) if any(counted[b, t + 1 + j] for j in (2, 3, 4) if t + 1 + j < T)}
+        drawn = [t for t in anchors[b].tolist() if t != T - 1]
+        assert len(drawn) == len(set(drawn)) == -(-len(cand) // 2) and set(drawn) <= cand
+        assert anchors.shape[1] - len(drawn) == anchors[b].tolist().count(T - 1)
+    for j in range(1, 4):  # every slot, spare ones included, is its anchor's all-anchor logits
+        at = ref[j].logits[torch.arange(B)[:, None], anchors]  # (B, A, Vd)
+        torch.testing.assert_close(got[j].logits, at, atol=1e-5, rtol=1e-5)
+    ids, feats = batch.input_ids[0], batch.features[0]
+    for t in anchors[0, :2].tolist():  # the training-time unroll == decode-time drafting
+        sub.reset()
+        logits = sub.draft_logits(DecodeState(ids[:t + 2], feats[:t + 1]), 4)  # (4, Vd)
+        a = anchors[0].tolist().index(t)
+        for j in range(1, 4):
+            torch.testing.assert_close(logits[j], got[j].logits[0, a].float(), atol=1e-4, rtol=1e-4)
+
+
+def test_mask_anchors_loss(target):
+    """At more anchors than any row has, the sampled loss is the all-anchor loss (the loss reads
+    DraftPrediction.anchors right); at a share it scores fewer mask positions and still trains."""
+    full = make(target, ttt_length=4)
+    every = twin(full, mask_anchors=100)
+    batch = make_batch(target, full)
+    batch.loss_mask[1, :5] = 0
+    ref_loss, ref = distill_loss(full.forward_train(batch), batch)
+    loss, parts = distill_loss(every.forward_train(batch), batch)
+    torch.testing.assert_close(loss, ref_loss)
+    for key in ref:
+        torch.testing.assert_close(parts[key], ref[key])
+    half = twin(full, mask_anchors=0.5)
+    loss, parts = distill_loss(half.forward_train(batch), batch)
+    loss.backward()
+    assert parts["positions/s1"] == ref["positions/s1"]
+    assert 0 < parts["positions/s2"] < ref["positions/s2"]
+    assert half.mask_hidden.grad is not None and bool(half.mask_hidden.grad.abs().sum() > 0)
+    for bad in (0, 2.5, -1):
+        with pytest.raises(ValueError, match="mask_anchors"):
+            build_drafter({"name": "peagle", "mask_anchors": bad}, target)
 
 
 def test_propose_caps_k_and_cuts_on_confidence(target):

@@ -106,19 +106,15 @@ class DraftPrediction:
     """One of a drafter's training predictions, aligned for the loss.
 
     logits[:, t] is the drafter's distribution of token t + 1 + shift, so it is compared with
-    target_logits[:, t + shift] and counts where loss_mask[:, t + 1 + shift] == 1. With `anchors`
-    the logits cover only those anchors: logits[:, a] belongs to anchor anchors[:, a].
+    target_logits[:, t + shift] and counts where loss_mask[:, t + 1 + shift] == 1.
     """
 
     logits: torch.Tensor  # (B, T, Vd) over the draft vocabulary (Vd = V without a pruned vocab)
     shift: int = 0  # 0 = next token, 1 = the one after (EAGLE step / Medusa head 1), ...
     weight: float = 1.0  # weight of this prediction in the total loss (e.g. Medusa's 0.8^k)
-    # (B, T, F') EAGLE: predicted target feature of position t + shift (the one that produced
-    # target_logits[:, t + shift]), regressed on it
+    # (B, T, F') EAGLE: predicted target feature of position t + shift, regressed on the target's
     features: torch.Tensor | None = None
-    # (B, A) long: the anchors the logits (B, A, Vd) were computed at (a sampled subset, e.g.
-    # P-EAGLE's mask positions); None = every anchor t, logits (B, T, Vd)
-    anchors: torch.Tensor | None = None
+    anchors: torch.Tensor | None = None  # (B, A): logits (B, A, Vd) at these anchors (None: all)
 
 
 class Drafter(nn.Module):

@@ -19,6 +19,12 @@ positions (causal over real features), step j > 1 is mask j-1 at every anchor t,
 t+j-1, attending to the real keys at anchors <= t and to masks 1..j-1 of the same anchor: exactly
 what mask j-1 sees at decode time after the real prefix ending at t. Step j predicts the target's
 token t+j+1 (DraftPrediction shift=j), weighted `loss_weights[j-1]` (default ttt_decay ** (j-1)).
+All anchors cost ttt_length full passes (12.9x an EAGLE-1 step on SmolLM2, BENCHMARKS.md), so
+`mask_anchors` trains the masks at a random subset of each row's anchors, drawn every step, as
+P-EAGLE's COD sampling does (speculators: depth d keeps a share r**d of the positions, floored;
+here one share for every mask, so a sampled anchor keeps its whole rollout): the masks then run
+over A rows with (A x T) attention to the real keys, and their logits carry the anchors
+(DraftPrediction.anchors) for the loss. Draft position 1 (the real positions) stays at every anchor.
 
 Proposals are per-position argmax / samples (Drafter.draft_chain over the k precomputed logits),
 returning the q each token was sampled from (lossless speculative sampling); the adaptive length
@@ -32,12 +38,19 @@ speculative_config.parallel_drafting: a `mask_hidden` buffer (1, 3H) loaded from
 projected by combine_hidden_states = fc like the real aux states) and vLLM's
 get_parallel_drafting_token_id (the mask token id from the draft config's `mask_token_id`, else
 `pard_token` / `ptd_token_id`; queries = [last token; masks] at consecutive positions);
-speculators' models/peagle (config: speculators_model_type "peagle", mask_token_id; mask_hidden
-(1, 1, 3H) fused by fc), read but not exported yet: its training layout varies across versions.
+speculators 0.9.0 (PyPI wheel; its models/peagle/ equals the repo's main @c05b95b3 but for a
+gradient-checkpointing flag): config.py (PEagleSpeculatorConfig = Eagle3SpeculatorConfig +
+speculators_model_type "peagle", architectures ["PEagleSpeculator"], mask_token_id,
+embed_requires_grad default true), core.py (PEagleDraftModel = Eagle3DraftModel + mask_hidden
+(1, 1, 3H), fused through input_norm / fc_norm / fc like the aux states; depth d of anchor a at
+position a+d), attention.py (depth 0 causal, depth d sees depth 0 at anchors <= a and its own
+rollout: our training attention), data.py (COD sampling).
 
-Exports: `hf` (ours, lossless) and `vllm`: EAGLE-3's vLLM layout (drafters/eagle3.py) plus the
+Exports: `hf` (ours, lossless); `vllm`: EAGLE-3's vLLM layout (drafters/eagle3.py) plus the
 `mask_hidden` tensor and `mask_token_id` / `parallel_drafting` in config.json, served with
-`"method": "eagle3", "parallel_drafting": true`.
+`"method": "eagle3", "parallel_drafting": true`; `speculators`: EAGLE-3's speculators layout with
+the peagle type, mask_token_id and mask_hidden (1, 1, 3H); the slow test in tests/test_eagle3.py
+loads it with speculators 0.9.0's own PEagleDraftModel.
 """
 from __future__ import annotations
 
@@ -96,7 +109,53 @@ VLLM = ExportLayout(
     tags=("vllm", "eagle3", "peagle"))
 
 
-@register("peagle", config=PeagleConfig, layouts=(VLLM,))
+# == Export: the speculators format's `peagle` type (speculators 0.9.0 models/peagle/: ==
+# == PEagleSpeculatorConfig over Eagle3SpeculatorConfig + mask_token_id; PEagleDraftModel = ==
+# == Eagle3DraftModel + mask_hidden (1, 1, 3H), fused through its optional norms and fc).   ==
+def peagle_speculators_state(drafter, state: Optional[dict] = None,
+                      dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """The tensors PEagleDraftModel loads: eagle3's speculators tensors (layers.0.*, fc, norms,
+    lm_head, embed_tokens, d2t / t2d when pruned) and mask_hidden as its (1, 1, 3H) parameter."""
+    out = engine_state(drafter, "speculators", state, dtype)
+    out["mask_hidden"] = out["mask_hidden"].reshape(1, 1, -1)
+    return out
+
+
+def peagle_speculators_config(drafter, speculative_tokens: int = 5, verifier: Optional[str] = None,
+                       dtype: str = "float32") -> dict:
+    """config.json of the speculators `peagle` type: eagle3's with the peagle type, its
+    architecture, mask_token_id, at most ttt_length speculative tokens; embed_requires_grad is
+    false (its default is true): the embedding is the target's, never trained here."""
+    k = min(speculative_tokens, drafter.cfg.ttt_length)
+    config = engine_config(drafter, "speculators", k, verifier, dtype)
+    config.update(architectures=["PEagleSpeculator"], speculators_model_type="peagle",
+                  mask_token_id=drafter.mask_token_id, embed_requires_grad=False)
+    config["speculators_config"]["algorithm"] = "peagle"
+    return config
+
+
+def _write_speculators(drafter, state, ctx):
+    tensors = peagle_speculators_state(drafter, state, torch_dtype(ctx.dtype))
+    config = peagle_speculators_config(drafter, ctx.speculative_tokens, ctx.meta.get("base_model"),
+                                ctx.dtype)
+    return {**config, **ctx.common()}, {WEIGHTS: tensors}
+
+
+def _read_speculators(files, dcfg, vocab_size):
+    state = state_from_engine(files[WEIGHTS], "speculators", dcfg.get("draft_vocab_size") is not None)
+    return {**state, "mask_hidden": state["mask_hidden"].reshape(-1)}  # (3H,)
+
+
+SPECULATORS = ExportLayout(
+    format="speculators", summary="the speculators library's P-EAGLE format (speculators_model_type "
+    "peagle, PEagleDraftModel: EAGLE-3's layers + mask_hidden; mask_token_id in config.json).",
+    usage="from speculators.models.peagle import PEagleDraftModel\n"
+          "model = PEagleDraftModel.from_pretrained('{path}')",
+    write=_write_speculators, read=_read_speculators,
+    check=lambda dcfg: engine_refusal(dcfg, "speculators"), tags=("speculators", "peagle"))
+
+
+@register("peagle", config=PeagleConfig, layouts=(VLLM, SPECULATORS))
 class Peagle(Eagle3):
     """P-EAGLE drafter: EAGLE-3's network + a learnt mask hidden state; k drafts per forward."""
 

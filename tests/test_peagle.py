@@ -16,8 +16,8 @@ import decode.spec
 from decode.spec import generate
 from decode_toys import (chi2_stat, greedy_lossless_accepted, make_target, pair_counts,
                          pair_joint, wrong_rule)
-from eagle3_engines import (TOY_H, TOY_L, TOY_V, engine_forward, feature_batch, fused_features,
-                            perturbed_drafter, recipe_cfg, tiny8_target, train_rows)
+from eagle3_engines import (TOY_H, TOY_L, TOY_V, feature_batch, parallel_draft, perturbed_drafter,
+                            recipe_cfg, tiny8_target, train_rows)
 from drafters.base import DecodeState, TrainBatch, build_drafter
 from drafters.export import export_drafter, load_export
 from drafters.peagle import Peagle
@@ -264,36 +264,42 @@ def test_recipe_trains_peagle_and_loss_goes_down(tmp_path):
 
 
 # -- export -----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("cfg", [{}, {"draft_vocab_size": 48, "num_layers": 2}],
-                         ids=["full", "pruned"])
-def test_vllm_export_matches_the_engine_parallel_forward(target, cfg, tmp_path):
-    """format=vllm, then vLLM's parallel-drafting forward rebuilt from the files alone: queries
-    [real positions (target embedding of token t+1, fc(aux states t)); k-1 masks (embedding of
-    config mask_token_id, fc(mask_hidden))] at consecutive positions, causal, in ONE pass; its
-    k logits at the last real position and the masks == our training logits; our decoder reads
-    the folder back to the same drafts."""
+@pytest.mark.parametrize("fmt,cfg", [
+    ("vllm", {}), ("vllm", {"draft_vocab_size": 48, "num_layers": 2}),
+    ("speculators", {"draft_vocab_size": 48, "num_layers": 2, "norm_before_fc": True,
+                     "norm_before_residual": True}),
+    ("speculators", {"fc_norm": True, "norm_output": True})],
+    ids=["vllm_full", "vllm_pruned", "speculators_pruned", "speculators_eagle31"])
+def test_export_matches_the_engine_parallel_forward(target, fmt, cfg, tmp_path):
+    """format=vllm / speculators, then the engine's parallel-drafting forward rebuilt from the
+    files alone (eagle3_engines.parallel_draft: [real positions; k-1 masks of config
+    mask_token_id and the file's mask_hidden, fused by the file's norms and fc] in ONE pass); its
+    k logits == our training logits; our decoder reads the folder back to the same drafts."""
     d = make(target, ttt_length=4, mask_token_id=7, **cfg)
     folder = export_drafter(d, {"name": "peagle", "ttt_length": 4, "mask_token_id": 7, **cfg},
-                            target, "vllm", tmp_path / "v", base_model="org/tiny8")["path"]
+                            target, fmt, tmp_path / fmt, base_model="org/tiny8")["path"]
     config = json.loads((folder / "config.json").read_text())
     W = load_file(str(folder / "model.safetensors"))
-    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["parallel_drafting"]
-    assert config["mask_token_id"] == 7 and W["mask_hidden"].shape == (3 * H,)
+    assert config["mask_token_id"] == 7 and W["mask_hidden"].numel() == 3 * H
     assert config["eagle_aux_hidden_state_layer_ids"] == list(d.feature_layers)
+    if fmt == "vllm":
+        assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["parallel_drafting"]
+    else:  # speculators 0.9.0: PEagleSpeculatorConfig, mask_hidden as its (1, 1, 3H) parameter
+        assert config["speculators_model_type"] == "peagle" and W["mask_hidden"].shape == (1, 1, 3 * H)
+        assert config["architectures"] == ["PEagleSpeculator"]
+        assert config["speculators_config"]["algorithm"] == "peagle"
+        assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
     b = make_batch(target, d, B=1)
     ids = b.input_ids[0]
     with torch.no_grad():
         preds = d.forward_train(b)
         for t in (3, 8):
-            real = fused_features("vllm", config, W, target, ids[:t + 1])  # (t+1, H)
-            masks = (W["mask_hidden"] @ W["fc.weight"].T).expand(3, -1)  # (k-1, H)
-            toks = torch.cat([ids[1:t + 2], torch.full((3,), config["mask_token_id"])])
-            logits, _ = engine_forward("vllm", config, W, target.embed_tokens()(toks),
-                                       torch.cat([real, masks]), torch.arange(t + 4))
+            logits = parallel_draft(fmt, config, W, target, ids, t, 4)  # (4, Vd)
             for j in range(4):
-                torch.testing.assert_close(logits[t + j], preds[j].logits[0, t].float(),
+                torch.testing.assert_close(logits[j], preds[j].logits[0, t].float(),
                                            atol=2e-4, rtol=1e-4)
     back = load_export(folder, target)
+    assert all(torch.equal(v, back.state_dict()[k]) for k, v in d.state_dict().items())
     state = DecodeState(ids[:10], b.features[0, :9])
     for x in (d, back):
         x.reset()

@@ -113,7 +113,7 @@ VLLM = ExportLayout(
 # == PEagleSpeculatorConfig over Eagle3SpeculatorConfig + mask_token_id; PEagleDraftModel = ==
 # == Eagle3DraftModel + mask_hidden (1, 1, 3H), fused through its optional norms and fc).   ==
 def peagle_speculators_state(drafter, state: Optional[dict] = None,
-                      dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+                             dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """The tensors PEagleDraftModel loads: eagle3's speculators tensors (layers.0.*, fc, norms,
     lm_head, embed_tokens, d2t / t2d when pruned) and mask_hidden as its (1, 1, 3H) parameter."""
     out = engine_state(drafter, "speculators", state, dtype)
@@ -121,8 +121,8 @@ def peagle_speculators_state(drafter, state: Optional[dict] = None,
     return out
 
 
-def peagle_speculators_config(drafter, speculative_tokens: int = 5, verifier: Optional[str] = None,
-                       dtype: str = "float32") -> dict:
+def peagle_speculators_config(drafter, speculative_tokens: int = 5,
+                              verifier: Optional[str] = None, dtype: str = "float32") -> dict:
     """config.json of the speculators `peagle` type: eagle3's with the peagle type, its
     architecture, mask_token_id, at most ttt_length speculative tokens; embed_requires_grad is
     false (its default is true): the embedding is the target's, never trained here."""
@@ -136,19 +136,21 @@ def peagle_speculators_config(drafter, speculative_tokens: int = 5, verifier: Op
 
 def _write_speculators(drafter, state, ctx):
     tensors = peagle_speculators_state(drafter, state, torch_dtype(ctx.dtype))
-    config = peagle_speculators_config(drafter, ctx.speculative_tokens, ctx.meta.get("base_model"),
-                                ctx.dtype)
+    config = peagle_speculators_config(drafter, ctx.speculative_tokens,
+                                       ctx.meta.get("base_model"), ctx.dtype)
     return {**config, **ctx.common()}, {WEIGHTS: tensors}
 
 
 def _read_speculators(files, dcfg, vocab_size):
-    state = state_from_engine(files[WEIGHTS], "speculators", dcfg.get("draft_vocab_size") is not None)
+    pruned = dcfg.get("draft_vocab_size") is not None
+    state = state_from_engine(files[WEIGHTS], "speculators", pruned)
     return {**state, "mask_hidden": state["mask_hidden"].reshape(-1)}  # (3H,)
 
 
 SPECULATORS = ExportLayout(
-    format="speculators", summary="the speculators library's P-EAGLE format (speculators_model_type "
-    "peagle, PEagleDraftModel: EAGLE-3's layers + mask_hidden; mask_token_id in config.json).",
+    format="speculators",
+    summary="the speculators library's P-EAGLE format (speculators_model_type peagle, "
+            "PEagleDraftModel: EAGLE-3's layers + mask_hidden; mask_token_id in config.json).",
     usage="from speculators.models.peagle import PEagleDraftModel\n"
           "model = PEagleDraftModel.from_pretrained('{path}')",
     write=_write_speculators, read=_read_speculators,
@@ -172,8 +174,8 @@ class Peagle(Eagle3):
                              f"(ttt_length={cfg.ttt_length}), got {list(cfg.loss_weights)}")
         m = cfg.mask_anchors
         if m is not None and not (0 < m <= 1 or (m > 1 and float(m).is_integer())):
-            raise ValueError(f"peagle: mask_anchors must be a fraction in (0, 1], a whole number of "
-                             f"anchors > 1 or null (every anchor), got {m}")
+            raise ValueError(f"peagle: mask_anchors must be a fraction in (0, 1], a whole number "
+                             f"of anchors > 1 or null (every anchor), got {m}")
         super().__init__(cfg, target)  # EAGLE-3's network, head, device, cache
         self.mask_token_id = mask_id
         self._warned_k = False  # k > ttt_length is said once per drafter

@@ -402,6 +402,7 @@ def test_speculators_release_loads_our_export(target, speculators_python, cfg, t
 SPECULATORS_PEAGLE_LOAD = r"""
 import sys, torch
 import speculators.models.peagle.core as core
+from speculators.losses import resolve_loss_config
 from speculators.models.peagle import PEagleDraftModel, PEagleSpeculatorConfig
 folder, drawn = sys.argv[1], []
 x = torch.load(folder + "/inputs.pt")
@@ -415,7 +416,7 @@ m.lm_head.register_forward_hook(lambda mod, i, o: got.append(o[0]))
 with torch.no_grad():
     m(hidden_states=x["features"], input_ids=x["input_ids"], document_ids=torch.zeros_like(x["input_ids"]),
       verifier_last_hidden_states=x["last"], num_depths=x["depths"], down_sample_ratio=1.0,
-      down_sample_ratio_min=1.0)
+      down_sample_ratio_min=1.0, loss_config=resolve_loss_config("kl_div", "eager"))  # no triton
 anchor, depth = drawn[0]
 torch.save({"logits": got[0], "anchor": anchor, "depth": depth, "state": m.state_dict()},
            folder + "/out.pt")

@@ -412,7 +412,7 @@ conf = PEagleSpeculatorConfig.from_pretrained(folder)
 conf.transformer_layer_config._attn_implementation = "eager"
 m = PEagleDraftModel.from_pretrained(folder, config=conf).float().eval()
 got = []
-m.lm_head.register_forward_hook(lambda mod, i, o: got.append(o[0]))
+m.lm_head.register_forward_hook(lambda mod, i, o: got.append(o[0]))  # (N, Vd): N drawn positions
 with torch.no_grad():
     m(hidden_states=x["features"], input_ids=x["input_ids"], document_ids=torch.zeros_like(x["input_ids"]),
       verifier_last_hidden_states=x["last"], num_depths=x["depths"], down_sample_ratio=1.0,
@@ -466,7 +466,7 @@ def test_speculators_release_loads_our_peagle_export(target, speculators_python,
     seen = set()
     for i, (a, dep) in enumerate(zip(out["anchor"].tolist(), out["depth"].tolist())):
         if a >= 0:  # its depth-1 draw may start a rollout at anchor -1 (position 0): no such anchor here
-            torch.testing.assert_close(out["logits"][0, i], ours[dep].logits[0, a],
+            torch.testing.assert_close(out["logits"][i], ours[dep].logits[0, a],
                                        atol=1e-4, rtol=1e-4)
             seen.add(dep)
     assert seen == {0, 1, 2}  # every depth compared

@@ -250,17 +250,22 @@ def test_sampled_generation_has_the_target_distribution(monkeypatch):
 
 
 # -- the real recipe --------------------------------------------------------------------------------
-def test_recipe_trains_peagle_and_loss_goes_down(tmp_path):
+@pytest.mark.parametrize("anchors", [None, 0.5], ids=["every_anchor", "half_the_anchors"])
+def test_recipe_trains_peagle_and_loss_goes_down(tmp_path, anchors):
     from conftest import write_chats
 
     chats = write_chats(tmp_path / "chats.jsonl", 32, 12)
+    extra = [] if anchors is None else [f"drafter.mask_anchors={anchors}"]
     rows = train_rows(recipe_cfg(tmp_path, chats, "peagle", "trainer.max_steps=30", "trainer.lr=3e-3",
-                                 "trainer.eval_every=0", "trainer.save_every=0", "trainer.log_every=1"))
+                                 "trainer.eval_every=0", "trainer.save_every=0", "trainer.log_every=1",
+                                 *extra))
     loss = {x["step"]: x["loss"] for x in rows if "loss" in x}
     first, last = sum(loss[s] for s in range(1, 5)) / 4, sum(loss[s] for s in range(27, 31)) / 4
     assert last < 0.7 * first, (first, last)
     step = [x for x in rows if "loss" in x][-1]  # all 3 draft positions scored
     assert {"div/s1", "div/s3"} <= set(step)
+    if anchors is not None:  # the masks at about half the anchors the real position is scored at
+        assert 0 < step["positions/s2"] < 0.75 * step["positions/s1"]
 
 
 # -- export -----------------------------------------------------------------------------------------

@@ -112,9 +112,9 @@ class DraftPrediction:
     logits: torch.Tensor  # (B, T, Vd) over the draft vocabulary (Vd = V without a pruned vocab)
     shift: int = 0  # 0 = next token, 1 = the one after (EAGLE step / Medusa head 1), ...
     weight: float = 1.0  # weight of this prediction in the total loss (e.g. Medusa's 0.8^k)
-    # (B, T, F') EAGLE: predicted target feature of position t + shift (the one that produced
-    # target_logits[:, t + shift]), regressed on it
+    # (B, T, F') EAGLE: predicted target feature of position t + shift, regressed on the target's
     features: torch.Tensor | None = None
+    anchors: torch.Tensor | None = None  # (B, A): logits (B, A, Vd) at these anchors (None: all)
 
 
 class Drafter(nn.Module):

@@ -19,6 +19,12 @@ positions (causal over real features), step j > 1 is mask j-1 at every anchor t,
 t+j-1, attending to the real keys at anchors <= t and to masks 1..j-1 of the same anchor: exactly
 what mask j-1 sees at decode time after the real prefix ending at t. Step j predicts the target's
 token t+j+1 (DraftPrediction shift=j), weighted `loss_weights[j-1]` (default ttt_decay ** (j-1)).
+All anchors cost ttt_length full passes (12.9x an EAGLE-1 step on SmolLM2, BENCHMARKS.md), so
+`mask_anchors` trains the masks at a random subset of each row's anchors, drawn every step, as
+P-EAGLE's COD sampling does (speculators: depth d keeps a share r**d of the positions, floored;
+here one share for every mask, so a sampled anchor keeps its whole rollout): the masks then run
+over A rows with (A x T) attention to the real keys, and their logits carry the anchors
+(DraftPrediction.anchors) for the loss. Draft position 1 (the real positions) stays at every anchor.
 
 Proposals are per-position argmax / samples (Drafter.draft_chain over the k precomputed logits),
 returning the q each token was sampled from (lossless speculative sampling); the adaptive length
@@ -32,12 +38,19 @@ speculative_config.parallel_drafting: a `mask_hidden` buffer (1, 3H) loaded from
 projected by combine_hidden_states = fc like the real aux states) and vLLM's
 get_parallel_drafting_token_id (the mask token id from the draft config's `mask_token_id`, else
 `pard_token` / `ptd_token_id`; queries = [last token; masks] at consecutive positions);
-speculators' models/peagle (config: speculators_model_type "peagle", mask_token_id; mask_hidden
-(1, 1, 3H) fused by fc), read but not exported yet: its training layout varies across versions.
+speculators 0.9.0 (PyPI wheel; its models/peagle/ equals the repo's main @c05b95b3 but for a
+gradient-checkpointing flag): config.py (PEagleSpeculatorConfig = Eagle3SpeculatorConfig +
+speculators_model_type "peagle", architectures ["PEagleSpeculator"], mask_token_id,
+embed_requires_grad default true), core.py (PEagleDraftModel = Eagle3DraftModel + mask_hidden
+(1, 1, 3H), fused through input_norm / fc_norm / fc like the aux states; depth d of anchor a at
+position a+d), attention.py (depth 0 causal, depth d sees depth 0 at anchors <= a and its own
+rollout: our training attention), data.py (COD sampling).
 
-Exports: `hf` (ours, lossless) and `vllm`: EAGLE-3's vLLM layout (drafters/eagle3.py) plus the
+Exports: `hf` (ours, lossless); `vllm`: EAGLE-3's vLLM layout (drafters/eagle3.py) plus the
 `mask_hidden` tensor and `mask_token_id` / `parallel_drafting` in config.json, served with
-`"method": "eagle3", "parallel_drafting": true`.
+`"method": "eagle3", "parallel_drafting": true`; `speculators`: EAGLE-3's speculators layout with
+the peagle type, mask_token_id and mask_hidden (1, 1, 3H); the slow test in tests/test_eagle3.py
+loads it with speculators 0.9.0's own PEagleDraftModel.
 """
 from __future__ import annotations
 
@@ -67,6 +80,10 @@ class PeagleConfig(Eagle3Config):
     mask_token_id: Optional[int] = None  # id whose embedding mask positions read (None = V - 1)
     # loss weight per draft position (ttt_length values); None = ttt_decay ** (position - 1)
     loss_weights: Optional[list[float]] = None
+    # anchors per row whose masks (draft positions 2..) are trained, drawn each step (P-EAGLE's
+    # COD sampling, flat): null or 1.0 = every anchor; a fraction in (0, 1) = that share of the
+    # row's anchors; a whole number > 1 = that many. Draft position 1 trains at every anchor.
+    mask_anchors: Optional[float] = None
 
 
 # == Export: vLLM's EAGLE-3 loader with parallel drafting (llama_eagle3.py @00bd1493): eagle3's ==
@@ -92,7 +109,55 @@ VLLM = ExportLayout(
     tags=("vllm", "eagle3", "peagle"))
 
 
-@register("peagle", config=PeagleConfig, layouts=(VLLM,))
+# == Export: the speculators format's `peagle` type (speculators 0.9.0 models/peagle/: ==
+# == PEagleSpeculatorConfig over Eagle3SpeculatorConfig + mask_token_id; PEagleDraftModel = ==
+# == Eagle3DraftModel + mask_hidden (1, 1, 3H), fused through its optional norms and fc).   ==
+def peagle_speculators_state(drafter, state: Optional[dict] = None,
+                             dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """The tensors PEagleDraftModel loads: eagle3's speculators tensors (layers.0.*, fc, norms,
+    lm_head, embed_tokens, d2t / t2d when pruned) and mask_hidden as its (1, 1, 3H) parameter."""
+    out = engine_state(drafter, "speculators", state, dtype)
+    out["mask_hidden"] = out["mask_hidden"].reshape(1, 1, -1)
+    return out
+
+
+def peagle_speculators_config(drafter, speculative_tokens: int = 5,
+                              verifier: Optional[str] = None, dtype: str = "float32") -> dict:
+    """config.json of the speculators `peagle` type: eagle3's with the peagle type, its
+    architecture, mask_token_id, at most ttt_length speculative tokens; embed_requires_grad is
+    false (its default is true): the embedding is the target's, never trained here."""
+    k = min(speculative_tokens, drafter.cfg.ttt_length)
+    config = engine_config(drafter, "speculators", k, verifier, dtype)
+    config.update(architectures=["PEagleSpeculator"], speculators_model_type="peagle",
+                  mask_token_id=drafter.mask_token_id, embed_requires_grad=False)
+    config["speculators_config"]["algorithm"] = "peagle"
+    return config
+
+
+def _write_speculators(drafter, state, ctx):
+    tensors = peagle_speculators_state(drafter, state, torch_dtype(ctx.dtype))
+    config = peagle_speculators_config(drafter, ctx.speculative_tokens,
+                                       ctx.meta.get("base_model"), ctx.dtype)
+    return {**config, **ctx.common()}, {WEIGHTS: tensors}
+
+
+def _read_speculators(files, dcfg, vocab_size):
+    pruned = dcfg.get("draft_vocab_size") is not None
+    state = state_from_engine(files[WEIGHTS], "speculators", pruned)
+    return {**state, "mask_hidden": state["mask_hidden"].reshape(-1)}  # (3H,)
+
+
+SPECULATORS = ExportLayout(
+    format="speculators",
+    summary="the speculators library's P-EAGLE format (speculators_model_type peagle, "
+            "PEagleDraftModel: EAGLE-3's layers + mask_hidden; mask_token_id in config.json).",
+    usage="from speculators.models.peagle import PEagleDraftModel\n"
+          "model = PEagleDraftModel.from_pretrained('{path}')",
+    write=_write_speculators, read=_read_speculators,
+    check=lambda dcfg: engine_refusal(dcfg, "speculators"), tags=("speculators", "peagle"))
+
+
+@register("peagle", config=PeagleConfig, layouts=(VLLM, SPECULATORS))
 class Peagle(Eagle3):
     """P-EAGLE drafter: EAGLE-3's network + a learnt mask hidden state; k drafts per forward."""
 
@@ -107,6 +172,10 @@ class Peagle(Eagle3):
         if cfg.loss_weights is not None and len(cfg.loss_weights) != cfg.ttt_length:
             raise ValueError(f"peagle: loss_weights needs one weight per draft position "
                              f"(ttt_length={cfg.ttt_length}), got {list(cfg.loss_weights)}")
+        m = cfg.mask_anchors
+        if m is not None and not (0 < m <= 1 or (m > 1 and float(m).is_integer())):
+            raise ValueError(f"peagle: mask_anchors must be a fraction in (0, 1], a whole number "
+                             f"of anchors > 1 or null (every anchor), got {m}")
         super().__init__(cfg, target)  # EAGLE-3's network, head, device, cache
         self.mask_token_id = mask_id
         self._warned_k = False  # k > ttt_length is said once per drafter
@@ -127,10 +196,32 @@ class Peagle(Eagle3):
         return float(w[j - 1]) if w is not None else self.cfg.ttt_decay ** (j - 1)
 
     # -- training ---------------------------------------------------------------------------------
+    def mask_anchors(self, batch: TrainBatch, J: int) -> Optional[torch.Tensor]:
+        """The anchors (B, A) whose masks train this step (cfg.mask_anchors; None = every anchor),
+        sorted: drawn uniformly without replacement (global torch RNG) among the row's anchors
+        where some mask's token (t+3 .. t+1+J) is counted; spare slots hold T-1, never counted."""
+        m = self.cfg.mask_anchors
+        if m is None or m == 1 or J < 2:
+            return None
+        B, T = batch.input_ids.shape
+        counted = batch.loss_mask.bool() & batch.attention_mask.bool()  # (B, T): scored tokens
+        cand = torch.zeros_like(counted)  # (B, T)
+        for j in range(2, min(J, T - 2) + 1):  # mask j-1 at anchor t predicts token t+1+j
+            cand[:, :T - 1 - j] |= counted[:, 1 + j:]
+        n = cand.sum(1)  # (B,) candidates per row
+        want = (n * m).ceil().long() if m < 1 else n.clamp(max=int(m))  # (B,)
+        A = max(1, int(want.max()))
+        score = torch.rand(B, T, device=cand.device).masked_fill(~cand, 2.0)  # candidates first
+        pick = score.topk(A, dim=1, largest=False).indices  # (B, A): a random draw per row
+        keep = torch.arange(A, device=cand.device)[None] < want[:, None]  # (B, A)
+        return torch.where(keep, pick, T - 1).sort(dim=1).values
+
     def forward_train(self, batch: TrainBatch) -> list[DraftPrediction]:
-        """Draft position j = 1..ttt_length at every anchor t: j = 1 reads the real token t+1 and
+        """Draft position j = 1..ttt_length: j = 1 at every anchor t reads the real token t+1 and
         fused feature t; j > 1 is mask j-1 at position t+j-1 (mask inputs, no own outputs fed
-        back). Attention as at decode time (ttt_attention). Returns shifts 1..ttt_length."""
+        back), at every anchor or at the sampled `mask_anchors` (DraftPrediction.anchors), where
+        it costs (A x T) attention instead of (T x T). Attention as at decode time
+        (ttt_attention). Returns shifts 1..ttt_length."""
         ids, feats = batch.input_ids, batch.features  # (B, T), (B, T, 3H)
         H = self.target.hidden_size
         if feats is None or feats.shape[-1] != 3 * H:
@@ -138,24 +229,31 @@ class Peagle(Eagle3):
                              f"{self.feature_layers} (width {3 * H}); "
                              f"got {getattr(feats, 'shape', None)}")
         B, T = ids.shape
+        J = max(1, min(self.cfg.ttt_length, T - 2))
         pos = torch.arange(T, device=ids.device)
         keys = batch.attention_mask[:, None, None, :].bool()  # (B, 1, 1, T): padding never seen
         causal = (pos[None, :] <= pos[:, None])[None, None] & keys  # (B, 1, T, T)
+        anchors = self.mask_anchors(batch, J)  # (B, A) or None
+        at, seen = pos.expand(B, T), causal  # mask anchors (B, A); their real keys (B, 1, A, T)
+        if anchors is not None:
+            at, seen = anchors, (pos[None, None, :] <= anchors[:, :, None])[:, None] & keys
         store: list[list] = [[] for _ in self.layers]  # per layer: (k, v) of each position
         # 1. the real positions: token t+1 (the last column a filler, never counted), feature t
         tok = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)  # (B, T)
         h = self.fuse(feats)  # (B, T, H)
         emb = self.target.embed_tokens()(tok).to(h.dtype)  # (B, T, H), frozen
-        mask_emb, mask_h = self._mask_inputs(B, T)  # (B, T, H) each
+        mask_emb, mask_h = self._mask_inputs(B, at.shape[1])  # (B, A, H) each
         preds = []
-        for j in range(1, max(1, min(self.cfg.ttt_length, T - 2)) + 1):
-            # 2. j > 1: mask j-1 at every anchor, at position t+j-1
+        for j in range(1, J + 1):
+            # 2. j > 1: mask j-1 at each mask anchor t, at position t+j-1
+            positions, mask = (pos.expand(B, T), causal) if j == 1 else (at + j - 1, seen)
             if j > 1:
                 emb, h = mask_emb, mask_h
-            out = self._run(emb, h, (pos + j - 1).expand(B, T),
-                            lambda i: lambda q, k, v: ttt_attention(q, k, v, store[i], causal))
-            preds.append(DraftPrediction(logits=self.head(out), shift=j,  # (B, T, Vd)
-                                         weight=self._weight(j)))
+            out = self._run(emb, h, positions,
+                            lambda i: lambda q, k, v: ttt_attention(q, k, v, store[i], mask))
+            preds.append(DraftPrediction(logits=self.head(out), shift=j,  # (B, T | A, Vd)
+                                         weight=self._weight(j),
+                                         anchors=None if j == 1 else anchors))
         return preds
 
     # -- decoding ---------------------------------------------------------------------------------

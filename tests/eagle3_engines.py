@@ -1,8 +1,10 @@
 """EAGLE-3 draft models as the serving engines compute them, rebuilt from exported files only
 (drafters/eagle3.py names the sources and versions read): SGLang / vLLM llama_eagle3.py (midlayer,
 fused residual-add norms, the prenorm state fed back) and speculators 0.9.0 Eagle3DraftModel
-(layers.0 + HF Llama layers, EAGLE-3.1 norms). Used by tests/test_eagle3.py (every engine option,
-training-time-test steps) and tests/test_export.py (every registered eagle3 layout)."""
+(layers.0 + HF Llama layers, EAGLE-3.1 norms), and P-EAGLE's single parallel forward (vLLM's
+parallel drafting, speculators 0.9.0 PEagleDraftModel). Used by tests/test_eagle3.py (every engine
+option, training-time-test steps), tests/test_peagle.py and tests/test_export.py (every registered
+eagle3 layout)."""
 from __future__ import annotations
 
 import json
@@ -81,7 +83,11 @@ def engine_capture(engine, config, target, ids):
 
 def fused_features(engine, config, W, target, ids):
     """fc (after speculators' optional norms) over the 3H-wide states the engine captures (T, H)."""
-    feats = engine_capture(engine, config, target, ids)
+    return fuse(config, W, engine_capture(engine, config, target, ids))
+
+
+def fuse(config, W, feats):
+    """(T, 3H) aux states (or P-EAGLE's mask_hidden) -> (T, H): speculators' optional norms, fc."""
     eps = config.get("transformer_layer_config", config)["rms_norm_eps"]
     if "input_norm.weight" in W:  # speculators norm_before_fc: one norm over the 3H
         feats = _rms(feats, W["input_norm.weight"], eps)
@@ -103,6 +109,20 @@ def engine_chain(engine, config, W, target, ids, t, steps):
         toks = torch.cat([toks, ids[t + 2 + j:t + 3 + j]])
         hidden = torch.cat([hidden, back[-1:]])
     return torch.stack(out)
+
+
+def parallel_draft(engine, config, W, target, ids, t, k):
+    """P-EAGLE's k draft logits (k, Vd) after anchor t from ONE engine forward: queries [real
+    positions 0..t (embedding of token i+1, fused aux states i); k-1 masks (embedding of config
+    mask_token_id, mask_hidden fused like the aux states)] at consecutive positions, causal (vLLM
+    parallel drafting; speculators' peagle mask for one anchor: causal over depth 0, then its own
+    rollout). Drafts: the outputs at the last real position and at the masks."""
+    real = fused_features(engine, config, W, target, ids[:t + 1])  # (t+1, H)
+    masks = fuse(config, W, W["mask_hidden"].reshape(1, -1)).expand(k - 1, -1)  # (k-1, H)
+    toks = torch.cat([ids[1:t + 2], torch.full((k - 1,), config["mask_token_id"])])  # (t+k,)
+    logits, _ = engine_forward(engine, config, W, target.embed_tokens()(toks),
+                               torch.cat([real, masks]), torch.arange(t + k))
+    return logits[t:]  # (k, Vd)
 
 
 def engine_name(config: dict) -> str:

@@ -394,3 +394,79 @@ def test_speculators_release_loads_our_export(target, speculators_python, cfg, t
     for j in range(3):  # anchors whose true tokens exist at step j
         torch.testing.assert_close(out["logits"][j][:T - 2 - j], ours[j].logits[0, :T - 2 - j],
                                    atol=1e-4, rtol=1e-4)
+
+
+# the same for P-EAGLE: PEagleDraftModel.from_pretrained on our `peagle` speculators export, its own
+# training forward (COD sampling made exhaustive: ratio 1, the draw it makes recorded) with the
+# lm_head's output kept
+SPECULATORS_PEAGLE_LOAD = r"""
+import sys, torch
+import speculators.models.peagle.core as core
+from speculators.losses import resolve_loss_config
+from speculators.models.peagle import PEagleDraftModel, PEagleSpeculatorConfig
+folder, drawn = sys.argv[1], []
+x = torch.load(folder + "/inputs.pt")
+sample = core.generate_cod_sample_indices
+core.generate_cod_sample_indices = lambda *a, **k: drawn.append(sample(*a, **k)) or drawn[-1]
+conf = PEagleSpeculatorConfig.from_pretrained(folder)
+conf.transformer_layer_config._attn_implementation = "eager"
+m = PEagleDraftModel.from_pretrained(folder, config=conf).float().eval()
+got = []
+m.lm_head.register_forward_hook(lambda mod, i, o: got.append(o[0]))  # (N, Vd): N drawn positions
+with torch.no_grad():
+    m(hidden_states=x["features"], input_ids=x["input_ids"], document_ids=torch.zeros_like(x["input_ids"]),
+      verifier_last_hidden_states=x["last"], num_depths=x["depths"], down_sample_ratio=1.0,
+      down_sample_ratio_min=1.0, loss_config=resolve_loss_config("kl_div", "eager"))  # no triton
+anchor, depth = drawn[0]
+torch.save({"logits": got[0], "anchor": anchor, "depth": depth, "state": m.state_dict()},
+           folder + "/out.pt")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cfg", [{"mask_token_id": 7},
+                                 {"draft_vocab_size": 48, "num_layers": 2, "norm_before_residual": True},
+                                 {"draft_vocab_size": 48, "fc_norm": True, "norm_output": True}],
+                         ids=["full_vocab", "pruned_2layers", "eagle31"])
+def test_speculators_release_loads_our_peagle_export(target, speculators_python, cfg, tmp_path):
+    """Our `peagle` speculators export (drafters/peagle.py) in the release's PEagleDraftModel:
+    every tensor loaded as written (mask_hidden included: the library would silently keep a
+    random one if it were missing) and nothing else, and its logits at every (anchor, depth) its
+    training forward draws == our draft positions (depth 0 = the real position, d = mask d)."""
+    import subprocess
+
+    from safetensors.torch import save_file
+
+    from drafters.peagle import peagle_speculators_config, peagle_speculators_state
+
+    d = perturbed_drafter(target, "peagle", 1, ttt_length=3, **cfg)
+    W = peagle_speculators_state(d)
+    verifier = tmp_path / "verifier"
+    target.model.save_pretrained(verifier)  # the library reads embeddings / head / norm from it
+    (tmp_path / "config.json").write_text(json.dumps(peagle_speculators_config(
+        d, verifier=str(verifier))))
+    save_file({k: v.contiguous() for k, v in W.items()}, str(tmp_path / "model.safetensors"))
+    ids = torch.randint(0, V, (1, 14), generator=torch.Generator().manual_seed(0))  # no padding
+    out = target.forward(ids, layers=d.feature_layers)
+    batch = TrainBatch(ids, torch.ones_like(ids), torch.ones_like(ids), out.logits, out.features)
+    # speculators pairs hidden state t with input token t+1 (the caller shifts); the verifier's
+    # last state only feeds its loss, never compared
+    torch.save({"features": batch.features.float(), "depths": 3, "last": torch.zeros(1, 14, H),
+                "input_ids": torch.cat([ids[:, 1:], ids[:, -1:]], 1)}, tmp_path / "inputs.pt")
+    run = subprocess.run([speculators_python, "-c", SPECULATORS_PEAGLE_LOAD, str(tmp_path)],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = torch.load(tmp_path / "out.pt")
+    state = out["state"]
+    assert set(W) <= set(state) and set(state) - set(W) <= {"verifier_lm_head.weight",
+                                                            "verifier_norm.weight"}
+    assert all(torch.equal(state[k].to(v.dtype), v) for k, v in W.items())
+    with torch.no_grad():
+        ours = d.forward_train(batch)
+    seen = set()
+    for i, (a, dep) in enumerate(zip(out["anchor"].tolist(), out["depth"].tolist())):
+        if a >= 0:  # its depth-1 draw may start a rollout at anchor -1 (position 0): no such anchor here
+            torch.testing.assert_close(out["logits"][i], ours[dep].logits[0, a],
+                                       atol=1e-4, rtol=1e-4)
+            seen.add(dep)
+    assert seen == {0, 1, 2}  # every depth compared

@@ -195,7 +195,7 @@ def engine_logits(folder: Path, target, b: TrainBatch) -> list[torch.Tensor] | N
     with torch.no_grad():
         if arch in ("LlamaForCausalLM", "LlamaForCausalLMEagle", "EagleSpeculator"):
             return [eagle1_engine_logits(folder, target, b)]
-        if arch in ("LlamaForCausalLMEagle3", "Eagle3Speculator"):  # first draft step
+        if arch in ("LlamaForCausalLMEagle3", "Eagle3Speculator", "PEagleSpeculator"):  # step 1
             return [first_step_logits(folder, target, b.input_ids[0])]
         if arch == "MedusaModel":
             out = medusa_vllm_logits(folder, b.features)

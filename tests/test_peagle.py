@@ -16,8 +16,8 @@ import decode.spec
 from decode.spec import generate
 from decode_toys import (chi2_stat, greedy_lossless_accepted, make_target, pair_counts,
                          pair_joint, wrong_rule)
-from eagle3_engines import (TOY_H, TOY_L, TOY_V, engine_forward, feature_batch, fused_features,
-                            perturbed_drafter, recipe_cfg, tiny8_target, train_rows)
+from eagle3_engines import (TOY_H, TOY_L, TOY_V, feature_batch, parallel_draft, perturbed_drafter,
+                            recipe_cfg, tiny8_target, train_rows)
 from drafters.base import DecodeState, TrainBatch, build_drafter
 from drafters.export import export_drafter, load_export
 from drafters.peagle import Peagle
@@ -39,6 +39,13 @@ def make(target, seed=1, **cfg) -> Peagle:
 
 
 make_batch = feature_batch
+
+
+def twin(d: Peagle, **cfg) -> Peagle:
+    """A drafter of d's settings plus cfg, with d's weights."""
+    other = build_drafter({"name": "peagle", "ttt_length": d.cfg.ttt_length, **cfg}, d.target)
+    other.load_state_dict(d.state_dict())
+    return other
 
 
 # -- the network ----------------------------------------------------------------------------------
@@ -83,6 +90,64 @@ def test_training_logits_equal_the_decode_forward(target, cfg):
             for j in range(5):
                 torch.testing.assert_close(logits[j], preds[j].logits[row, t].float(),
                                            atol=1e-4, rtol=1e-4)
+
+
+def test_mask_anchors_match_the_all_anchor_logits(target):
+    """mask_anchors=0.5: each row draws ceil(half its candidates) distinct anchors, each with a
+    counted mask token (t+3 .. t+5), spare slots at T-1; the masks computed there alone ((A x T)
+    attention) give the all-anchor logits at those anchors, hence the decode-time forward's;
+    draft position 1 stays at every anchor, unchanged."""
+    full = make(target, ttt_length=4)
+    sub = twin(full, mask_anchors=0.5)
+    batch = make_batch(target, full)
+    batch.loss_mask[0, :7] = 0  # a prompt: its tokens are not scored
+    with torch.no_grad():
+        ref = full.forward_train(batch)
+        torch.manual_seed(0)
+        got = sub.forward_train(batch)
+    B, T = batch.input_ids.shape
+    anchors = got[1].anchors  # (B, A)
+    assert got[0].anchors is None and torch.equal(got[0].logits, ref[0].logits)
+    assert all(p.anchors is anchors for p in got[1:]) and got[1].logits.shape[:2] == anchors.shape
+    counted = batch.loss_mask.bool() & batch.attention_mask.bool()
+    for b in range(B):
+        cand = {t for t in range(T) if any(counted[b, t + 1 + j] for j in (2, 3, 4) if t + 1 + j < T)}
+        drawn = [t for t in anchors[b].tolist() if t != T - 1]
+        assert len(drawn) == len(set(drawn)) == -(-len(cand) // 2) and set(drawn) <= cand
+        assert anchors.shape[1] - len(drawn) == anchors[b].tolist().count(T - 1)
+    for j in range(1, 4):  # every slot, spare ones included, is its anchor's all-anchor logits
+        at = ref[j].logits[torch.arange(B)[:, None], anchors]  # (B, A, Vd)
+        torch.testing.assert_close(got[j].logits, at, atol=1e-5, rtol=1e-5)
+    ids, feats = batch.input_ids[0], batch.features[0]
+    for t in anchors[0, :2].tolist():  # the training-time unroll == decode-time drafting
+        sub.reset()
+        logits = sub.draft_logits(DecodeState(ids[:t + 2], feats[:t + 1]), 4)  # (4, Vd)
+        a = anchors[0].tolist().index(t)
+        for j in range(1, 4):
+            torch.testing.assert_close(logits[j], got[j].logits[0, a].float(), atol=1e-4, rtol=1e-4)
+
+
+def test_mask_anchors_loss(target):
+    """At more anchors than any row has, the sampled loss is the all-anchor loss (the loss reads
+    DraftPrediction.anchors right); at a share it scores fewer mask positions and still trains."""
+    full = make(target, ttt_length=4)
+    every = twin(full, mask_anchors=100)
+    batch = make_batch(target, full)
+    batch.loss_mask[1, :5] = 0
+    ref_loss, ref = distill_loss(full.forward_train(batch), batch)
+    loss, parts = distill_loss(every.forward_train(batch), batch)
+    torch.testing.assert_close(loss, ref_loss)
+    for key in ref:
+        torch.testing.assert_close(parts[key], ref[key])
+    half = twin(full, mask_anchors=0.5)
+    loss, parts = distill_loss(half.forward_train(batch), batch)
+    loss.backward()
+    assert parts["positions/s1"] == ref["positions/s1"]
+    assert 0 < parts["positions/s2"] < ref["positions/s2"]
+    assert half.mask_hidden.grad is not None and bool(half.mask_hidden.grad.abs().sum() > 0)
+    for bad in (0, 2.5, -1):
+        with pytest.raises(ValueError, match="mask_anchors"):
+            build_drafter({"name": "peagle", "mask_anchors": bad}, target)
 
 
 def test_propose_caps_k_and_cuts_on_confidence(target):
@@ -185,50 +250,61 @@ def test_sampled_generation_has_the_target_distribution(monkeypatch):
 
 
 # -- the real recipe --------------------------------------------------------------------------------
-def test_recipe_trains_peagle_and_loss_goes_down(tmp_path):
+@pytest.mark.parametrize("anchors", [None, 0.5], ids=["every_anchor", "half_the_anchors"])
+def test_recipe_trains_peagle_and_loss_goes_down(tmp_path, anchors):
     from conftest import write_chats
 
     chats = write_chats(tmp_path / "chats.jsonl", 32, 12)
+    extra = [] if anchors is None else [f"drafter.mask_anchors={anchors}"]
     rows = train_rows(recipe_cfg(tmp_path, chats, "peagle", "trainer.max_steps=30", "trainer.lr=3e-3",
-                                 "trainer.eval_every=0", "trainer.save_every=0", "trainer.log_every=1"))
+                                 "trainer.eval_every=0", "trainer.save_every=0", "trainer.log_every=1",
+                                 *extra))
     loss = {x["step"]: x["loss"] for x in rows if "loss" in x}
     first, last = sum(loss[s] for s in range(1, 5)) / 4, sum(loss[s] for s in range(27, 31)) / 4
     assert last < 0.7 * first, (first, last)
     step = [x for x in rows if "loss" in x][-1]  # all 3 draft positions scored
     assert {"div/s1", "div/s3"} <= set(step)
+    if anchors is not None:  # the masks at about half the anchors the real position is scored at
+        assert 0 < step["positions/s2"] < 0.75 * step["positions/s1"]
 
 
 # -- export -----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("cfg", [{}, {"draft_vocab_size": 48, "num_layers": 2}],
-                         ids=["full", "pruned"])
-def test_vllm_export_matches_the_engine_parallel_forward(target, cfg, tmp_path):
-    """format=vllm, then vLLM's parallel-drafting forward rebuilt from the files alone: queries
-    [real positions (target embedding of token t+1, fc(aux states t)); k-1 masks (embedding of
-    config mask_token_id, fc(mask_hidden))] at consecutive positions, causal, in ONE pass; its
-    k logits at the last real position and the masks == our training logits; our decoder reads
-    the folder back to the same drafts."""
+@pytest.mark.parametrize("fmt,cfg", [
+    ("vllm", {}), ("vllm", {"draft_vocab_size": 48, "num_layers": 2}),
+    ("speculators", {"draft_vocab_size": 48, "num_layers": 2, "norm_before_fc": True,
+                     "norm_before_residual": True}),
+    ("speculators", {"fc_norm": True, "norm_output": True})],
+    ids=["vllm_full", "vllm_pruned", "speculators_pruned", "speculators_eagle31"])
+def test_export_matches_the_engine_parallel_forward(target, fmt, cfg, tmp_path):
+    """format=vllm / speculators, then the engine's parallel-drafting forward rebuilt from the
+    files alone (eagle3_engines.parallel_draft: [real positions; k-1 masks of config
+    mask_token_id and the file's mask_hidden, fused by the file's norms and fc] in ONE pass); its
+    k logits == our training logits; our decoder reads the folder back to the same drafts."""
     d = make(target, ttt_length=4, mask_token_id=7, **cfg)
     folder = export_drafter(d, {"name": "peagle", "ttt_length": 4, "mask_token_id": 7, **cfg},
-                            target, "vllm", tmp_path / "v", base_model="org/tiny8")["path"]
+                            target, fmt, tmp_path / fmt, base_model="org/tiny8")["path"]
     config = json.loads((folder / "config.json").read_text())
     W = load_file(str(folder / "model.safetensors"))
-    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["parallel_drafting"]
-    assert config["mask_token_id"] == 7 and W["mask_hidden"].shape == (3 * H,)
+    assert config["mask_token_id"] == 7 and W["mask_hidden"].numel() == 3 * H
     assert config["eagle_aux_hidden_state_layer_ids"] == list(d.feature_layers)
+    if fmt == "vllm":
+        assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["parallel_drafting"]
+    else:  # speculators 0.9.0: PEagleSpeculatorConfig, mask_hidden as its (1, 1, 3H) parameter
+        assert config["speculators_model_type"] == "peagle" and W["mask_hidden"].shape == (1, 1, 3 * H)
+        assert config["architectures"] == ["PEagleSpeculator"]
+        assert config["speculators_config"]["algorithm"] == "peagle"
+        assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
     b = make_batch(target, d, B=1)
     ids = b.input_ids[0]
     with torch.no_grad():
         preds = d.forward_train(b)
         for t in (3, 8):
-            real = fused_features("vllm", config, W, target, ids[:t + 1])  # (t+1, H)
-            masks = (W["mask_hidden"] @ W["fc.weight"].T).expand(3, -1)  # (k-1, H)
-            toks = torch.cat([ids[1:t + 2], torch.full((3,), config["mask_token_id"])])
-            logits, _ = engine_forward("vllm", config, W, target.embed_tokens()(toks),
-                                       torch.cat([real, masks]), torch.arange(t + 4))
+            logits = parallel_draft(fmt, config, W, target, ids, t, 4)  # (4, Vd)
             for j in range(4):
-                torch.testing.assert_close(logits[t + j], preds[j].logits[0, t].float(),
+                torch.testing.assert_close(logits[j], preds[j].logits[0, t].float(),
                                            atol=2e-4, rtol=1e-4)
     back = load_export(folder, target)
+    assert all(torch.equal(v, back.state_dict()[k]) for k, v in d.state_dict().items())
     state = DecodeState(ids[:10], b.features[0, :9])
     for x in (d, back):
         x.reset()

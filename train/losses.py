@@ -136,6 +136,8 @@ def aligned(pred: DraftPrediction, batch: TrainBatch):
     t+1+shift is a real assistant token. Returns (draft logits (M, Vd), target logits (M, V),
     predicted features (M, F) or None, target features (M, F) or None) over the M counted rows.
     """
+    if pred.anchors is not None:
+        return _aligned_at(pred, batch)
     s = pred.shift
     T = batch.input_ids.shape[1]
     n = max(0, min(pred.logits.shape[1], T - 1 - s))  # anchors t whose token t+1+s exists
@@ -146,6 +148,22 @@ def aligned(pred: DraftPrediction, batch: TrainBatch):
     if pred.features is None or batch.features is None:
         return draft, target, None, None
     return draft, target, pred.features[:, :n][counted], batch.features[:, s:s + n][counted]
+
+
+def _aligned_at(pred: DraftPrediction, batch: TrainBatch):
+    """aligned() for a prediction computed at sampled anchors (pred.anchors (B, A)): the same
+    rule per (row, anchor) pair, pairs in row-major order."""
+    s, T = pred.shift, batch.input_ids.shape[1]
+    t = pred.anchors  # (B, A)
+    tok = (t + 1 + s).clamp(max=T - 1)  # (B, A): the predicted token, where it exists
+    counted = ((t + 1 + s < T) & batch.loss_mask.gather(1, tok).bool()
+               & batch.attention_mask.gather(1, tok).bool())  # (B, A)
+    b, a = counted.nonzero(as_tuple=True)  # (M,) each
+    at = t[b, a] + s  # (M,) the position whose target logits predict that token
+    draft, target = pred.logits[b, a], batch.target_logits[b, at]  # (M, Vd), (M, V)
+    if pred.features is None or batch.features is None:
+        return draft, target, None, None
+    return draft, target, pred.features[b, a], batch.features[b, at]
 
 
 def distill_loss(predictions: list[DraftPrediction], batch: TrainBatch, divergence: str = "forward_kl",

@@ -62,6 +62,10 @@ ARMS: dict[str, tuple[str, list[str]]] = {
     "e3_ttt2_31": ("EAGLE-3.1 norms, ttt 2", ["drafter=eagle3", "drafter.ttt_length=2",
                                               "drafter.fc_norm=true", "drafter.norm_output=true"]),
     "peagle": ("P-EAGLE (all k drafts from one forward)", ["drafter=peagle"]),
+    "peagle_a25": ("P-EAGLE, masks trained at 1/4 of the anchors", [
+        "drafter=peagle", "drafter.mask_anchors=0.25"]),
+    "peagle_a10": ("P-EAGLE, masks trained at 1/10 of the anchors", [
+        "drafter=peagle", "drafter.mask_anchors=0.1"]),
 }
 
 

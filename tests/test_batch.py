@@ -4,7 +4,9 @@ mode, at every batch size, with ragged acceptance, prompts of different lengths,
 at different times (EOS, budget, stop string) and waiting prompts admitted as others finish; the
 batch KV cache equals a fresh forward's for every row after every round; drafters see exactly
 what they see alone; sampling keeps the target's distribution (chi-square, with wrong-rule and
-look-ahead-budget controls); the budget follows the cost curve, which is measured once and cached.
+look-ahead-budget controls); the budget plans each round's draft depth before drafting from past
+rounds and the (B, Q) cost grid (measured once and cached), falls back to plain rounds without
+drafter calls where drafting cannot pay, and cuts the verify width from the drafts' confidences.
 
 The toys are tests/decode_toys.py's float64 Llamas (no near-ties between kernel shapes).
 """
@@ -262,6 +264,33 @@ def test_budgeted_sampling_has_the_target_distribution(B, monkeypatch):
     monkeypatch.setattr(decode.batch, "accept_chain", wrong_rule("resample_from_p"))
     stat, crit = chi2_stat(batch_pair_counts(tgt, FixedQ(8), prompt, 1500, B, cost)[0], joint)
     assert stat > 2 * crit, (stat, crit)  # the wrong rule is far off, not borderline
+
+
+def test_planned_depths_keep_the_target_distribution(monkeypatch):
+    """Step 1 (the planner) with sampling: each round's depth (0, 1 or 2) follows the acceptance
+    of earlier rounds, whose drafts were random; as it never reads this round's drafts nor the
+    target's outputs, the joint of tokens 2 and 3 still matches the target's (and the same test
+    catches the wrong acceptance rule)."""
+    tgt = make_target(vocab=8, seed=3, init=0.2)
+    prompt = [1, 2, 3, 4]
+    joint = pair_joint(tgt, prompt, SP)
+    cost = CostCurve([1, 4, 8], [1, 2, 3], [[1.0, 1.02, 1.04], [1.0, 1.4, 1.7], [2.0, 2.8, 3.4]])
+
+    def counts():
+        out = generate_batch(tgt, FixedQ(8), [prompt] * 1500, max_new_tokens=4, batch_size=4,
+                             k=2, mode="budgeted", sampling=SP, cost=cost)
+        c = torch.zeros(8 * 8)
+        for r in out.results:
+            c[r.tokens[1] * 8 + r.tokens[2]] += 1
+        return c, set(out.depths)
+
+    c, depths = counts()
+    assert {0, 1, 2} <= depths  # the planner changed its mind along the way
+    stat, crit = chi2_stat(c, joint)
+    assert stat < crit, (stat, crit)
+    monkeypatch.setattr(decode.batch, "accept_chain", wrong_rule("always_accept"))
+    stat, crit = chi2_stat(counts()[0], joint)
+    assert stat > 2 * crit, (stat, crit)
 
 
 def test_a_budget_that_reads_a_drafts_own_probability_is_lossy(monkeypatch):

@@ -12,8 +12,10 @@ garbage after. A round appends Q columns; row r attends to its own [0, L_r) and 
 new block (a 4-D mask), at positions L_r + t; afterwards the kept columns of each row move to
 [L_r, L_r + n_r + 1) and the cache is cropped to the longest row (`batch_cache.compact`).
 
-Modes: plain (no drafts), verify_all (every row verifies all its drafts), budgeted (decode/budget.py
-picks the verify width from the drafts' confidences and the target's measured cost curve).
+Modes: plain (no drafts), verify_all (every row verifies all its drafts), budgeted (decode/budget.py:
+before drafting, the draft depth of the round from past acceptance, the measured drafting time and
+the target's measured (B, Q) cost grid, 0 = a plain round without drafter calls; after drafting,
+the verify width from the drafts' confidences).
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from transformers import DynamicCache
 
 from decode import batch_cache
 from decode.accept import accept_chain
-from decode.budget import CostCurve, choose_widths, cost_curve, survival
+from decode.budget import CostCurve, RoundPlanner, choose_widths, cost_curve, survival
 from decode.spec import (GenerationResult, _check_inputs, _commit, _Loop, _prefill, _StopChecker,
                          _timed)
 from drafters.base import Drafter
@@ -48,6 +50,7 @@ class BatchResult:
     time_verify: float = 0.0  # seconds inside target forwards: the batched ones and the prefills
     batch_sizes: list[int] = field(default_factory=list)  # rows in each round's forward
     widths: list[int] = field(default_factory=list)  # width Q (tokens per row) of each forward
+    depths: list[int] = field(default_factory=list)  # drafts asked per row each round (0: plain)
 
     @property
     def new_tokens(self) -> int:
@@ -100,11 +103,10 @@ class _Batch:
         self.seqs: list[_Seq] = []
         self.cache = DynamicCache()
         self.time_verify = 0.0  # seconds in target forwards, prefills included
-        # budgeted: drafts asked per row, at most one past the last round's width; after a plain
-        # round (width 0) the next 1, 2, 4 .. 16 rounds skip drafting before a one-draft probe, so
-        # a batch the budget keeps plain hardly pays the drafters for drafts it would cut. Both are
-        # decided from past rounds only, before any draft exists: lossless for sampling too.
-        self.draft_cap, self.skip, self.backoff = k, 0, 0
+        # budgeted: each round's draft depth, decided from past rounds only, before any draft
+        # exists (lossless for sampling too); it learns acceptance and drafting time as it goes
+        self.planner = (RoundPlanner(cost, k) if mode == "budgeted" and drafter is not None
+                        else None)
 
     def admit(self, index: int, prompt: torch.Tensor, max_new_tokens: int,
               generator: torch.Generator | None) -> tuple[_Seq, bool]:
@@ -134,41 +136,40 @@ class _Batch:
         res.cache = loop.cache = None  # the row now lives in the batch cache
         return seq, added
 
-    def _draft(self, seq: _Seq) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Step 1 for one row: (draft (m,), q (m, V) or None, budgeted: survival scores (m,))."""
+    def _draft(self, seq: _Seq, depth: int
+               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Step 1 for one row: (draft (m,) of at most `depth` tokens, q (m, V) or None,
+        budgeted: survival scores (m,))."""
         loop = seq.loop
-        budget = loop.end - loop.T - 1  # drafts beyond this could never be committed
-        empty = loop.buf.new_empty(0)
-        if loop.drafter is None or self.mode == "plain" or budget <= 0 or self.skip:
-            return empty, None, torch.ones(0)
-        prop, dt = _timed(lambda: loop.drafter.propose(loop.state(), min(self.draft_cap, budget),
-                                                       self.sampling, loop.generator,
-                                                       self.min_confidence), self.sync)
+        budget = min(depth, loop.end - loop.T - 1)  # drafts beyond end could never be committed
+        if loop.drafter is None or budget <= 0:
+            return loop.buf.new_empty(0), None, torch.ones(0)
+        prop, dt = _timed(lambda: loop.drafter.propose(loop.state(), budget, self.sampling,
+                                                       loop.generator, self.min_confidence),
+                          self.sync)
         loop.res.time_draft += dt
-        m = min(len(prop.tokens), self.draft_cap, budget)
+        m = min(len(prop.tokens), budget)
         q = prop.probs[:m] if prop.probs is not None else None  # (m, V)
         scores = survival(prop, m) if self.mode == "budgeted" else None  # (m,)
         return prop.tokens[:m].to(loop.buf.device), q, scores
 
-    def _plan_drafts(self, width: int) -> None:
-        """Budgeted: how many drafts the next rounds ask for, from this round's width."""
-        if self.skip:  # a round without drafts: count it off
-            self.skip -= 1
-        elif width == 0:
-            self.backoff = min(2 * self.backoff or 1, 16)
-            self.skip, self.draft_cap = self.backoff, 1
-        else:
-            self.backoff, self.draft_cap = 0, min(self.k, width + 1)
+    def _depth(self) -> int:
+        """Drafts asked per row this round: k (verify_all), 0 (plain), or the planner's."""
+        if self.drafter is None or self.mode == "plain":
+            return 0
+        return self.planner.depth(len(self.seqs)) if self.planner else self.k
 
-    def round(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None], int]:
+    def round(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None], int, int]:
         """One round for every row: 1. draft, 2. budget, 3. ONE padded forward, 4. accept,
-        5. compact the cache. Returns each row's tokens to commit (n_r+1,), the features (n_r+1, F)
-        of its verified inputs (or None) and the forward's width Q."""
-        drafts = [self._draft(s) for s in self.seqs]  # 1.
+        5. compact the cache, 6. budgeted: the planner learns from the round. Returns each row's
+        tokens to commit (n_r+1,), the features (n_r+1, F) of its verified inputs (or None), the
+        forward's width Q and the draft depth asked."""
+        t_round, depth = time.perf_counter(), self._depth()
+        drafts = [self._draft(s, depth) for s in self.seqs]  # 1.
+        t_draft = time.perf_counter() - t_round
         lens = [len(d) for d, _, _ in drafts]
-        if self.mode == "budgeted":  # 2. cut every row to the width the cost curve pays for
+        if self.planner and depth:  # 2. cut every row to the width the cost grid pays for
             lens = choose_widths([sc for _, _, sc in drafts], self.cost, self.sampling.greedy)
-            self._plan_drafts(max(lens, default=0))
         rows = [torch.cat([s.loop.buf[s.loop.T - 1:s.loop.T], d[:m]])
                 for s, (d, _, _), m in zip(self.seqs, drafts, lens)]  # (m_r+1,) each
         L = [s.loop.T - 1 for s in self.seqs]  # committed tokens in each row's cache
@@ -192,7 +193,12 @@ class _Batch:
             kept.append(out.features[r, :n + 1] if self.layers else None)  # (n+1, F)
             n_keep.append(n + 1)
         batch_cache.compact(self.cache, L, n_keep, cache_len)  # 5.
-        return new, kept, ids.shape[1]
+        if self.planner:  # 6. a draft cut in step 2 counts as drafted, not accepted
+            made = [len(d) for d, _, _ in drafts]
+            self.planner.observe(made, [n - 1 for n in n_keep])
+            self.planner.observe_times(depth, sum(m > 0 for m in made), t_draft, len(self.seqs),
+                                       time.perf_counter() - t_round - t_draft - dt)
+        return new, kept, ids.shape[1], depth
 
     def commit(self, new: list[torch.Tensor], kept: list[torch.Tensor | None]) -> list[_Seq]:
         """Spec's commit step per row; the finished sequences leave the batch (and the cache)."""
@@ -275,8 +281,9 @@ def generate_batch(
             continue
         # 2. one round over the batch; 3. commit, and let the finished sequences leave
         out.batch_sizes.append(len(batch.seqs))
-        new, kept, width = batch.round()
+        new, kept, width, depth = batch.round()
         out.widths.append(width)
+        out.depths.append(depth)
         out.rounds += 1
         for seq in batch.commit(new, kept):
             _finish(seq, t_start, results, latency)

@@ -47,15 +47,20 @@ def select_rows(cache: Any, rows: Sequence[int], length: int) -> None:
         layer.keys, layer.values = k[idx, :, :length], v[idx, :, :length]  # (B', H, length, D)
 
 
-def inputs(rows: Sequence[torch.Tensor], lengths: Sequence[int], cache_len: int
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def inputs(rows: Sequence[torch.Tensor], lengths: Sequence[int], cache_len: int,
+           plain_mask: bool = True) -> tuple[torch.Tensor, torch.Tensor | None,
+                                             torch.Tensor | None]:
     """The padded verification forward over rows[r] (m_r+1,) = [last committed, drafts] of each
     sequence: input_ids (B, Q), attention_mask (B, 1, Q, cache_len + Q) bool (True = attend) and
     position_ids (B, Q). Row r's token t sits at position L_r + t and sees its own L_r cached
     positions and block tokens 0..t; padding tokens (t > m_r) repeat the last token and are
-    ignored."""
+    ignored. When every row fills the cache (L_r = cache_len, e.g. B = 1) and plain_mask, the
+    mask and positions are the model's default causal ones: (ids, None, None), the lone
+    decoder's forward."""
     B, Q, dev = len(rows), max(len(r) for r in rows), rows[0].device
     ids = torch.stack([torch.cat([r, r[-1:].expand(Q - len(r))]) for r in rows])  # (B, Q)
+    if plain_mask and min(lengths) == cache_len:
+        return ids, None, None
     L = torch.as_tensor(list(lengths), dtype=torch.long, device=dev)  # (B,)
     t = torch.arange(Q, device=dev)  # (Q,)
     cached = torch.arange(cache_len, device=dev)[None, :] < L[:, None]  # (B, cache_len)
@@ -69,6 +74,9 @@ def compact(cache: Any, lengths: Sequence[int], keep: Sequence[int], cache_len: 
     """After a round's forward: row r keeps the first keep[r] block columns (last committed token
     + accepted drafts), moved from [cache_len, cache_len + keep[r]) to [L_r, L_r + keep[r]);
     then the cache is cropped to max_r (L_r + keep[r]) columns."""
+    if min(lengths) == cache_len:  # every kept block already sits at [L_r, L_r + keep[r])
+        cache.crop(max(keep) - (cache.get_seq_length() - cache_len))
+        return
     dev = cache.layers[0].keys.device
     L = torch.as_tensor(list(lengths), dtype=torch.long, device=dev)  # (B,)
     n = torch.as_tensor(list(keep), dtype=torch.long, device=dev)  # (B,)

@@ -28,7 +28,8 @@ def run_batch_bench(target: Any, drafter: Any, prompts: Sequence[torch.Tensor], 
                     log=print) -> list[dict]:
     """One row per (B, mode): medians over `repeats` interleaved runs of tokens/s over the batch
     and of the mean / p90 per-sequence latency (seconds from the start to its last token), tau,
-    the mean forward width, and how many outputs differ from plain decoding at that B."""
+    the mean forward width, the share of rounds that drafted, and how many outputs differ from
+    plain decoding at that B."""
     work = [prompts[i % len(prompts)] for i in range(max(batch_sizes))]
     runs: dict[tuple[int, str], list[BatchResult]] = {(b, m): [] for b in batch_sizes for m in modes}
     for r in range(repeats):
@@ -56,6 +57,8 @@ def run_batch_bench(target: Any, drafter: Any, prompts: Sequence[torch.Tensor], 
                                                for x in rs),
             "tau": (sum(rounds) + len(rounds)) / len(rounds) if rounds else 0.0,
             "mean_width": statistics.mean(rs[0].widths) if rs[0].widths else 0.0,
+            "draft_rounds": (sum(d > 0 for x in rs for d in x.depths)
+                             / max(1, sum(len(x.depths) for x in rs))),
             "differ_from_plain": differ})
     return rows
 
@@ -64,14 +67,15 @@ def batch_markdown(rows: list[dict]) -> list[str]:
     """The table: per B and mode, throughput (and vs plain at that B), latency, tau, width."""
     plain = {r["batch_size"]: r["tokens_per_s"] for r in rows if r["mode"] == "plain"}
     lines = ["| B | mode | tokens/s | vs plain | latency mean (s) | latency p90 (s) | tau | "
-             "mean forward width | outputs differ from plain |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "mean forward width | rounds drafting | outputs differ from plain |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in sorted(rows, key=lambda r: (r["batch_size"], MODES.index(r["mode"]))):
         base = plain.get(r["batch_size"])
         vs = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
         lines.append(f"| {r['batch_size']} | {r['mode']} | {r['tokens_per_s']:.1f} | {vs} | "
                      f"{r['latency_mean_s']:.2f} | {r['latency_p90_s']:.2f} | {r['tau']:.2f} | "
-                     f"{r['mean_width']:.2f} | {r['differ_from_plain']} |")
+                     f"{r['mean_width']:.2f} | {r.get('draft_rounds', 0.0):.0%} | "
+                     f"{r['differ_from_plain']} |")
     return lines
 
 

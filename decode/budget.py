@@ -1,24 +1,33 @@
-"""The verification budget of batched speculative decoding: how many draft positions one batched
-target forward should verify, from the drafts' own confidences and the measured cost curve.
+"""The verification budget of batched speculative decoding: whether and how deep the batch drafts
+this round, and how many draft positions its one batched target forward verifies.
 
-Verifying draft tokens is free only while the forward is memory-bound; past that, every rejected
-draft costs compute. `CostCurve` is cost(n) = seconds of one target forward of n new tokens,
-measured once per (target, machine) and cached as JSON under the cache dir. `choose_widths` turns
-the drafts' survival scores (`survival`) and the curve into per-row draft lengths.
+A round costs drafting (per row, one row after another) plus ONE padded (B, Q) target forward
+(Q = last committed token + w drafts). Verifying draft tokens is free only while that forward is
+memory-bound; past that, every rejected draft costs compute, and the drafting alone may cost more
+than the drafts bring. So a round is planned in two steps, each maximising the expected committed
+tokens per second:
 
-Why a width: the batched forward is a padded (B, Q) tensor, so its cost is cost(B * Q) whatever
-the rows hold. Given Q, filling a row up to Q costs nothing more, so the decision is the verify
-width w = Q - 1: depth i of every row is verified only when the whole batch's expected gain at
-that depth (the sum of the rows' survival scores there) pays for B more tokens in the forward.
-Low-confidence tails (depths past w) are cut in every row; at large B, where cost grows with every
-token, w falls to 0 and the batch decodes plainly by itself.
+1. Before drafting (`RoundPlanner.depth`): the depth d every row drafts, 0 = a plain round (no
+   drafter call at all). Expected tokens B * (1 + S_1 + .. + S_d), S_i the running estimate of a
+   row's chance to commit its i-th draft (from the last rounds' outcomes); seconds = verify(B, d+1)
+   + B * (drafting seconds per row at depth d, measured online) + B * (the round's other work per
+   row, measured online). Where no depth pays even if every draft were accepted, the batch never
+   drafts; where drafting might pay but the estimates say it does not, a probe round drafts after
+   1, 2, 4 .. 32 plain rounds, to keep the estimates fresh.
+2. After drafting (`choose_widths`): the drafting is paid; the verify width w <= d is cut from the
+   drafts' own confidences (`survival`) against verify(B, w+1): low-confidence tails are cut.
 
-Lossless under sampling: whether draft i of a row is verified must not depend on that draft's own
-value (nor on anything after it), or the kept drafts would no longer be distributed as q. So the
-score of depth i uses the drafted tokens' probabilities before it and only the top probability of
-q_i (not q_i(d_i)), and the width grows depth by depth, stopping at the first depth that lowers
-the expected committed tokens per unit of cost (a stopping rule that never looks ahead). Greedy
-drafts are deterministic, so greedy takes the best width over all depths.
+verify(B, Q) is `CostCurve`, a grid of measured padded batched forwards (the real round's inputs:
+B rows over a KV cache, a 4-D mask, logits at every position), measured once per (target, machine)
+and cached as JSON under the cache dir; a (B, Q) forward does not cost what a (1, B*Q) one does.
+
+Lossless under sampling: step 1 reads only past rounds. In step 2 whether draft i of a row is
+verified must not depend on that draft's own value (nor on anything after it), or the kept drafts
+would no longer be distributed as q. So the score of depth i uses the drafted tokens'
+probabilities before it and only the top probability of q_i (not q_i(d_i)), and the width grows
+depth by depth, stopping at the first depth that lowers the expected committed tokens per second
+(a stopping rule that never looks ahead). Greedy drafts are deterministic, so greedy takes the
+best width over all depths.
 """
 from __future__ import annotations
 
@@ -35,36 +44,63 @@ from typing import Any, Sequence
 import torch
 from transformers import DynamicCache
 
+from decode import batch_cache
 from drafters.base import ChainProposal
 
-CURVE_NS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # forward sizes measured (tokens)
+BATCH_NS = (1, 2, 4, 8, 16, 32)  # rows per forward measured
+WIDTH_NS = (1, 2, 3, 4, 6, 8)  # tokens per row measured (last committed token + drafts)
+
+
+def _bracket(xs: Sequence[int], x: float) -> tuple[int, int, float]:
+    """The segment of ascending xs that holds x (the first or last one beyond the ends) and x's
+    weight on its upper end (< 0 or > 1 when extrapolating)."""
+    j = next((i for i in range(1, len(xs)) if x <= xs[i]), len(xs) - 1)
+    return j - 1, j, (x - xs[j - 1]) / (xs[j] - xs[j - 1])
 
 
 @dataclass
 class CostCurve:
-    """cost(n): seconds of one target forward of n new tokens, from measured points, linear in
-    between and beyond the last two; made non-decreasing (a larger forward that timed faster
-    than a smaller one says the smaller one costs at most that)."""
+    """verify(B, Q): seconds of one padded batched target forward of B rows x Q tokens, from a
+    measured grid, bilinear in between and linear beyond the last points; made non-decreasing
+    along both axes (a larger forward that timed faster than a smaller one says the smaller one
+    costs at most that)."""
 
-    ns: list[int]  # measured forward sizes, ascending
-    seconds: list[float]  # median seconds per forward, same order
+    bs: list[int]  # rows measured, ascending, >= 2 of them
+    qs: list[int]  # tokens per row measured, ascending, >= 2 of them
+    seconds: list[list[float]]  # seconds[i][j]: median seconds of a (bs[i], qs[j]) forward
     key: str = ""  # "<target hash>-<machine hash>" it was measured for ("" = given by hand)
 
     def __post_init__(self) -> None:
-        if len(self.ns) < 2 or len(self.ns) != len(self.seconds) or sorted(self.ns) != list(self.ns):
-            raise ValueError(f"a cost curve needs >= 2 ascending sizes with one time each, got "
-                             f"ns={self.ns} seconds={self.seconds}")
-        fixed = list(self.seconds)
-        for i in range(len(fixed) - 2, -1, -1):  # suffix minimum: non-decreasing in n
-            fixed[i] = min(fixed[i], fixed[i + 1])
-        self._s = fixed
+        ok = (len(self.bs) >= 2 and len(self.qs) >= 2 and sorted(set(self.bs)) == list(self.bs)
+              and sorted(set(self.qs)) == list(self.qs) and len(self.seconds) == len(self.bs)
+              and all(len(row) == len(self.qs) for row in self.seconds))
+        if not ok:
+            raise ValueError(f"a cost grid needs >= 2 ascending row counts bs and >= 2 ascending "
+                             f"widths qs with one time per (b, q), got bs={self.bs} qs={self.qs} "
+                             f"seconds={self.seconds}")
+        s = [list(row) for row in self.seconds]
+        for row in s:  # suffix minimum along Q, then along B: non-decreasing in both
+            for j in range(len(row) - 2, -1, -1):
+                row[j] = min(row[j], row[j + 1])
+        for i in range(len(s) - 2, -1, -1):
+            s[i] = [min(a, b) for a, b in zip(s[i], s[i + 1])]
+        self._s = s
 
-    def __call__(self, n: float) -> float:
-        ns, s = self.ns, self._s
-        j = next((i for i in range(1, len(ns)) if n <= ns[i]), len(ns) - 1)
-        a, b = j - 1, j
-        slope = (s[b] - s[a]) / (ns[b] - ns[a])
-        return max(s[a] + slope * (n - ns[a]), s[0])
+    @classmethod
+    def per_token(cls, step: float, free: int = 1, bs: Sequence[int] = BATCH_NS,
+                  qs: Sequence[int] = WIDTH_NS) -> "CostCurve":
+        """A grid by rule: a forward of n = B * Q tokens costs `step` seconds up to `free`
+        tokens and step * n / free beyond (memory-bound up to `free` tokens, then compute-bound)."""
+        return cls(list(bs), list(qs), [[step * max(1.0, b * q / free) for q in qs] for b in bs])
+
+    def __call__(self, B: float, Q: float) -> float:
+        """Seconds of a (B, Q) forward (never below the smallest measured one)."""
+        a, b, wb = _bracket(self.bs, B)
+        c, d, wq = _bracket(self.qs, Q)
+        s = self._s
+        lo = s[a][c] + wq * (s[a][d] - s[a][c])  # along Q at bs[a]
+        hi = s[b][c] + wq * (s[b][d] - s[b][c])  # along Q at bs[b]
+        return max(lo + wb * (hi - lo), s[0][0])
 
 
 def target_hash(target: Any) -> str:
@@ -96,30 +132,37 @@ def machine_key(device: torch.device) -> tuple[str, str]:
 
 
 @torch.inference_mode()
-def measure_cost(target: Any, ns: Sequence[int] = CURVE_NS, context: int = 64,
-                 rounds: int = 5) -> list[float]:
-    """Median seconds of a forward of n new tokens (logits at each, as verification reads them)
-    over a `context`-token KV cache, for each n; sizes interleaved round by round, the first
-    round (warm-up) dropped."""
+def measure_cost(target: Any, bs: Sequence[int] = BATCH_NS, qs: Sequence[int] = WIDTH_NS,
+                 context: int = 96, rounds: int = 3) -> list[list[float]]:
+    """seconds[i][j]: median seconds of the verification forward of decode/batch.py at bs[i] rows
+    x qs[j] tokens (its 4-D mask and positions, logits at every position) over a `context`-token
+    KV cache per row; all (B, Q) interleaved round by round, the first round (warm-up) dropped."""
     gen = torch.Generator().manual_seed(0)
-    cache = DynamicCache()
-    ctx = torch.randint(0, target.vocab_size, (1, context), generator=gen).to(target.device)
-    target.forward(ctx, cache=cache, logits_to_keep=1)
-    times: dict[int, list[float]] = {n: [] for n in ns}
-    for r in range(rounds + 1):
-        for n in ns:
-            ids = torch.randint(0, target.vocab_size, (1, n), generator=gen).to(target.device)
-            t0 = time.perf_counter()
-            target.forward(ids, cache=cache).logits.argmax(-1).cpu()  # waits for the device
-            if r:
-                times[n].append(time.perf_counter() - t0)
-            cache.crop(-n)
-    return [statistics.median(times[n]) for n in ns]
+    dev, V = target.device, target.vocab_size
+    caches = {}
+    for b in bs:  # 1. one cache of b rows x context tokens per b
+        caches[b] = DynamicCache()
+        ctx = torch.randint(0, V, (b, context), generator=gen).to(dev)  # (b, context)
+        target.forward(ctx, cache=caches[b], logits_to_keep=1)
+    times: dict[tuple[int, int], list[float]] = {(b, q): [] for b in bs for q in qs}
+    for r in range(rounds + 1):  # 2. every (b, q) once per round
+        for b in bs:
+            for q in qs:
+                rows = list(torch.randint(0, V, (b, q), generator=gen).to(dev))  # b x (q,)
+                t0 = time.perf_counter()
+                ids, mask, pos = batch_cache.inputs(rows, [context] * b, context,
+                                                   plain_mask=b == 1)  # as decode/batch.py
+                out = target.forward(ids, cache=caches[b], attention_mask=mask, position_ids=pos)
+                out.logits.argmax(-1).cpu()  # (b, q): waits for the device
+                if r:
+                    times[(b, q)].append(time.perf_counter() - t0)
+                caches[b].crop(-q)
+    return [[statistics.median(times[(b, q)]) for q in qs] for b in bs]
 
 
-def cost_curve(target: Any, cache_dir: str | Path | None = None, ns: Sequence[int] = CURVE_NS
-               ) -> CostCurve:
-    """The target's cost curve on this machine: read from `cache_dir/cost_curves/<key>.json`
+def cost_curve(target: Any, cache_dir: str | Path | None = None, bs: Sequence[int] = BATCH_NS,
+               qs: Sequence[int] = WIDTH_NS) -> CostCurve:
+    """The target's verify-cost grid on this machine: read from `cache_dir/cost_curves/<key>.json`
     (cache_dir: env SPECDISTILL_CACHE, else ~/.cache/specdistill), else measured and written."""
     root = Path(cache_dir or os.environ.get("SPECDISTILL_CACHE") or "~/.cache/specdistill")
     m_hash, m_desc = machine_key(target.device)
@@ -127,15 +170,103 @@ def cost_curve(target: Any, cache_dir: str | Path | None = None, ns: Sequence[in
     path = root.expanduser() / "cost_curves" / f"{key}.json"
     if path.is_file():
         saved = json.loads(path.read_text())
-        if list(saved["ns"]) == list(ns):
-            return CostCurve(saved["ns"], saved["seconds"], key)
-    seconds = measure_cost(target, ns)
+        if saved.get("bs") == list(bs) and saved.get("qs") == list(qs):  # else an older layout
+            return CostCurve(saved["bs"], saved["qs"], saved["seconds"], key)
+    seconds = measure_cost(target, bs, qs)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"target": target.source, "machine": m_desc, "ns": list(ns),
-                               "seconds": seconds}, indent=1))
-    os.replace(tmp, path)  # atomic: a reader sees a whole curve or none
-    return CostCurve(list(ns), seconds, key)
+    tmp.write_text(json.dumps({"target": target.source, "machine": m_desc, "bs": list(bs),
+                               "qs": list(qs), "seconds": seconds}, indent=1))
+    os.replace(tmp, path)  # atomic: a reader sees a whole grid or none
+    return CostCurve(list(bs), list(qs), seconds, key)
+
+
+class RoundPlanner:
+    """Budgeted mode, step 1 (module docstring): how deep every row drafts this round, decided
+    before any draft exists, from past rounds only.
+
+    What it learns online, all per row so one estimate serves every batch size (rows draft one
+    after another, so a round's drafting costs rows x the per-row time):
+      * S_i, a row's chance to commit its i-th draft: per depth, decayed counts of rows that
+        reached depth i (drafted it, every earlier draft accepted) and of those that committed it;
+        a draft cut by step 2 counts as not committed (it brought nothing). Prior: half a reached
+        and accepted draft per depth, so depths never tried look worth a try;
+      * the drafting phase's seconds per row at each asked depth (an EMA; an unseen depth is
+        scaled from the nearest seen one, linear in depth; nothing seen yet = free);
+      * the round's other seconds per row (accept, cache compaction: an EMA).
+    """
+
+    def __init__(self, cost: CostCurve, k: int, decay: float = 0.9, ema: float = 0.3,
+                 max_backoff: int = 32) -> None:
+        self.cost, self.k, self.decay, self.ema, self.max_backoff = cost, k, decay, ema, max_backoff
+        self.reach, self.acc = [0.0] * k, [0.0] * k  # decayed counts per depth 1..k
+        self.draft_row: dict[int, float] = {}  # asked depth -> seconds of drafting per row
+        self.other_row = 0.0  # seconds per row per round outside the drafters and the forward
+        self.plain_rounds, self.backoff = 0, 0  # plain rounds since the last probe; its gap
+
+    def survival(self) -> list[float]:
+        """S_1 .. S_k: the running chance that a row commits its i-th draft."""
+        out, s = [], 1.0
+        for r, a in zip(self.reach, self.acc):
+            s *= (a + 0.5) / (r + 0.5)
+            out.append(s)
+        return out
+
+    def draft_seconds(self, d: int) -> float:
+        """Estimated drafting seconds per row at depth d."""
+        if d == 0 or not self.draft_row:
+            return 0.0
+        near = min(self.draft_row, key=lambda x: (abs(x - d), -x))
+        return self.draft_row[near] * d / near
+
+    def rate(self, B: int, d: int, S: Sequence[float]) -> float:
+        """Expected committed tokens per second of a round of B rows drafting d each."""
+        tokens = B * (1.0 + sum(S[:d]))
+        seconds = self.cost(B, d + 1) + B * (self.draft_seconds(d) + self.other_row)
+        return tokens / seconds
+
+    def depth(self, B: int) -> int:
+        """This round's draft depth for B rows: 1. the best by the estimates; 2. if that is 0
+        (plain): where no depth would pay even were every draft accepted, 0; else a probe at the
+        best depth >= 1 now, then after 1, 2, 4 .. max_backoff plain rounds (0 in between)."""
+        if self.k == 0:
+            return 0
+        S = self.survival()
+        rates = [self.rate(B, d, S) for d in range(self.k + 1)]
+        plain = rates[0] * (1 + 1e-9)  # a tie is no gain
+        best = max(range(1, self.k + 1), key=lambda d: rates[d])
+        if rates[best] > plain:  # 1.
+            self.plain_rounds = self.backoff = 0
+            return best
+        if not any(self.rate(B, d, [1.0] * self.k) > plain for d in range(1, self.k + 1)):
+            return 0  # 2. drafting cannot pay at this B: plain, no drafter call
+        self.plain_rounds += 1
+        if self.plain_rounds <= self.backoff:
+            return 0
+        self.plain_rounds, self.backoff = 0, min(2 * self.backoff or 1, self.max_backoff)
+        return best
+
+    def observe(self, drafted: Sequence[int], accepted: Sequence[int]) -> None:
+        """One round's outcome per row: drafts made (before any cut) and drafts committed."""
+        if not any(drafted):
+            return
+        self.reach = [x * self.decay for x in self.reach]
+        self.acc = [x * self.decay for x in self.acc]
+        for m, n in zip(drafted, accepted):
+            for i in range(min(m, n + 1, self.k)):  # depths 1..min(m, n+1) reached
+                self.reach[i] += 1.0
+                self.acc[i] += float(i < n)
+
+    def observe_times(self, depth: int, rows_drafted: int, draft_s: float, rows: int,
+                      other_s: float) -> None:
+        """One round's seconds: its drafting phase over rows_drafted rows at depth `depth`, and
+        its work outside the drafters and the forward over all `rows`."""
+        if depth and rows_drafted:
+            per = draft_s / rows_drafted
+            old = self.draft_row.get(depth)
+            self.draft_row[depth] = per if old is None else old + self.ema * (per - old)
+        if rows:
+            self.other_row += self.ema * (other_s / rows - self.other_row)
 
 
 def survival(prop: ChainProposal, m: int) -> torch.Tensor:
@@ -157,9 +288,10 @@ def survival(prop: ChainProposal, m: int) -> torch.Tensor:
 
 
 def choose_widths(scores: list[torch.Tensor], cost: CostCurve, greedy: bool) -> list[int]:
-    """Per-row verify lengths for one batched forward. scores[r] (m_r,) from `survival`.
+    """Budgeted mode, step 2: per-row verify lengths for one batched forward, the drafting being
+    paid. scores[r] (m_r,) from `survival`.
 
-    1. The forward has B rows and width w + 1 (last token + w drafts): cost(B * (w + 1)).
+    1. The forward has B rows and width w + 1 (last token + w drafts): cost(B, w + 1).
     2. Expected committed tokens at width w: B (each row's correction / bonus token) plus every
        row's scores at depths <= w.
     3. Greedy: the w with the most expected tokens per second. Sampling: w grows while each depth
@@ -168,10 +300,10 @@ def choose_widths(scores: list[torch.Tensor], cost: CostCurve, greedy: bool) -> 
     """
     B = len(scores)
     k = max((len(s) for s in scores), default=0)
-    gain, best_w, best = float(B), 0, B / cost(B)  # 1.-2. width 0: plain decoding
+    gain, best_w, best = float(B), 0, B / cost(B, 1)  # 1.-2. width 0: plain decoding
     for w in range(1, k + 1):
         gain += sum(float(s[w - 1]) for s in scores if len(s) >= w)
-        ratio = gain / cost(B * (w + 1))
+        ratio = gain / cost(B, w + 1)
         if ratio > best:
             best_w, best = w, ratio
         elif not greedy:

@@ -4,7 +4,9 @@ mode, at every batch size, with ragged acceptance, prompts of different lengths,
 at different times (EOS, budget, stop string) and waiting prompts admitted as others finish; the
 batch KV cache equals a fresh forward's for every row after every round; drafters see exactly
 what they see alone; sampling keeps the target's distribution (chi-square, with wrong-rule and
-look-ahead-budget controls); the budget follows the cost curve, which is measured once and cached.
+look-ahead-budget controls); the budget plans each round's draft depth before drafting from past
+rounds and the (B, Q) cost grid (measured once and cached), falls back to plain rounds without
+drafter calls where drafting cannot pay, and cuts the verify width from the drafts' confidences.
 
 The toys are tests/decode_toys.py's float64 Llamas (no near-ties between kernel shapes).
 """
@@ -15,7 +17,8 @@ from transformers import DynamicCache
 import decode.batch
 import decode.budget
 from decode.batch import generate_batch, slot_drafter
-from decode.budget import CostCurve, choose_widths, cost_curve, survival
+from decode.budget import (BATCH_NS, WIDTH_NS, CostCurve, RoundPlanner, choose_widths,
+                           cost_curve, survival)
 from decode.spec import generate
 from decode_toys import (V, FixedQ, NoisyOracle, StubTokenizer, chi2_stat, make_target,
                          pair_joint, wrong_rule)
@@ -28,8 +31,21 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 PROMPTS = [[3, 17, 5, 9, 41], list(range(20, 32)), [(7 * i) % V for i in range(30)], [1, 2],
            [5, 6, 7, 5, 6, 7, 5, 6, 7]]
-FLAT = CostCurve([1, 1024], [1.0, 1.0])  # verification is free: budgeted verifies everything
-STEEP = CostCurve([1, 2], [1.0, 2.0])  # every token costs a step: budgeted decodes plainly
+
+
+def by_tokens(ns, secs, bs=(1, 2, 3, 4, 5, 8), qs=(1, 2, 3, 4, 5)):
+    """A (B, Q) cost grid from a curve over forward tokens n = B * Q: linear between the given
+    (ns, secs) points and beyond the last two, secs[0] below ns[0]."""
+    def f(n):
+        j = next((i for i in range(1, len(ns)) if n <= ns[i]), len(ns) - 1)
+        slope = (secs[j] - secs[j - 1]) / (ns[j] - ns[j - 1])
+        return max(secs[j - 1] + slope * (n - ns[j - 1]), secs[0])
+    return CostCurve(list(bs), list(qs), [[f(b * q) for q in qs] for b in bs])
+
+
+FLAT = CostCurve.per_token(1.0, free=10**6)  # verification is free: budgeted verifies everything
+STEEP = CostCurve(list(BATCH_NS), list(WIDTH_NS), [[b * q * q for q in WIDTH_NS] for b in BATCH_NS])
+# STEEP: every verified token costs more than a step: drafting can never pay
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +63,7 @@ def alone(target, drafter, prompt, n, **kw):
 def test_greedy_batch_equals_alone(target, B, mode):
     budgets = [25, 9, 31, 1, 17]  # sequences finish at different rounds; 5 prompts > B admit late
     refs = [alone(target, None, p, n).tokens.tolist() for p, n in zip(PROMPTS, budgets)]
-    cost = CostCurve([1, 4, 8], [1.0, 1.2, 3.0])  # budgeted: a width between plain and all
+    cost = by_tokens([1, 4, 8], [1.0, 1.2, 3.0])  # budgeted: a width between plain and all
     out = generate_batch(target, NoisyOracle(target, noise=0.3, seed=B), PROMPTS,
                          max_new_tokens=budgets, batch_size=B, k=4, mode=mode, cost=cost)
     assert [r.tokens.tolist() for r in out.results] == refs
@@ -62,23 +78,36 @@ def test_greedy_batch_equals_alone(target, B, mode):
         assert max(out.widths) > 1  # at the latest when the batch thins out
 
 
-def test_a_batch_the_budget_keeps_plain_stops_asking_for_drafts(target):
-    """Round 1 asks every row for k drafts; once the budget picks width 0 (plain), later rounds
-    skip drafting (1, 2, 4 .. rounds) between one-draft probes, so a large batch hardly pays the
-    drafters for drafts it cuts."""
-    asked = []
-
-    class Counting(NoisyOracle):
+def counting(drafter_cls, *args, **kw):
+    """A drafter of drafter_cls that logs the k of every propose call into .asked."""
+    class Counting(drafter_cls):
         def propose(self, state, k, *a, **kw):
-            asked.append(k)
+            self.asked.append(k)
             return super().propose(state, k, *a, **kw)
 
-    out = generate_batch(target, Counting(target, noise=0.0), PROMPTS, max_new_tokens=12,
-                         batch_size=5, k=4, mode="budgeted", cost=STEEP)
-    assert set(out.widths) == {1} and asked[:5] == [4] * 5 and set(asked[5:]) == {1}
-    assert len(asked) == 5 * 3  # rounds 1, 3 and 6 of 11 (the 11th has no budget left to draft)
+    d = Counting(*args, **kw)
+    d.asked = []  # shared by the per-slot shallow copies
+    return d
+
+
+@pytest.mark.parametrize("B", [1, 5])
+def test_budgeted_falls_back_to_plain_without_calling_the_drafter(target, B):
+    """Where no draft depth can pay, even were every draft accepted (each verified token costs a
+    full step), budgeted decodes plainly from its first round: zero drafter calls, width-1
+    forwards, and the lone decoder's outputs."""
+    d = counting(NoisyOracle, target, noise=0.0)
+    out = generate_batch(target, d, PROMPTS, max_new_tokens=12, batch_size=B, k=4,
+                         mode="budgeted", cost=STEEP)
+    assert d.asked == [] and set(out.widths) == {1} and set(out.depths) == {0}
+    assert out.time_draft == 0.0 and all(r.drafted == [0] * len(r.drafted) for r in out.results)
     assert [r.tokens.tolist() for r in out.results] == [
         alone(target, None, p, 12).tokens.tolist() for p in PROMPTS]
+    # the same batch with verification free drafts every round, at full depth
+    d = counting(NoisyOracle, target, noise=0.0)
+    out = generate_batch(target, d, PROMPTS, max_new_tokens=12, batch_size=B, k=4,
+                         mode="budgeted", cost=FLAT)
+    assert set(out.depths) == {4} and max(out.widths) == 5
+    assert len(d.asked) == sum(m > 0 for r in out.results for m in r.drafted) > 0
 
 
 def test_eos_and_stop_strings_end_rows_at_different_times(target):
@@ -211,6 +240,12 @@ def batch_pair_counts(tgt, drafter, prompt, n, B, cost, one_call_each=False):
     return c, [w for out in outs for w in out.widths]
 
 
+def always_draft(monkeypatch, depth=2):
+    """Step 1 of the budget (the planner, which reads only past rounds) always asks `depth`, so a
+    test isolates step 2 (the verify width cut from the drafts' confidences)."""
+    monkeypatch.setattr(decode.budget.RoundPlanner, "depth", lambda self, B: depth)
+
+
 @pytest.mark.parametrize("B", [1, 4])
 def test_budgeted_sampling_has_the_target_distribution(B, monkeypatch):
     """Budgeted widths vary with the drafts (FixedQ's q(0) = 0.93: the second depth pays only
@@ -219,8 +254,9 @@ def test_budgeted_sampling_has_the_target_distribution(B, monkeypatch):
     tgt = make_target(vocab=8, seed=3, init=0.2)
     prompt = [1, 2, 3, 4]
     joint = pair_joint(tgt, prompt, SP)
-    cost = (CostCurve([1, 2, 3], [1.0, 1.3, 1.6]) if B == 1
-            else CostCurve([4, 8, 12], [1.0, 1.3, 1.75]))
+    always_draft(monkeypatch)
+    cost = (by_tokens([1, 2, 3], [1.0, 1.3, 1.6]) if B == 1
+            else by_tokens([4, 8, 12], [1.0, 1.3, 1.75]))
     c, widths = batch_pair_counts(tgt, FixedQ(8), prompt, 2000, B, cost)
     assert {2, 3} <= set(widths)  # the budget cut depth 2, and not always
     stat, crit = chi2_stat(c, joint)
@@ -230,13 +266,41 @@ def test_budgeted_sampling_has_the_target_distribution(B, monkeypatch):
     assert stat > 2 * crit, (stat, crit)  # the wrong rule is far off, not borderline
 
 
+def test_planned_depths_keep_the_target_distribution(monkeypatch):
+    """Step 1 (the planner) with sampling: each round's depth (0, 1 or 2) follows the acceptance
+    of earlier rounds, whose drafts were random; as it never reads this round's drafts nor the
+    target's outputs, the joint of tokens 2 and 3 still matches the target's (and the same test
+    catches the wrong acceptance rule)."""
+    tgt = make_target(vocab=8, seed=3, init=0.2)
+    prompt = [1, 2, 3, 4]
+    joint = pair_joint(tgt, prompt, SP)
+    cost = CostCurve([1, 4, 8], [1, 2, 3], [[1.0, 1.02, 1.04], [1.0, 1.4, 1.7], [2.0, 2.8, 3.4]])
+
+    def counts():
+        out = generate_batch(tgt, FixedQ(8), [prompt] * 1500, max_new_tokens=4, batch_size=4,
+                             k=2, mode="budgeted", sampling=SP, cost=cost)
+        c = torch.zeros(8 * 8)
+        for r in out.results:
+            c[r.tokens[1] * 8 + r.tokens[2]] += 1
+        return c, set(out.depths)
+
+    c, depths = counts()
+    assert {0, 1, 2} <= depths  # the planner changed its mind along the way
+    stat, crit = chi2_stat(c, joint)
+    assert stat < crit, (stat, crit)
+    monkeypatch.setattr(decode.batch, "accept_chain", wrong_rule("always_accept"))
+    stat, crit = chi2_stat(counts()[0], joint)
+    assert stat > 2 * crit, (stat, crit)
+
+
 def test_a_budget_that_reads_a_drafts_own_probability_is_lossy(monkeypatch):
     """The control of the budget's lossless design: ranking draft i by q_i(d_i) (its own value)
     instead of max q_i verifies d_1 only when it is token 0, which skews the output."""
     tgt = make_target(vocab=8, seed=3, init=0.2)
     prompt = [1, 2, 3, 4]
     joint = pair_joint(tgt, prompt, SP)
-    cost = CostCurve([1, 2, 3], [1.0, 1.3, 1.45])  # depth 1 pays at score 0.5, not at 0.07
+    always_draft(monkeypatch)
+    cost = by_tokens([1, 2, 3], [1.0, 1.3, 1.45])  # depth 1 pays at score 0.5, not at 0.07
     c, widths = batch_pair_counts(tgt, even_q(8), prompt, 1500, 1, cost, one_call_each=True)
     assert chi2_stat(c, joint)[0] < chi2_stat(c, joint)[1]  # the right score: lossless
     monkeypatch.setattr(decode.batch, "survival", lookahead_survival)
@@ -246,21 +310,64 @@ def test_a_budget_that_reads_a_drafts_own_probability_is_lossy(monkeypatch):
 
 
 # -- the budget ------------------------------------------------------------------------------------
-def test_cost_curve_is_monotone_and_interpolates():
-    c = CostCurve([1, 2, 4, 8], [1.0, 1.6, 1.4, 2.0])
-    assert c(1) == 1.0 and c(2) == 1.4 and c(4) == 1.4 and c(6) == pytest.approx(1.7)
-    assert c(16) == pytest.approx(3.2)  # extrapolated along the last segment
+def test_cost_grid_looks_up_interpolates_and_is_monotone():
+    c = CostCurve([1, 2, 4], [1, 3], [[1.0, 2.0], [1.5, 1.2], [2.0, 4.0]])
+    assert c(1, 1) == 1.0 and c(4, 3) == 4.0  # measured points
+    # (2, 3) timed 1.2 < (2, 1)'s 1.5 and (1, 3)'s 2.0: a larger forward that timed faster
+    # says the smaller ones cost at most that (non-decreasing along Q, then along B)
+    assert c(2, 1) == 1.2 and c(2, 3) == 1.2 and c(1, 3) == 1.2
+    assert c(3, 1) == pytest.approx(1.6) and c(1, 2) == pytest.approx(1.1)  # linear on an edge
+    assert c(3, 2) == pytest.approx((1.2 + 3.0) / 2)  # bilinear inside
+    assert c(8, 1) == pytest.approx(3.6) and c(1, 5) == pytest.approx(1.4)  # extrapolated
+    assert c(0.5, 1) == 1.0  # never below the cheapest measured forward
+    rule = CostCurve.per_token(0.1, free=8)
+    assert rule(1, 8) == pytest.approx(0.1) and rule(4, 4) == pytest.approx(0.2)
     with pytest.raises(ValueError, match="ascending"):
-        CostCurve([4, 2], [1.0, 2.0])
+        CostCurve([4, 2], [1, 2], [[1.0, 1.0], [1.0, 1.0]])
+    with pytest.raises(ValueError, match="one time per"):
+        CostCurve([1, 2], [1, 2], [[1.0, 1.0]])
 
 
 def test_choose_widths():
+    """Step 2 of the budget: the verify width from the drafts' scores against cost(B, w + 1)."""
     s = [torch.tensor([0.9, 0.8, 0.1]), torch.tensor([0.95, 0.5]), torch.tensor([])]
     assert choose_widths(s, FLAT, greedy=True) == [3, 2, 0]  # free: verify all
     assert choose_widths(s, STEEP, greedy=True) == [0, 0, 0]  # a step per token: plain
-    bumpy = CostCurve([3, 6, 9, 12], [1.0, 1.7, 1.7, 3.0])  # depth 1 alone does not pay, 2 does
+    bumpy = by_tokens([3, 6, 9, 12], [1.0, 1.7, 1.7, 3.0])  # depth 1 alone does not pay, 2 does
     assert choose_widths(s, bumpy, greedy=True) == [2, 2, 0]
     assert choose_widths(s, bumpy, greedy=False) == [0, 0, 0]  # sampling never looks ahead
+
+
+def test_planner_drafts_only_where_it_pays():
+    """Step 1 of the budget, before drafting: the depth maximising expected tokens / (verify +
+    drafting + other seconds), from past rounds only; plain (no drafter call) where drafting
+    cannot pay, plain with sparse probes where the estimates say it does not pay now."""
+    cost = CostCurve.per_token(0.010, free=8)  # a (B, Q) forward: one 10 ms step up to 8 tokens
+    p = RoundPlanner(cost, k=3)
+    # 1. nothing known yet: optimistic where drafting can pay, plain where it cannot at all
+    assert p.depth(1) == 3 and p.depth(16) == 0  # B = 16: every draft doubles the forward
+    # 2. rows accept their 1st draft and reject the 2nd; depth 3 never reached keeps its prior
+    for _ in range(10):
+        p.observe([3, 3], [1, 1])
+    S = p.survival()
+    assert S[0] == pytest.approx(1.0) and S[1] < 0.1 and S[2] == pytest.approx(S[1])
+    # 3. drafting measured at 2 ms per row and draft: one draft pays, deeper ones do not
+    p.observe_times(depth=1, rows_drafted=2, draft_s=0.004, rows=2, other_s=0.0)
+    assert p.draft_seconds(1) == pytest.approx(0.002) and p.draft_seconds(2) == pytest.approx(0.004)
+    assert p.depth(1) == 1 and p.depth(2) == 1
+    # 4. drafts now rejected: plain, probing at depth 1 after 1, 2, 4, 8, 16 plain rounds
+    for _ in range(20):
+        p.observe([1, 1], [0, 0])
+    probes = [p.depth(1) for _ in range(40)]
+    assert [i for i, d in enumerate(probes) if d] == [0, 2, 5, 10, 19, 36]
+    assert set(probes) == {0, 1}
+    # 5. accepted again (depths 2, 3: their evidence decayed): drafting every round
+    for _ in range(10):
+        p.observe([1, 1], [1, 1])
+    assert p.depth(1) >= 1 and p.backoff == 0
+    # 6. drafting so slow (50 ms per draft) that even accepted drafts cannot pay: plain, no probe
+    p.observe_times(depth=1, rows_drafted=1, draft_s=0.5, rows=1, other_s=0.0)
+    assert p.draft_seconds(1) > 0.1 and [p.depth(1) for _ in range(50)] == [0] * 50
 
 
 def test_survival_scores():
@@ -286,9 +393,9 @@ def test_draft_chain_reports_confidences(target8):
 def test_cost_curve_is_measured_once_per_target_and_cached(tmp_path, monkeypatch, target):
     calls = []
 
-    def fake_measure(tgt, ns, *a, **kw):
+    def fake_measure(tgt, bs, qs, *a, **kw):
         calls.append(tgt)
-        return [0.01 * (1 + n / 64) for n in ns]
+        return [[0.01 * (1 + b * q / 64) for q in qs] for b in bs]
 
     monkeypatch.setattr(decode.budget, "measure_cost", fake_measure)
     a = cost_curve(target, tmp_path)
@@ -296,7 +403,10 @@ def test_cost_curve_is_measured_once_per_target_and_cached(tmp_path, monkeypatch
     other = cost_curve(make_target(seed=1), tmp_path)
     assert len(calls) == 2 and a.key == b.key != other.key
     assert len(list((tmp_path / "cost_curves").glob("*.json"))) == 2
-    assert a(1) == pytest.approx(0.01 * (1 + 1 / 64))
+    assert a(1, 1) == pytest.approx(0.01 * (1 + 1 / 64)) and a(4, 3) == pytest.approx(0.01 * 1.1875)
+    # a grid cached for other sizes (or in an older layout) is measured again
+    c = cost_curve(target, tmp_path, bs=(1, 2), qs=(1, 2))
+    assert len(calls) == 3 and (c.bs, c.qs) == ([1, 2], [1, 2])
 
 
 def test_guards(target):
@@ -347,8 +457,8 @@ def test_decode_cli_batch(tmp_path, tiny_target_cfg):
 def test_measure_cost_times_every_size(target):
     from decode.budget import measure_cost
 
-    secs = measure_cost(target, ns=(1, 4, 16), context=8, rounds=1)
-    assert len(secs) == 3 and all(0 < x < 10 for x in secs)
+    secs = measure_cost(target, bs=(1, 3), qs=(1, 2, 4), context=8, rounds=1)
+    assert len(secs) == 2 and all(len(row) == 3 and all(0 < x < 10 for x in row) for row in secs)
 
 
 # -- the batched benchmark --------------------------------------------------------------------------

@@ -357,40 +357,49 @@ def speculators_python(tmp_path_factory) -> str:
     return str(venv / "bin" / "python")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("cfg", [{}, {"draft_vocab_size": 48, "num_layers": 2, "norm_before_fc": True,
-                                      "norm_before_residual": True},
-                                 {"draft_vocab_size": 48, "fc_norm": True, "norm_output": True}],
-                         ids=["full_vocab", "pruned_2layers", "eagle31"])
-def test_speculators_release_loads_our_export(target, speculators_python, cfg, tmp_path):
+def _in_speculators(python: str, script: str, target, d, W: dict, config_of, inputs_of, tmp_path):
+    """Our speculators export of d (tensors W, config_of(verifier folder)) written to tmp_path, the
+    release's `script` run on it in its venv with inputs_of(ids, batch) in inputs.pt; checks that
+    every tensor loaded as written and nothing else. Returns (the script's out.pt, our batch)."""
     import subprocess
 
     from safetensors.torch import save_file
 
-    d = make(target, ttt_length=3, **cfg)
-    W = e3.engine_state(d, "speculators")
     verifier = tmp_path / "verifier"
     target.model.save_pretrained(verifier)  # the library reads embeddings / head / norm from it
-    (tmp_path / "config.json").write_text(json.dumps(e3.engine_config(d, "speculators",
-                                                                      verifier=str(verifier))))
+    (tmp_path / "config.json").write_text(json.dumps(config_of(str(verifier))))
     save_file({k: v.contiguous() for k, v in W.items()}, str(tmp_path / "model.safetensors"))
     ids = torch.randint(0, V, (1, 14), generator=torch.Generator().manual_seed(0))  # no padding
     out = target.forward(ids, layers=d.feature_layers)
     batch = TrainBatch(ids, torch.ones_like(ids), torch.ones_like(ids), out.logits, out.features)
-    # speculators pairs hidden state t with input token t+1 (the caller shifts)
-    torch.save({"features": batch.features.float(), "steps": 3,
-                "input_ids": torch.cat([ids[:, 1:], ids[:, -1:]], 1)}, tmp_path / "inputs.pt")
-    run = subprocess.run([speculators_python, "-c", SPECULATORS_LOAD, str(tmp_path)],
-                         capture_output=True, text=True)
+    torch.save(inputs_of(ids, batch), tmp_path / "inputs.pt")
+    run = subprocess.run([python, "-c", script, str(tmp_path)], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
     out = torch.load(tmp_path / "out.pt")
     state = out["state"]
     assert set(W) <= set(state) and set(state) - set(W) <= {"verifier_lm_head.weight",
                                                             "verifier_norm.weight"}
     assert all(torch.equal(state[k].to(v.dtype), v) for k, v in W.items())
+    return out, batch
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cfg", [{}, {"draft_vocab_size": 48, "num_layers": 2, "norm_before_fc": True,
+                                      "norm_before_residual": True},
+                                 {"draft_vocab_size": 48, "fc_norm": True, "norm_output": True}],
+                         ids=["full_vocab", "pruned_2layers", "eagle31"])
+def test_speculators_release_loads_our_export(target, speculators_python, cfg, tmp_path):
+    d = make(target, ttt_length=3, **cfg)
+    W = e3.engine_state(d, "speculators")
+    # speculators pairs hidden state t with input token t+1 (the caller shifts)
+    out, batch = _in_speculators(
+        speculators_python, SPECULATORS_LOAD, target, d, W,
+        lambda verifier: e3.engine_config(d, "speculators", verifier=verifier),
+        lambda ids, batch: {"features": batch.features.float(), "steps": 3,
+                            "input_ids": torch.cat([ids[:, 1:], ids[:, -1:]], 1)}, tmp_path)
     with torch.no_grad():
         ours = d.forward_train(batch)
-    T = ids.shape[1]
+    T = batch.input_ids.shape[1]
     for j in range(3):  # anchors whose true tokens exist at step j
         torch.testing.assert_close(out["logits"][j][:T - 2 - j], ours[j].logits[0, :T - 2 - j],
                                    atol=1e-4, rtol=1e-4)
@@ -433,34 +442,18 @@ def test_speculators_release_loads_our_peagle_export(target, speculators_python,
     every tensor loaded as written (mask_hidden included: the library would silently keep a
     random one if it were missing) and nothing else, and its logits at every (anchor, depth) its
     training forward draws == our draft positions (depth 0 = the real position, d = mask d)."""
-    import subprocess
-
-    from safetensors.torch import save_file
-
     from drafters.peagle import peagle_speculators_config, peagle_speculators_state
 
     d = perturbed_drafter(target, "peagle", 1, ttt_length=3, **cfg)
     W = peagle_speculators_state(d)
-    verifier = tmp_path / "verifier"
-    target.model.save_pretrained(verifier)  # the library reads embeddings / head / norm from it
-    (tmp_path / "config.json").write_text(json.dumps(peagle_speculators_config(
-        d, verifier=str(verifier))))
-    save_file({k: v.contiguous() for k, v in W.items()}, str(tmp_path / "model.safetensors"))
-    ids = torch.randint(0, V, (1, 14), generator=torch.Generator().manual_seed(0))  # no padding
-    out = target.forward(ids, layers=d.feature_layers)
-    batch = TrainBatch(ids, torch.ones_like(ids), torch.ones_like(ids), out.logits, out.features)
     # speculators pairs hidden state t with input token t+1 (the caller shifts); the verifier's
     # last state only feeds its loss, never compared
-    torch.save({"features": batch.features.float(), "depths": 3, "last": torch.zeros(1, 14, H),
-                "input_ids": torch.cat([ids[:, 1:], ids[:, -1:]], 1)}, tmp_path / "inputs.pt")
-    run = subprocess.run([speculators_python, "-c", SPECULATORS_PEAGLE_LOAD, str(tmp_path)],
-                         capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr[-3000:]
-    out = torch.load(tmp_path / "out.pt")
-    state = out["state"]
-    assert set(W) <= set(state) and set(state) - set(W) <= {"verifier_lm_head.weight",
-                                                            "verifier_norm.weight"}
-    assert all(torch.equal(state[k].to(v.dtype), v) for k, v in W.items())
+    out, batch = _in_speculators(
+        speculators_python, SPECULATORS_PEAGLE_LOAD, target, d, W,
+        lambda verifier: peagle_speculators_config(d, verifier=verifier),
+        lambda ids, batch: {"features": batch.features.float(), "depths": 3,
+                            "last": torch.zeros(1, 14, H),
+                            "input_ids": torch.cat([ids[:, 1:], ids[:, -1:]], 1)}, tmp_path)
     with torch.no_grad():
         ours = d.forward_train(batch)
     seen = set()

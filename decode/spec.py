@@ -103,14 +103,17 @@ class _Loop:
 
     def forward(self, ids: torch.Tensor, **kw) -> Any:
         """One timed, counted target forward over ids (1, n) with the KV cache (exact
-        verification: inside `active()`, with its explicit mask over the static cache)."""
-        ctx = active() if self.exact is not None else contextlib.nullcontext()
+        verification: its explicit mask over the static cache, and inside `active()` after the
+        prefill; the prefill is the same call in plain and speculative decoding, so it keeps the
+        target's fast attention)."""
+        ctx = contextlib.nullcontext()
         if self.exact is not None:
+            cached = int(self.cache.get_seq_length())
             if "attention_mask" in kw:  # a tree: its mask, widened to the cache's capacity
                 kw["attention_mask"] = self.exact.widen(kw["attention_mask"])
             else:
-                kw.update(self.exact.chain(int(self.cache.get_seq_length()), ids.shape[1],
-                                           ids.device))
+                kw.update(self.exact.chain(cached, ids.shape[1], ids.device))
+            ctx = active() if cached else ctx
 
         def run():
             with ctx:

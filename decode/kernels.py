@@ -155,14 +155,14 @@ class ExactVerify:
         install(target)
         self.capacity = prompt_len + max_new_tokens + VERIFY_ROOM
         self.cache = StaticCache(config=target.model.config, max_cache_len=self.capacity)
+        self._keys = torch.arange(self.capacity, device=target.device)  # (C,) key slots, made once
 
     def chain(self, cached: int, n: int, device: torch.device) -> dict[str, torch.Tensor]:
         """Inputs of a forward of n consecutive tokens after `cached` ones: causal mask over the
         whole capacity (1, 1, n, C) and position ids (1, n)."""
         self._room(cached + n)
         pos = torch.arange(cached, cached + n, device=device)  # (n,)
-        keys = torch.arange(self.capacity, device=device)  # (C,)
-        return {"attention_mask": (keys[None, :] <= pos[:, None])[None, None],
+        return {"attention_mask": (self._keys[None, :] <= pos[:, None])[None, None],
                 "position_ids": pos[None]}
 
     def widen(self, mask: torch.Tensor) -> torch.Tensor:

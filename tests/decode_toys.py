@@ -201,3 +201,16 @@ def greedy_lossless_accepted(target: Target, drafter, tree: bool, vocab: int = 6
         assert spec.tokens.tolist() == plain.tokens.tolist()
         accepted += sum(spec.accepted)
     return accepted
+
+
+def jsonl_prompt_ids(target, prompts_file) -> dict:
+    """id -> the chat-template prompt ids (P,) of every prompt in an eval=jsonl file, as
+    `python -m decode` renders them (first turn)."""
+    import json
+    out = {}
+    for line in prompts_file.read_text().splitlines():
+        row = json.loads(line)
+        out[row["id"]] = target.tokenizer.apply_chat_template(
+            [{"role": "user", "content": row["prompt"]}], add_generation_prompt=True,
+            return_tensors="pt")["input_ids"][0]
+    return out

@@ -20,8 +20,8 @@ from decode.batch import generate_batch, slot_drafter
 from decode.budget import (BATCH_NS, WIDTH_NS, CostCurve, RoundPlanner, choose_widths,
                            cost_curve, survival)
 from decode.spec import generate
-from decode_toys import (V, FixedQ, NoisyOracle, StubTokenizer, chi2_stat, make_target,
-                         pair_joint, wrong_rule)
+from decode_toys import (V, FixedQ, NoisyOracle, StubTokenizer, chi2_stat, jsonl_prompt_ids,
+                         make_target, pair_joint, wrong_rule)
 from drafters.base import ChainProposal, build_drafter
 from drafters.sampling import SamplingParams
 from drafters.target import Target
@@ -446,12 +446,10 @@ def test_decode_cli_batch(tmp_path, tiny_target_cfg):
     s = res["summary"]
     assert (s["batch_size"], s["batch_mode"], s["lossless_check"]) == (3, "verify_all", "passed")
     target = load_target(tiny_target_cfg)
-    by_id = {json.loads(x)["id"]: json.loads(x)["prompt"] for x in prompts.read_text().splitlines()}
+    ids_of = jsonl_prompt_ids(target, prompts)
     for row in res["prompts"]:
-        ids = target.tokenizer.apply_chat_template([{"role": "user", "content": by_id[row["id"]]}],
-                                                   add_generation_prompt=True,
-                                                   return_tensors="pt")["input_ids"][0]
-        assert generate(target, None, ids, max_new_tokens=10).tokens.tolist() == row["generated_ids"]
+        plain = generate(target, None, ids_of[row["id"]], max_new_tokens=10)
+        assert plain.tokens.tolist() == row["generated_ids"]
 
 
 def test_measure_cost_times_every_size(target):

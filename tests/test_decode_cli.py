@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 from decode.spec import generate
+from decode_toys import jsonl_prompt_ids
 from drafters.target import load_target
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,12 +26,9 @@ def test_decode_cli_writes_checkable_results(tmp_path, tiny_target_cfg):
     assert (run_dir / "result.md").is_file() and (run_dir / "config.yaml").is_file()
     # anyone can check the saved outputs against plain decoding of the same target
     target = load_target(tiny_target_cfg)
-    by_id = {json.loads(line)["id"]: json.loads(line)["prompt"] for line in prompts.read_text().splitlines()}
+    ids_of = jsonl_prompt_ids(target, prompts)
     for row in res["prompts"]:
-        ids = target.tokenizer.apply_chat_template([{"role": "user", "content": by_id[row["id"]]}],
-                                                   add_generation_prompt=True,
-                                                   return_tensors="pt")["input_ids"][0]
-        plain = generate(target, None, ids, max_new_tokens=12)
+        plain = generate(target, None, ids_of[row["id"]], max_new_tokens=12)
         assert plain.tokens.tolist() == row["generated_ids"]
         assert row["new_tokens"] == len(row["generated_ids"]) and row["target_forwards"] >= 1
 

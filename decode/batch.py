@@ -95,7 +95,7 @@ class _Batch:
     """The running batch: its sequences (row r of the cache = seqs[r]) and the shared settings."""
 
     def __init__(self, target, drafter, layers, sampling, k, mode, min_confidence, cost, stop,
-                 eos, sync):
+                 eos, sync, planner=None):
         self.target, self.drafter, self.layers = target, drafter, layers
         self.sampling, self.k, self.mode = sampling, k, mode
         self.min_confidence, self.cost, self.stop, self.eos, self.sync = (min_confidence, cost,
@@ -105,8 +105,9 @@ class _Batch:
         self.time_verify = 0.0  # seconds in target forwards, prefills included
         # budgeted: each round's draft depth, decided from past rounds only, before any draft
         # exists (lossless for sampling too); it learns acceptance and drafting time as it goes
-        self.planner = (RoundPlanner(cost, k) if mode == "budgeted" and drafter is not None
-                        else None)
+        self.planner = None
+        if mode == "budgeted" and drafter is not None:
+            self.planner = planner if planner is not None else RoundPlanner(cost, k)
 
     def admit(self, index: int, prompt: torch.Tensor, max_new_tokens: int,
               generator: torch.Generator | None) -> tuple[_Seq, bool]:
@@ -236,11 +237,16 @@ def generate_batch(
     seed: int = 0,  # without generators: prompt i samples with a generator seeded seed + i
     cost: CostCurve | None = None,  # budgeted: the cost curve (None = measured once and cached)
     cache_dir: str | None = None,  # where a measured cost curve is cached
+    planner: RoundPlanner | None = None,  # budgeted: kept across calls (None = a fresh one)
     tree: bool = False,  # refused: batched trees are not built
 ) -> BatchResult:
     """Decode every prompt, up to batch_size at a time in one target forward per round,
     losslessly per sequence: each output is what `decode.spec.generate` gives that prompt alone
-    (greedy: token-identical; sampling: the target's distribution)."""
+    (greedy: token-identical; sampling: the target's distribution).
+
+    budgeted: pass the same `planner` (a `decode.budget.RoundPlanner` for this target, drafter and
+    k) to every call, as a server would keep it, so a call starts from the acceptance and drafting
+    times the earlier ones measured instead of drafting blind in its first rounds."""
     t_start = time.perf_counter()
     sampling = sampling or SamplingParams()
     dev = target.device
@@ -257,6 +263,13 @@ def generate_batch(
     speculative = one is not None and k > 0 and mode != "plain"
     for p, n in zip(prompts, budgets):  # 0. guards, as spec's, before any work
         _check_inputs(target, one if speculative else None, len(p), n, k, sampling, False)
+    if planner is not None:
+        if planner.k != k:
+            raise ValueError(f"the planner was made for k={planner.k}, this call drafts k={k}; "
+                             f"keep one planner per k")
+        if cost is not None and cost is not planner.cost:
+            raise ValueError("cost and planner.cost differ; pass the cost only through the planner")
+        cost = planner.cost
     if speculative and mode == "budgeted" and cost is None:
         cost = cost_curve(target, cache_dir)
     gens = list(generators) if generators is not None else [
@@ -265,7 +278,7 @@ def generate_batch(
     stop = _StopChecker(target.tokenizer, stop_strings) if any(stop_strings) else None
     layers = tuple(one.feature_layers) if speculative else ()
     batch = _Batch(target, drafter if speculative else None, layers, sampling, k, mode,
-                   min_confidence, cost, stop, eos, dev.type == "cuda")
+                   min_confidence, cost, stop, eos, dev.type == "cuda", planner)
     results: list = [None] * len(prompts)
     latency: list = [0.0] * len(prompts)
     out = BatchResult(results=results, latency=latency)

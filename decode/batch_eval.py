@@ -17,6 +17,7 @@ import torch
 
 from data.prompts import load_prompts
 from decode.batch import BatchResult, generate_batch
+from decode.budget import RoundPlanner, cost_curve
 from decode.evaluate import (_budget, _lossless_check, finish_run, is_near_tie, render,
                              results_markdown, setup_run, write_results)
 from decode.metrics import RunMetrics
@@ -59,6 +60,9 @@ def evaluate_batched(target, drafter: Drafter | None, *, batch_size: int, batch_
     prompts = load_prompts(eval_kind, path=path, limit=limit, turns=turns)
     answers: list[list[list[int]]] = [[] for _ in prompts]
     spec_batches, plain_batches, spec_results, rows = [], [], [], []
+    planner = None  # budgeted: one planner for every turn (what turn 1 learnt serves turn 2)
+    if batch_mode == "budgeted" and drafter is not None and k > 0:
+        planner = RoundPlanner(cost_curve(target, cache_dir), k)
     for turn in range(max(len(p.turns) for p in prompts)):
         todo = [i for i, p in enumerate(prompts) if len(p.turns) > turn]
         ids = [render(target, prompts[i].turns[:turn + 1], answers[i]) for i in todo]
@@ -68,7 +72,7 @@ def evaluate_batched(target, drafter: Drafter | None, *, batch_size: int, batch_
         plain = generate_batch(target, None, ids, mode="plain", **kw) if compare_plain else None
         spec = generate_batch(target, drafter, ids, k=k, mode=batch_mode,
                               min_confidence=min_confidence, seed=seed + 1000 * turn,
-                              cache_dir=cache_dir, **kw)
+                              cache_dir=cache_dir, planner=planner, **kw)
         spec_batches.append(spec)
         plain_batches += [plain] if plain is not None else []
         for j, i in enumerate(todo):
@@ -88,7 +92,7 @@ def evaluate_batched(target, drafter: Drafter | None, *, batch_size: int, batch_
                          **({"first_difference": where} if where else {})})
     spec_m = _batch_metrics(spec_results, spec_batches)
     latency = [r["latency_s"] for r in rows]
-    summary = {"eval": eval_kind, "prompts": len(prompts), "generations": len(rows),
+    summary = {**({"planner_probes": planner.probes} if planner else {}), "eval": eval_kind, "prompts": len(prompts), "generations": len(rows),
                "drafter": drafter.name if drafter is not None else "none", "k": k, "tree": False,
                "temperature": sampling.temperature, "max_new_tokens": max_new_tokens,
                "batch_size": batch_size, "batch_mode": batch_mode,

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import torch
 
 from decode.batch import MODES, BatchResult, generate_batch
-from decode.budget import CostCurve
+from decode.budget import CostCurve, RoundPlanner, cost_curve
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 
@@ -31,13 +31,19 @@ def run_batch_bench(target: Any, drafter: Any, prompts: Sequence[torch.Tensor], 
     the mean forward width, the share of rounds that drafted, and how many outputs differ from
     plain decoding at that B."""
     work = [prompts[i % len(prompts)] for i in range(max(batch_sizes))]
+    # budgeted keeps one planner across every call, as a serving process would (each call then
+    # starts from the acceptance and drafting seconds the earlier ones measured)
+    planner = None
+    if "budgeted" in modes and drafter is not None:
+        planner = RoundPlanner(cost if cost is not None else cost_curve(target, cache_dir), k)
     runs: dict[tuple[int, str], list[BatchResult]] = {(b, m): [] for b in batch_sizes for m in modes}
     for r in range(repeats):
         for b in batch_sizes:
             for m in modes:
                 runs[(b, m)].append(generate_batch(
                     target, drafter if m != "plain" else None, work, max_new_tokens=max_new_tokens,
-                    batch_size=b, k=k, mode=m, cost=cost, cache_dir=cache_dir))
+                    batch_size=b, k=k, mode=m, cache_dir=cache_dir,
+                    **({"planner": planner} if m == "budgeted" else {"cost": cost})))
                 last = runs[(b, m)][-1]
                 log(f"repeat {r + 1}/{repeats} B={b} {m}: {last.tokens_per_s:.1f} tokens/s")
     rows = []

@@ -11,9 +11,13 @@ tokens per second:
    drafter call at all). Expected tokens B * (1 + S_1 + .. + S_d), S_i the running estimate of a
    row's chance to commit its i-th draft (from the last rounds' outcomes); seconds = verify(B, d+1)
    + B * (drafting seconds per row at depth d, measured online) + B * (the round's other work per
-   row, measured online). Where no depth pays even if every draft were accepted, the batch never
-   drafts; where drafting might pay but the estimates say it does not, a probe round drafts after
-   1, 2, 4 .. 32 plain rounds, to keep the estimates fresh.
+   row, measured online). Where the estimates say no depth pays, the batch drafts only to probe:
+   when an optimistic estimate of the S_i (each depth's acceptance counted with one more accepted
+   draft) says some depth would pay. The counts fade a little each plain round, so the optimistic
+   estimate climbs back and the probes come often where drafting nearly pays and rarely where it
+   is far off; where no depth would pay even if every draft were accepted, never. A caller that
+   decodes call after call keeps one planner (`generate_batch(planner=...)`), so each call starts
+   from what the last ones learnt instead of drafting blind.
 2. After drafting (`choose_widths`): the drafting is paid; the verify width w <= d is cut from the
    drafts' own confidences (`survival`) against verify(B, w+1): low-confidence tails are cut.
 
@@ -183,32 +187,37 @@ def cost_curve(target: Any, cache_dir: str | Path | None = None, bs: Sequence[in
 
 class RoundPlanner:
     """Budgeted mode, step 1 (module docstring): how deep every row drafts this round, decided
-    before any draft exists, from past rounds only.
+    before any draft exists, from past rounds only. Keep one per (target, drafter, k) across
+    `generate_batch` calls (its `planner` argument): what it learns holds for every batch size.
 
     What it learns online, all per row so one estimate serves every batch size (rows draft one
     after another, so a round's drafting costs rows x the per-row time):
       * S_i, a row's chance to commit its i-th draft: per depth, decayed counts of rows that
         reached depth i (drafted it, every earlier draft accepted) and of those that committed it;
         a draft cut by step 2 counts as not committed (it brought nothing). Prior: half a reached
-        and accepted draft per depth, so depths never tried look worth a try;
+        and accepted draft per depth, so depths never tried look worth a try. The counts decay by
+        `decay` per drafting round and by `idle_decay` per plain round (old evidence fades, so a
+        probe eventually comes back to check it);
       * the drafting phase's seconds per row at each asked depth (an EMA; an unseen depth is
         scaled from the nearest seen one, linear in depth; nothing seen yet = free);
       * the round's other seconds per row (accept, cache compaction: an EMA).
     """
 
-    def __init__(self, cost: CostCurve, k: int, decay: float = 0.9, ema: float = 0.3,
-                 max_backoff: int = 32) -> None:
-        self.cost, self.k, self.decay, self.ema, self.max_backoff = cost, k, decay, ema, max_backoff
+    def __init__(self, cost: CostCurve, k: int, decay: float = 0.9, idle_decay: float = 0.998,
+                 optimism: float = 1.0, ema: float = 0.3) -> None:
+        self.cost, self.k, self.decay, self.ema = cost, k, decay, ema
+        self.idle_decay, self.optimism = idle_decay, optimism
         self.reach, self.acc = [0.0] * k, [0.0] * k  # decayed counts per depth 1..k
         self.draft_row: dict[int, float] = {}  # asked depth -> seconds of drafting per row
         self.other_row = 0.0  # seconds per row per round outside the drafters and the forward
-        self.plain_rounds, self.backoff = 0, 0  # plain rounds since the last probe; its gap
+        self.probes = 0  # rounds drafted only because the optimistic estimate might pay
 
-    def survival(self) -> list[float]:
-        """S_1 .. S_k: the running chance that a row commits its i-th draft."""
+    def survival(self, extra: float = 0.0) -> list[float]:
+        """S_1 .. S_k: the running chance that a row commits its i-th draft; with extra > 0 each
+        depth's acceptance counts `extra` more accepted drafts (the optimistic estimate)."""
         out, s = [], 1.0
         for r, a in zip(self.reach, self.acc):
-            s *= (a + 0.5) / (r + 0.5)
+            s *= (a + 0.5 + extra) / (r + 0.5 + extra)
             out.append(s)
         return out
 
@@ -225,26 +234,29 @@ class RoundPlanner:
         seconds = self.cost(B, d + 1) + B * (self.draft_seconds(d) + self.other_row)
         return tokens / seconds
 
+    def _best(self, B: int, S: Sequence[float]) -> int:
+        """The depth >= 1 with the best rate under S, or 0 where none beats a plain round."""
+        plain = self.rate(B, 0, S) * (1 + 1e-9)  # a tie is no gain
+        rates = {d: self.rate(B, d, S) for d in range(1, self.k + 1)}
+        best = max(rates, key=rates.get)
+        return best if rates[best] > plain else 0
+
     def depth(self, B: int) -> int:
         """This round's draft depth for B rows: 1. the best by the estimates; 2. if that is 0
-        (plain): where no depth would pay even were every draft accepted, 0; else a probe at the
-        best depth >= 1 now, then after 1, 2, 4 .. max_backoff plain rounds (0 in between)."""
+        (plain), a probe at the best depth by the optimistic estimate, where that one pays; else
+        0, and the counts fade by idle_decay."""
         if self.k == 0:
             return 0
-        S = self.survival()
-        rates = [self.rate(B, d, S) for d in range(self.k + 1)]
-        plain = rates[0] * (1 + 1e-9)  # a tie is no gain
-        best = max(range(1, self.k + 1), key=lambda d: rates[d])
-        if rates[best] > plain:  # 1.
-            self.plain_rounds = self.backoff = 0
-            return best
-        if not any(self.rate(B, d, [1.0] * self.k) > plain for d in range(1, self.k + 1)):
-            return 0  # 2. drafting cannot pay at this B: plain, no drafter call
-        self.plain_rounds += 1
-        if self.plain_rounds <= self.backoff:
-            return 0
-        self.plain_rounds, self.backoff = 0, min(2 * self.backoff or 1, self.max_backoff)
-        return best
+        d = self._best(B, self.survival())  # 1.
+        if d:
+            return d
+        d = self._best(B, self.survival(self.optimism))  # 2.
+        if d:
+            self.probes += 1
+            return d
+        self.reach = [x * self.idle_decay for x in self.reach]
+        self.acc = [x * self.idle_decay for x in self.acc]
+        return 0
 
     def observe(self, drafted: Sequence[int], accepted: Sequence[int]) -> None:
         """One round's outcome per row: drafts made (before any cut) and drafts committed."""

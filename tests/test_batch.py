@@ -355,19 +355,51 @@ def test_planner_drafts_only_where_it_pays():
     p.observe_times(depth=1, rows_drafted=2, draft_s=0.004, rows=2, other_s=0.0)
     assert p.draft_seconds(1) == pytest.approx(0.002) and p.draft_seconds(2) == pytest.approx(0.004)
     assert p.depth(1) == 1 and p.depth(2) == 1
-    # 4. drafts now rejected: plain, probing at depth 1 after 1, 2, 4, 8, 16 plain rounds
+    # 4. drafts now rejected: plain; a probe only once the evidence has faded (idle_decay per
+    #    plain round) far enough that one more accepted draft would make depth 1 pay
     for _ in range(20):
         p.observe([1, 1], [0, 0])
-    probes = [p.depth(1) for _ in range(40)]
-    assert [i for i, d in enumerate(probes) if d] == [0, 2, 5, 10, 19, 36]
-    assert set(probes) == {0, 1}
-    # 5. accepted again (depths 2, 3: their evidence decayed): drafting every round
+    assert p._best(1, p.survival()) == 0 and p._best(1, p.survival(1.0)) == 0
+    probes = []
+    for _ in range(1000):
+        probes.append(p.depth(1))
+        if probes[-1]:
+            p.observe([probes[-1]], [0])  # the probe's draft is rejected too
+    at = [i for i, d in enumerate(probes) if d]
+    assert set(probes) == {0, 1} and len(at) == p.probes
+    assert at[0] > 100 and 5 <= len(at) <= 50  # sparse: a few percent of the rounds
+    # 5. accepted again: drafting every round, deeper than 1
     for _ in range(10):
         p.observe([1, 1], [1, 1])
-    assert p.depth(1) >= 1 and p.backoff == 0
-    # 6. drafting so slow (50 ms per draft) that even accepted drafts cannot pay: plain, no probe
+    assert p.depth(1) > 1
+    # 6. drafting so slow (0.5 s per row) that even accepted drafts cannot pay: plain, no probe
     p.observe_times(depth=1, rows_drafted=1, draft_s=0.5, rows=1, other_s=0.0)
-    assert p.draft_seconds(1) > 0.1 and [p.depth(1) for _ in range(50)] == [0] * 50
+    n = p.probes
+    assert [p.depth(1) for _ in range(2000)] == [0] * 2000 and p.probes == n
+
+
+def test_a_kept_planner_skips_the_blind_first_rounds(target):
+    """A planner kept across generate_batch calls starts each call from what the earlier ones
+    measured: where drafting does not pay (full rows: acceptance estimated low), the kept
+    planner's rounds are plain from the first one, while a fresh planner drafts blind in its
+    first round. (Once the batch thins out to <= 4 rows, drafts are free and both draft.)"""
+    cost = by_tokens([1, 8, 16], [1.0, 1.0, 1.9])  # up to 8 tokens per forward are free
+    prompts = PROMPTS * 2  # 10 sequences, 8 at a time: (8, 2) = 16 tokens nearly doubles the step
+    kw = dict(max_new_tokens=10, batch_size=8, k=1, mode="budgeted")
+    slow = counting(NoisyOracle, target, noise=0.9, seed=0)  # drafts mostly rejected
+    fresh = generate_batch(target, slow, prompts, cost=cost, **kw)
+    assert fresh.batch_sizes[0] == 8 and fresh.depths[0] == 1  # blind: the first round drafts
+    planner = RoundPlanner(cost, k=1)
+    generate_batch(target, slow, prompts, planner=planner, **kw)  # learns: drafts do not pay
+    assert planner.draft_row and planner.survival()[0] < 0.5
+    slow.asked.clear()
+    kept = generate_batch(target, slow, prompts, planner=planner, **kw)
+    full = [d for b, d in zip(kept.batch_sizes, kept.depths) if b >= 6]
+    assert kept.batch_sizes[0] == 8 and len(full) >= 3 and set(full) == {0}
+    assert len(slow.asked) < sum(len(r.drafted) for r in kept.results)  # fewer calls than rows
+    assert [r.tokens.tolist() for r in kept.results] == [r.tokens.tolist() for r in fresh.results]
+    with pytest.raises(ValueError, match="made for k=1"):
+        generate_batch(target, slow, prompts, planner=planner, **{**kw, "k": 2})
 
 
 def test_survival_scores():

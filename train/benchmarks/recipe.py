@@ -44,6 +44,13 @@ ARMS: dict[str, tuple[str, list[str]]] = {
     "eagle": ("EAGLE-1 (today's default), teacher-forced", ["drafter=eagle"]),
     "eagle_u2": ("EAGLE-1, 2-step unroll", ["drafter=eagle", "drafter.train_unroll=2"]),
     "eagle_lr3": ("EAGLE-1, lr 3e-3", ["drafter=eagle", "trainer.lr=3e-3"]),
+    "eagle_lr2": ("EAGLE-1, lr 2e-3", ["drafter=eagle", "trainer.lr=2e-3"]),
+    "eagle_flat": ("EAGLE-1, no cosine decay (constant lr after warm-up)", [
+        "drafter=eagle", "trainer.min_lr_ratio=1.0"]),
+    "eagle_init": ("EAGLE-1, layer from the target's last", [
+        "drafter=eagle", "drafter.init_from_target_layer=-1"]),
+    "eagle_v4k": ("EAGLE-1, draft vocab 4k", ["drafter=eagle", "drafter.draft_vocab_size=4096"]),
+    "eagle_v16k": ("EAGLE-1, draft vocab 16k", ["drafter=eagle", "drafter.draft_vocab_size=16384"]),
     "eagle_tv": ("EAGLE-1, TV loss (1 - acceptance)", ["drafter=eagle", "trainer.loss=tv"]),
     "eagle_lk": ("EAGLE-1, LK hybrid loss", ["drafter=eagle", "trainer.loss=lk_hybrid"]),
     "e3_ttt1": ("EAGLE-3, no training-time test", ["drafter=eagle3", "drafter.ttt_length=1"]),

@@ -29,9 +29,10 @@ from transformers import DynamicCache
 
 from decode import batch_cache
 from decode.accept import accept_chain
-from decode.budget import CostCurve, RoundPlanner, choose_widths, cost_curve, survival
-from decode.spec import (GenerationResult, _check_inputs, _commit, _Loop, _prefill, _StopChecker,
-                         _timed)
+from decode.budget import (CostCurve, RoundPlanner, choose_widths, cost_curve, new_planner,
+                           survival)
+from decode.spec import (GenerationResult, _accept_tree, _check_inputs, _commit, _draft_tree,
+                         _Loop, _prefill, _StopChecker, _timed, _Tree)
 from drafters.base import Drafter
 from drafters.sampling import SamplingParams
 
@@ -80,12 +81,9 @@ def slot_drafter(drafter: Drafter | Callable[[], Drafter]) -> Drafter:
     return d
 
 
-def _check_batch(mode: str, tree: bool, n_prompts: int, batch_size: int) -> None:
+def _check_batch(mode: str, n_prompts: int, batch_size: int) -> None:
     if mode not in MODES:
         raise ValueError(f"batch mode {mode!r} is unknown; use one of {MODES}")
-    if tree:
-        raise ValueError("batched decoding verifies chains only; use tree=False, or batch_size=1 "
-                         "for tree decoding")
     if batch_size < 1 or n_prompts < 1:
         raise ValueError(f"need batch_size >= 1 and at least one prompt (got batch_size="
                          f"{batch_size}, {n_prompts} prompts)")
@@ -95,19 +93,18 @@ class _Batch:
     """The running batch: its sequences (row r of the cache = seqs[r]) and the shared settings."""
 
     def __init__(self, target, drafter, layers, sampling, k, mode, min_confidence, cost, stop,
-                 eos, sync, planner=None):
+                 eos, sync, planner=None, tree=False):
         self.target, self.drafter, self.layers = target, drafter, layers
         self.sampling, self.k, self.mode = sampling, k, mode
         self.min_confidence, self.cost, self.stop, self.eos, self.sync = (min_confidence, cost,
                                                                          stop, eos, sync)
+        self.tree = tree  # rows draft trees (decode/tree.py) instead of chains
         self.seqs: list[_Seq] = []
         self.cache = DynamicCache()
         self.time_verify = 0.0  # seconds in target forwards, prefills included
         # budgeted: each round's draft depth, decided from past rounds only, before any draft
         # exists (lossless for sampling too); it learns acceptance and drafting time as it goes
-        self.planner = None
-        if mode == "budgeted" and drafter is not None:
-            self.planner = planner if planner is not None else RoundPlanner(cost, k)
+        self.planner = planner if mode == "budgeted" and drafter is not None else None
 
     def admit(self, index: int, prompt: torch.Tensor, max_new_tokens: int,
               generator: torch.Generator | None) -> tuple[_Seq, bool]:
@@ -166,6 +163,8 @@ class _Batch:
         tokens to commit (n_r+1,), the features (n_r+1, F) of its verified inputs (or None), the
         forward's width Q and the draft depth asked."""
         t_round, depth = time.perf_counter(), self._depth()
+        if self.tree and depth:
+            return self._tree_round(t_round, depth)
         drafts = [self._draft(s, depth) for s in self.seqs]  # 1.
         t_draft = time.perf_counter() - t_round
         lens = [len(d) for d, _, _ in drafts]
@@ -199,6 +198,48 @@ class _Batch:
             self.planner.observe(made, [n - 1 for n in n_keep])
             self.planner.observe_times(depth, sum(m > 0 for m in made), t_draft, len(self.seqs),
                                        time.perf_counter() - t_round - t_draft - dt)
+        return new, kept, ids.shape[1], depth
+
+    def _tree_round(self, t_round: float, depth: int
+                    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None], int, int]:
+        """`round` with trees: 1. every row drafts a tree (spec's step, cut to the depth its
+        budget can still commit), 3. ONE padded forward, each row under its own tree mask, 4. each
+        row's branch by spec's rule (greedy walk or multi-draft sampling), 5. compact the cache to
+        the accepted branches, 6. budgeted: the planner learns. No width cut after drafting: which
+        nodes are verified never depends on their values."""
+        trees = []
+        for s in self.seqs:  # 1.
+            budget = s.loop.end - s.loop.T - 1  # drafts beyond end could never be committed
+            if budget > 0:
+                trees.append(_draft_tree(s.loop, budget))
+            else:
+                none = s.loop.buf.new_empty(0)
+                trees.append(_Tree(none, none, torch.zeros(0, 0, dtype=torch.bool), None))
+        t_draft = time.perf_counter() - t_round
+        rows = [torch.cat([s.loop.buf[s.loop.T - 1:s.loop.T], t.nodes])
+                for s, t in zip(self.seqs, trees)]  # (N_r+1,) each
+        L = [s.loop.T - 1 for s in self.seqs]
+        cache_len = self.cache.get_seq_length()
+        ids, mask, pos = batch_cache.inputs(rows, L, cache_len, trees=[t.anc for t in trees])  # 3.
+        out, dt = _timed(lambda: self.target.forward(ids, layers=self.layers, cache=self.cache,
+                                                     attention_mask=mask, position_ids=pos),
+                         self.sync)
+        self.time_verify += dt
+        new, kept, keeps = [], [], []
+        for r, (s, t) in enumerate(zip(self.seqs, trees)):  # 4.
+            s.loop.res.time_verify += dt
+            s.loop.res.target_forwards += 1
+            keep, bonus = _accept_tree(s.loop, t, out.logits[r, :len(t.nodes) + 1])
+            new.append(torch.cat([ids[r, keep[1:]], bonus]))  # (n+1,)
+            kept.append(out.features[r, keep] if self.layers else None)  # (n+1, F)
+            keeps.append(keep)
+        batch_cache.compact(self.cache, L, keeps, cache_len)  # 5.
+        if self.planner:  # 6.
+            made = [s.loop.res.drafted[-1] for s in self.seqs]  # each tree's depth
+            self.planner.observe(made, [len(x) - 1 for x in keeps])
+            self.planner.observe_width(ids.shape[1])
+            self.planner.observe_times(depth, sum(len(t.nodes) > 0 for t in trees), t_draft,
+                                       len(self.seqs), time.perf_counter() - t_round - t_draft - dt)
         return new, kept, ids.shape[1], depth
 
     def commit(self, new: list[torch.Tensor], kept: list[torch.Tensor | None]) -> list[_Seq]:
@@ -238,7 +279,7 @@ def generate_batch(
     cost: CostCurve | None = None,  # budgeted: the cost curve (None = measured once and cached)
     cache_dir: str | None = None,  # where a measured cost curve is cached
     planner: RoundPlanner | None = None,  # budgeted: kept across calls (None = a fresh one)
-    tree: bool = False,  # refused: batched trees are not built
+    tree: bool = False,  # every row verifies the drafter's tree (decode/tree.py) instead of a chain
 ) -> BatchResult:
     """Decode every prompt, up to batch_size at a time in one target forward per round,
     losslessly per sequence: each output is what `decode.spec.generate` gives that prompt alone
@@ -250,7 +291,7 @@ def generate_batch(
     t_start = time.perf_counter()
     sampling = sampling or SamplingParams()
     dev = target.device
-    _check_batch(mode, tree, len(prompts), batch_size)
+    _check_batch(mode, len(prompts), batch_size)
     if generators is not None and len(generators) != len(prompts):
         raise ValueError(f"{len(generators)} generators for {len(prompts)} prompts; give one each")
     prompts = [torch.as_tensor(p, dtype=torch.long).reshape(-1).to(dev) for p in prompts]
@@ -262,23 +303,27 @@ def generate_batch(
     one = slot_drafter(drafter) if drafter is not None else None  # for the checks and the layers
     speculative = one is not None and k > 0 and mode != "plain"
     for p, n in zip(prompts, budgets):  # 0. guards, as spec's, before any work
-        _check_inputs(target, one if speculative else None, len(p), n, k, sampling, False)
+        _check_inputs(target, one if speculative else None, len(p), n, k, sampling, tree)
     if planner is not None:
-        if planner.k != k:
-            raise ValueError(f"the planner was made for k={planner.k}, this call drafts k={k}; "
-                             f"keep one planner per k")
+        if planner.tree != tree or (not tree and planner.k != k):
+            made = "trees" if planner.tree else f"chains of k={planner.k}"
+            asked = "trees" if tree else f"chains of k={k}"
+            raise ValueError(f"the planner was made for {made}, this call drafts {asked}; keep "
+                             f"one planner per k and tree setting")
         if cost is not None and cost is not planner.cost:
             raise ValueError("cost and planner.cost differ; pass the cost only through the planner")
         cost = planner.cost
     if speculative and mode == "budgeted" and cost is None:
         cost = cost_curve(target, cache_dir)
+    if speculative and mode == "budgeted" and planner is None:
+        planner = new_planner(cost, k, one, tree)
     gens = list(generators) if generators is not None else [
         torch.Generator(device=dev).manual_seed(seed + i) for i in range(len(prompts))]
     eos = torch.tensor(sorted(target.eos_token_ids), dtype=torch.long, device=dev)  # (E,)
     stop = _StopChecker(target.tokenizer, stop_strings) if any(stop_strings) else None
     layers = tuple(one.feature_layers) if speculative else ()
     batch = _Batch(target, drafter if speculative else None, layers, sampling, k, mode,
-                   min_confidence, cost, stop, eos, dev.type == "cuda", planner)
+                   min_confidence, cost, stop, eos, dev.type == "cuda", planner, tree)
     results: list = [None] * len(prompts)
     latency: list = [0.0] * len(prompts)
     out = BatchResult(results=results, latency=latency)

@@ -4,8 +4,8 @@ DynamicCache whose layers hold keys and values (B, H, L, D).
 Rows are left-aligned: row r holds its L_r committed positions in columns [0, L_r); columns
 [L_r, L) hold garbage from earlier rounds (or zeros) that the attention mask hides. A round
 appends a (B, Q) block at columns [L, L + Q) (`inputs` builds its ids, mask and positions);
-`compact` then moves each row's kept block columns to [L_r, L_r + n_r) and crops the cache to the
-longest row, so every row's cache equals the one a lone decoder of that sequence would hold.
+`compact` then moves each row's kept block columns (a chain's first n_r, a tree's accepted branch)
+to [L_r, L_r + n_r) and crops the cache to the longest row, so every row's cache equals the one a lone decoder of that sequence would hold.
 Only the tail from the shortest row on is rewritten.
 """
 from __future__ import annotations
@@ -48,42 +48,62 @@ def select_rows(cache: Any, rows: Sequence[int], length: int) -> None:
 
 
 def inputs(rows: Sequence[torch.Tensor], lengths: Sequence[int], cache_len: int,
-           plain_mask: bool = True) -> tuple[torch.Tensor, torch.Tensor | None,
-                                             torch.Tensor | None]:
+           plain_mask: bool = True, trees: Sequence[torch.Tensor | None] | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The padded verification forward over rows[r] (m_r+1,) = [last committed, drafts] of each
     sequence: input_ids (B, Q), attention_mask (B, 1, Q, cache_len + Q) bool (True = attend) and
-    position_ids (B, Q). Row r's token t sits at position L_r + t and sees its own L_r cached
-    positions and block tokens 0..t; padding tokens (t > m_r) repeat the last token and are
-    ignored. When every row fills the cache (L_r = cache_len, e.g. B = 1) and plain_mask, the
-    mask and positions are the model's default causal ones: (ids, None, None), the lone
-    decoder's forward."""
+    position_ids (B, Q). Row r's block sees its own L_r cached positions and, within the block,
+    a chain: tokens 0..t, at position L_r + t; a tree (trees[r] = the ancestor matrix (m_r, m_r)
+    of its nodes, decode/tree.py): the root (the last committed token) sees itself, node i the
+    root, its ancestors and itself, at position L_r + depth(i). Padding tokens (t > m_r) repeat
+    the last token, see the block causally and are ignored. When every row is a chain that fills
+    the cache (L_r = cache_len, e.g. B = 1) and plain_mask, the mask and positions are the
+    model's default causal ones: (ids, None, None), the lone decoder's forward."""
     B, Q, dev = len(rows), max(len(r) for r in rows), rows[0].device
+    trees = list(trees) if trees is not None else [None] * B
     ids = torch.stack([torch.cat([r, r[-1:].expand(Q - len(r))]) for r in rows])  # (B, Q)
-    if plain_mask and min(lengths) == cache_len:
+    if plain_mask and min(lengths) == cache_len and all(a is None for a in trees):
         return ids, None, None
     L = torch.as_tensor(list(lengths), dtype=torch.long, device=dev)  # (B,)
     t = torch.arange(Q, device=dev)  # (Q,)
     cached = torch.arange(cache_len, device=dev)[None, :] < L[:, None]  # (B, cache_len)
-    causal = t[None, :] <= t[:, None]  # (Q, Q)
-    mask = torch.cat([cached[:, None, :].expand(B, Q, cache_len),
-                      causal[None].expand(B, Q, Q)], dim=-1)  # (B, Q, cache_len + Q)
-    return ids, mask[:, None], L[:, None] + t[None, :]  # (B, Q), (B, 1, Q, K), (B, Q)
+    block = (t[None, :] <= t[:, None])[None].repeat(B, 1, 1)  # (B, Q, Q) causal
+    offset = t[None, :].repeat(B, 1)  # (B, Q) position offsets within the block
+    for r, anc in enumerate(trees):
+        if anc is not None and len(anc):
+            n = len(anc)
+            block[r, :n + 1, :n + 1] = False
+            block[r, 0, 0] = True  # the root sees itself (and the cache)
+            block[r, 1:n + 1, 0] = True  # every node sees the root ...
+            block[r, 1:n + 1, 1:n + 1] = anc  # ... its ancestors and itself
+            offset[r, 1:n + 1] = anc.sum(-1)  # depth below the root
+    mask = torch.cat([cached[:, None, :].expand(B, Q, cache_len), block], dim=-1)  # (B, Q, K)
+    return ids, mask[:, None], L[:, None] + offset  # (B, Q), (B, 1, Q, K), (B, Q)
 
 
-def compact(cache: Any, lengths: Sequence[int], keep: Sequence[int], cache_len: int) -> None:
-    """After a round's forward: row r keeps the first keep[r] block columns (last committed token
-    + accepted drafts), moved from [cache_len, cache_len + keep[r]) to [L_r, L_r + keep[r]);
-    then the cache is cropped to max_r (L_r + keep[r]) columns."""
-    if min(lengths) == cache_len:  # every kept block already sits at [L_r, L_r + keep[r])
-        cache.crop(max(keep) - (cache.get_seq_length() - cache_len))
+def compact(cache: Any, lengths: Sequence[int], keep: Sequence[int | torch.Tensor],
+            cache_len: int) -> None:
+    """After a round's forward: row r keeps keep[r] block columns, an int n (the first n: last
+    committed token + accepted chain drafts) or the ascending block positions (n,) of a tree's
+    root and accepted branch, moved from cache_len + those positions to [L_r, L_r + n); then the
+    cache is cropped to max_r (L_r + n_r) columns."""
+    dev = _pairs(cache)[0][1].device
+    cols = [torch.arange(k, device=dev) if isinstance(k, int) else k.to(dev) for k in keep]
+    n = torch.as_tensor([len(c) for c in cols], dtype=torch.long, device=dev)  # (B,)
+    in_place = all(int(c[-1]) == len(c) - 1 for c in cols)  # every kept block is a prefix
+    if min(lengths) == cache_len and in_place:  # ... already at [L_r, L_r + n_r)
+        cache.crop(int(n.max()) - (cache.get_seq_length() - cache_len))
         return
-    dev = cache.layers[0].keys.device
     L = torch.as_tensor(list(lengths), dtype=torch.long, device=dev)  # (B,)
-    n = torch.as_tensor(list(keep), dtype=torch.long, device=dev)  # (B,)
     lo, new_len = int(L.min()), int((L + n).max())
+    K = torch.zeros(len(cols), int(n.max()), dtype=torch.long, device=dev)  # (B, n_max)
+    for r, c in enumerate(cols):
+        K[r, :len(c)] = c
     a = torch.arange(lo, new_len, device=dev)[None, :].expand(len(L), -1)  # (B, W) absolute column
-    # source column: a row's own prefix stays, its kept block moves down, the rest is garbage
-    src = torch.where((a >= L[:, None]) & (a < (L + n)[:, None]), cache_len + a - L[:, None], a)
+    off = a - L[:, None]  # (B, W) offset into row r's kept columns
+    inside = (off >= 0) & (off < n[:, None])
+    # source column: a row's own prefix stays, its kept block columns move down, the rest is garbage
+    src = torch.where(inside, cache_len + K.gather(1, off.clamp(0, K.shape[1] - 1)), a)
     for layer, k, v in _pairs(cache):
         B, H, _, D = k.shape
         idx = src[:, None, :, None].expand(B, H, src.shape[1], D)  # (B, H, W, D)

@@ -17,7 +17,7 @@ import torch
 
 from data.prompts import load_prompts
 from decode.batch import BatchResult, generate_batch
-from decode.budget import RoundPlanner, cost_curve
+from decode.budget import cost_curve, new_planner
 from decode.evaluate import (_budget, _lossless_check, finish_run, is_near_tie, render,
                              results_markdown, setup_run, write_results)
 from decode.metrics import RunMetrics
@@ -52,7 +52,8 @@ def evaluate_batched(target, drafter: Drafter | None, *, batch_size: int, batch_
                      eval_kind: str = "mtbench", path: str | None = None, limit: int | None = None,
                      turns: int = 1, max_new_tokens: int = 256, k: int = 5,
                      sampling: SamplingParams | None = None, min_confidence: float = 0.0,
-                     compare_plain: bool = True, seed: int = 0, out_dir: Path | None = None,
+                     compare_plain: bool = True, seed: int = 0, tree: bool = False,
+                     out_dir: Path | None = None,
                      cache_dir: str | None = None) -> dict:
     """Decode every prompt (and turn) batch_size at a time in `batch_mode`; return {"summary",
     "markdown", "prompts"} and write result.json + result.md into out_dir."""
@@ -62,7 +63,7 @@ def evaluate_batched(target, drafter: Drafter | None, *, batch_size: int, batch_
     spec_batches, plain_batches, spec_results, rows = [], [], [], []
     planner = None  # budgeted: one planner for every turn (what turn 1 learnt serves turn 2)
     if batch_mode == "budgeted" and drafter is not None and k > 0:
-        planner = RoundPlanner(cost_curve(target, cache_dir), k)
+        planner = new_planner(cost_curve(target, cache_dir), k, drafter, tree)
     for turn in range(max(len(p.turns) for p in prompts)):
         todo = [i for i, p in enumerate(prompts) if len(p.turns) > turn]
         ids = [render(target, prompts[i].turns[:turn + 1], answers[i]) for i in todo]
@@ -72,7 +73,7 @@ def evaluate_batched(target, drafter: Drafter | None, *, batch_size: int, batch_
         plain = generate_batch(target, None, ids, mode="plain", **kw) if compare_plain else None
         spec = generate_batch(target, drafter, ids, k=k, mode=batch_mode,
                               min_confidence=min_confidence, seed=seed + 1000 * turn,
-                              cache_dir=cache_dir, planner=planner, **kw)
+                              cache_dir=cache_dir, planner=planner, tree=tree, **kw)
         spec_batches.append(spec)
         plain_batches += [plain] if plain is not None else []
         for j, i in enumerate(todo):
@@ -93,7 +94,7 @@ def evaluate_batched(target, drafter: Drafter | None, *, batch_size: int, batch_
     spec_m = _batch_metrics(spec_results, spec_batches)
     latency = [r["latency_s"] for r in rows]
     summary = {**({"planner_probes": planner.probes} if planner else {}), "eval": eval_kind, "prompts": len(prompts), "generations": len(rows),
-               "drafter": drafter.name if drafter is not None else "none", "k": k, "tree": False,
+               "drafter": drafter.name if drafter is not None else "none", "k": k, "tree": tree,
                "temperature": sampling.temperature, "max_new_tokens": max_new_tokens,
                "batch_size": batch_size, "batch_mode": batch_mode,
                "latency_mean_s": statistics.mean(latency),
@@ -121,15 +122,14 @@ def run_batched(cfg) -> None:
     from decode.batch import MODES
     from drafters.target import cache_root
 
-    if cfg.batch_mode not in MODES or cfg.tree:
+    if cfg.batch_mode not in MODES:
         raise ValueError(f"batch_size={cfg.batch_size} needs batch_mode in {MODES} (got "
-                         f"{cfg.batch_mode!r}) and tree=false (got {cfg.tree}); batched trees "
-                         f"are not built: use batch_size=1 for tree decoding")
+                         f"{cfg.batch_mode!r})")
     run_dir, target, drafter, sampling = setup_run(cfg)
     result = evaluate_batched(
         target, drafter, batch_size=cfg.batch_size, batch_mode=cfg.batch_mode,
         eval_kind=cfg.eval.kind, path=cfg.eval.path, limit=cfg.eval.limit, turns=cfg.eval.turns,
         max_new_tokens=cfg.max_new_tokens, k=cfg.k, sampling=sampling,
         min_confidence=cfg.min_confidence, compare_plain=cfg.compare_plain, seed=cfg.seed,
-        out_dir=run_dir, cache_dir=str(cache_root(cfg.target)))
+        tree=cfg.tree, out_dir=run_dir, cache_dir=str(cache_root(cfg.target)))
     finish_run(result, run_dir)

@@ -52,7 +52,8 @@ from decode import batch_cache
 from drafters.base import ChainProposal
 
 BATCH_NS = (1, 2, 4, 8, 16, 32)  # rows per forward measured
-WIDTH_NS = (1, 2, 3, 4, 6, 8)  # tokens per row measured (last committed token + drafts)
+WIDTH_NS = (1, 2, 3, 4, 6, 8, 16, 32, 64)  # tokens per row measured (last token + drafts;
+# the wide ones for trees)
 
 
 def _bracket(xs: Sequence[int], x: float) -> tuple[int, int, float]:
@@ -204,8 +205,11 @@ class RoundPlanner:
     """
 
     def __init__(self, cost: CostCurve, k: int, decay: float = 0.9, idle_decay: float = 0.998,
-                 optimism: float = 1.0, ema: float = 0.3) -> None:
+                 optimism: float = 1.0, ema: float = 0.3, tree_width: float | None = None) -> None:
         self.cost, self.k, self.decay, self.ema = cost, k, decay, ema
+        # trees: the round is plain (0) or the drafter's whole tree (k = its depth), whose
+        # forward is tree_width tokens per row (first guessed, then an EMA of the measured ones)
+        self.tree, self.tree_width = tree_width is not None, tree_width
         self.idle_decay, self.optimism = idle_decay, optimism
         self.reach, self.acc = [0.0] * k, [0.0] * k  # decayed counts per depth 1..k
         self.draft_row: dict[int, float] = {}  # asked depth -> seconds of drafting per row
@@ -231,13 +235,14 @@ class RoundPlanner:
     def rate(self, B: int, d: int, S: Sequence[float]) -> float:
         """Expected committed tokens per second of a round of B rows drafting d each."""
         tokens = B * (1.0 + sum(S[:d]))
-        seconds = self.cost(B, d + 1) + B * (self.draft_seconds(d) + self.other_row)
+        width = self.tree_width if self.tree and d else d + 1
+        seconds = self.cost(B, width) + B * (self.draft_seconds(d) + self.other_row)
         return tokens / seconds
 
     def _best(self, B: int, S: Sequence[float]) -> int:
         """The depth >= 1 with the best rate under S, or 0 where none beats a plain round."""
         plain = self.rate(B, 0, S) * (1 + 1e-9)  # a tie is no gain
-        rates = {d: self.rate(B, d, S) for d in range(1, self.k + 1)}
+        rates = {d: self.rate(B, d, S) for d in ([self.k] if self.tree else range(1, self.k + 1))}
         best = max(rates, key=rates.get)
         return best if rates[best] > plain else 0
 
@@ -269,6 +274,11 @@ class RoundPlanner:
                 self.reach[i] += 1.0
                 self.acc[i] += float(i < n)
 
+    def observe_width(self, width: int) -> None:
+        """Trees: a tree round's forward width (tokens per row)."""
+        if self.tree:
+            self.tree_width += self.ema * (width - self.tree_width)
+
     def observe_times(self, depth: int, rows_drafted: int, draft_s: float, rows: int,
                       other_s: float) -> None:
         """One round's seconds: its drafting phase over rows_drafted rows at depth `depth`, and
@@ -279,6 +289,17 @@ class RoundPlanner:
             self.draft_row[depth] = per if old is None else old + self.ema * (per - old)
         if rows:
             self.other_row += self.ema * (other_s / rows - self.other_row)
+
+
+def new_planner(cost: CostCurve, k: int, drafter: Any = None, tree: bool = False) -> RoundPlanner:
+    """A batch's planner: chains choose a depth in 0..k; trees choose between a plain round and
+    the drafter's whole tree, of depth `tree_depth` and first guessed `tree_total_tokens` nodes
+    (its config's EAGLE-2 tree settings; k otherwise), then measured."""
+    if not tree:
+        return RoundPlanner(cost, k)
+    cfg = getattr(drafter, "cfg", None)
+    depth = int(getattr(cfg, "tree_depth", k))
+    return RoundPlanner(cost, depth, tree_width=float(getattr(cfg, "tree_total_tokens", depth)) + 1)
 
 
 def survival(prop: ChainProposal, m: int) -> torch.Tensor:

@@ -190,33 +190,58 @@ def _commit(loop: _Loop, new: torch.Tensor, kept: torch.Tensor | None, eos: torc
     return bool(res.stop_reason)
 
 
-def _tree_round(loop: _Loop, budget: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Steps 3a-6 for a tree: draft a tree, verify every branch in ONE forward, keep the accepted
-    branch. Returns (new (n+1,) accepted nodes + bonus, kept (n+1, F) features or None)."""
-    res, dev, cache_len = loop.res, loop.buf.device, loop.T - 1
-    # 3a. draft: a tree of N nodes, cut to the depth the budget can still commit
+@dataclass
+class _Tree:
+    """A drafted tree, cut to the depth the budget can still commit: tokens (N,), parents (N,),
+    ancestors (N, N) bool (decode/tree.py) and the q each node was drawn from (N, V) or None."""
+
+    nodes: torch.Tensor
+    parents: torch.Tensor
+    anc: torch.Tensor
+    probs: torch.Tensor | None
+
+
+def _draft_tree(loop: _Loop, budget: int) -> _Tree:
+    """Step 3a: draft a tree of N nodes, cut to the depth the budget can still commit."""
+    dev = loop.buf.device
     prop, dt = _timed(lambda: loop.drafter.propose_tree(loop.state(), loop.sampling,
                                                         generator=loop.generator), loop.sync)
-    res.time_draft += dt
+    loop.res.time_draft += dt
     nodes, parents = prop.tokens.to(dev), prop.parents.to(dev)  # (N,), (N,)
     check_tree(nodes, parents)
     anc = ancestors(parents)  # (N, N)
     probs = None if prop.probs is None else prop.probs.to(dev)[anc.sum(-1) <= budget]  # (N', V)
     nodes, parents, anc = prune_depth(nodes, parents, anc, budget)
-    # 4. verify: [last committed, nodes] with a tree attention mask, in one forward
-    ids, mask, pos = tree_inputs(loop.buf[loop.T - 1:loop.T], nodes, anc, cache_len)
-    out = loop.forward(ids, attention_mask=mask, position_ids=pos)
-    # 5. greedy: the deepest branch matching the target's argmax; sampling: the multi-draft walk.
-    #    Either way plus the target's token after the branch
+    return _Tree(nodes, parents, anc, probs)
+
+
+def _accept_tree(loop: _Loop, tree: _Tree, logits: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 5 for a tree, from the target's logits (N+1, V) at [last committed, nodes]: greedy,
+    the deepest branch matching the target's argmax; sampling, the multi-draft walk. Either way
+    plus the target's token after the branch. Returns keep (n+1,) input positions of the root
+    and the accepted nodes, and the bonus (1,)."""
     if loop.sampling.greedy:
-        keep, bonus = accept_path(nodes, parents, anc, out.logits[0].argmax(-1))
+        keep, bonus = accept_path(tree.nodes, tree.parents, tree.anc, logits.argmax(-1))
     else:
-        keep, bonus = sample_path(nodes, parents, probs, warp(out.logits[0], loop.sampling),
-                                  loop.generator)
+        keep, bonus = sample_path(tree.nodes, tree.parents, tree.probs,
+                                  warp(logits, loop.sampling), loop.generator)
+    loop.res.drafted.append(int(tree.anc.sum(-1).max()) if len(tree.nodes) else 0)
+    loop.res.accepted.append(len(keep) - 1)
+    return keep, bonus
+
+
+def _tree_round(loop: _Loop, budget: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Steps 3a-6 for a tree: draft a tree, verify every branch in ONE forward, keep the accepted
+    branch. Returns (new (n+1,) accepted nodes + bonus, kept (n+1, F) features or None)."""
+    cache_len = loop.T - 1
+    tree = _draft_tree(loop, budget)  # 3a.
+    # 4. verify: [last committed, nodes] with a tree attention mask, in one forward
+    ids, mask, pos = tree_inputs(loop.buf[loop.T - 1:loop.T], tree.nodes, tree.anc, cache_len)
+    out = loop.forward(ids, attention_mask=mask, position_ids=pos)
+    keep, bonus = _accept_tree(loop, tree, out.logits[0])  # 5.
     # 6. the cache keeps tokens[:T-1] + the accepted branch only
     compact_cache(loop.cache, cache_len, keep)
-    res.drafted.append(int(anc.sum(-1).max()) if len(nodes) else 0)
-    res.accepted.append(len(keep) - 1)
     kept = out.features[0, keep] if loop.layers else None  # (n+1, F)
     return torch.cat([ids[0, keep[1:]], bonus]), kept  # (n+1,)
 

@@ -398,8 +398,10 @@ def test_a_kept_planner_skips_the_blind_first_rounds(target):
     assert kept.batch_sizes[0] == 8 and len(full) >= 3 and set(full) == {0}
     assert len(slow.asked) < sum(len(r.drafted) for r in kept.results)  # fewer calls than rows
     assert [r.tokens.tolist() for r in kept.results] == [r.tokens.tolist() for r in fresh.results]
-    with pytest.raises(ValueError, match="made for k=1"):
+    with pytest.raises(ValueError, match="made for chains of k=1, this call drafts chains of k=2"):
         generate_batch(target, slow, prompts, planner=planner, **{**kw, "k": 2})
+    with pytest.raises(ValueError, match="made for chains of k=1, this call drafts trees"):
+        generate_batch(target, slow, prompts, planner=planner, tree=True, **kw)
 
 
 def test_survival_scores():
@@ -444,8 +446,8 @@ def test_cost_curve_is_measured_once_per_target_and_cached(tmp_path, monkeypatch
 def test_guards(target):
     with pytest.raises(ValueError, match="batch mode 'fast' is unknown"):
         generate_batch(target, None, PROMPTS, max_new_tokens=4, mode="fast")
-    with pytest.raises(ValueError, match="chains only"):
-        generate_batch(target, NoisyOracle(target), PROMPTS, max_new_tokens=4, tree=True)
+    with pytest.raises(ValueError, match="does not propose trees"):
+        generate_batch(target, FixedQ(V), PROMPTS, max_new_tokens=4, tree=True)
     with pytest.raises(ValueError, match="one per prompt"):
         generate_batch(target, None, PROMPTS, max_new_tokens=[4, 5])
     with pytest.raises(ValueError, match="prompt_ids is empty"):
@@ -533,3 +535,110 @@ def test_bench_batch_cli_writes_files(tiny_target_cfg, tmp_path):
                                                             (2, "plain"), (2, "verify_all")}
     assert "| 2 | verify_all |" in (tmp_path / "batch.md").read_text()
     assert (tmp_path / "batch.png").stat().st_size > 1000
+
+
+# -- batched trees ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("B", [1, 2, 3, 5])
+@pytest.mark.parametrize("mode", ["verify_all", "budgeted"])
+def test_greedy_batched_trees_equal_alone(target, B, mode):
+    """Every row verifies its own tree under its own mask in the one padded forward; the branches
+    kept (non-contiguous block columns) are compacted per row: outputs equal plain decoding alone,
+    with drafts accepted, ragged budgets and late admissions."""
+    budgets = [25, 9, 31, 1, 17]
+    refs = [alone(target, None, p, n).tokens.tolist() for p, n in zip(PROMPTS, budgets)]
+    d = counting(NoisyOracle, target, noise=0.3, seed=B)
+    out = generate_batch(target, d, PROMPTS, max_new_tokens=budgets, batch_size=B, k=4,
+                         mode=mode, tree=True, cost=FLAT if mode == "budgeted" else None)
+    assert [r.tokens.tolist() for r in out.results] == refs
+    assert sum(sum(r.accepted) for r in out.results) > 0 and max(out.widths) > 5  # trees ran
+    assert d.asked == []  # never a chain proposal
+    # nothing pays (every verified token costs a step): plain rounds, no drafter call
+    out = generate_batch(target, d, PROMPTS, max_new_tokens=budgets, batch_size=B, k=4,
+                         mode="budgeted", tree=True, cost=STEEP)
+    assert set(out.depths) == {0} and set(out.widths) == {1} and out.time_draft == 0.0
+    assert [r.tokens.tolist() for r in out.results] == refs
+
+
+def test_batched_eagle_trees_equal_the_lone_tree_decoder(target8):
+    """A real drafter (EAGLE-3, its own KV cache per row) drafting dynamic trees in a batch of
+    3: each output and each round's accepted count equal the lone tree decoder's."""
+    d = perturbed_drafter(target8, "eagle3", tree_top_k=3, tree_depth=3, tree_total_tokens=8)
+    prompts = [torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(n))
+               for n in (5, 9, 7, 12)]
+    refs = [generate(target8, d, p, max_new_tokens=14, tree=True) for p in prompts]
+    out = generate_batch(target8, d, prompts, max_new_tokens=14, batch_size=3, tree=True)
+    assert [r.tokens.tolist() for r in out.results] == [r.tokens.tolist() for r in refs]
+    assert [r.accepted for r in out.results] == [r.accepted for r in refs]
+    assert [r.tokens.tolist() for r in out.results] == [
+        generate(target8, None, p, max_new_tokens=14).tokens.tolist() for p in prompts]
+
+
+def first_sibling_always(p, tokens, q):
+    """Wrong: the first sibling is always accepted (trusting the drafter's sample)."""
+    pick = p.new_zeros(len(tokens) + 1)
+    pick[0 if len(tokens) else -1] = 1.0
+    return pick, p
+
+
+@pytest.mark.parametrize("B", [1, 4])
+def test_batched_sampled_trees_have_the_target_distribution(B, monkeypatch):
+    """Sampled trees (siblings drawn without replacement from a q far from p) verified in a
+    batch: the joint of tokens 2 and 3 matches the target's; trusting the first sibling fails."""
+    from decode_toys import SampledToyTree
+    import decode.tree
+
+    tgt = make_target(vocab=8, seed=3, init=0.2)
+    prompt = [1, 2, 3, 4]
+    joint = pair_joint(tgt, prompt, SP)
+
+    def counts():
+        out = generate_batch(tgt, SampledToyTree(8, "without", width=3), [prompt] * 2000,
+                             max_new_tokens=4, batch_size=B, mode="verify_all", sampling=SP,
+                             tree=True)
+        c = torch.zeros(64)
+        for r in out.results:
+            c[r.tokens[1] * 8 + r.tokens[2]] += 1
+        first = torch.bincount(torch.tensor([r.accepted[0] for r in out.results]), minlength=3)
+        return c, first
+
+    c, first = counts()
+    assert bool((first > 100).all()), first  # 0, 1 and 2 drafts accepted, often
+    stat, crit = chi2_stat(c, joint)
+    assert stat < crit, (stat, crit)
+    monkeypatch.setattr(decode.tree, "multi_draft", first_sibling_always)
+    stat, crit = chi2_stat(counts()[0], joint)
+    assert stat > 2 * crit, (stat, crit)
+
+
+@torch.inference_mode()
+def test_tree_inputs_and_compact_of_a_tree_branch(target):
+    """A two-row round, one chain and one tree: the tree row's mask is its ancestors and its
+    positions its depths; compacting its kept branch (block columns 0, 2, 3) leaves exactly the
+    KV a fresh forward over the committed tokens gives."""
+    from decode import batch_cache
+    from decode.tree import ancestors
+    chain = torch.tensor([5, 6, 7])
+    tree = torch.tensor([9, 10, 11, 12])  # root 9; nodes 10, 11 (children of the root), 12 (of 11)
+    anc = ancestors(torch.tensor([-1, -1, 1]))
+    ids, mask, pos = batch_cache.inputs([chain, tree], [4, 2], 4, trees=[None, anc])
+    m = mask[1, 0, :, 4:]  # (4, 4) the tree row's block
+    assert m.tolist() == [[True, False, False, False], [True, True, False, False],
+                          [True, False, True, False], [True, False, True, True]]
+    assert mask[1, 0, :, :4].tolist() == [[True, True, False, False]] * 4  # its 2 cached columns
+    assert pos.tolist() == [[4, 5, 6, 7], [2, 3, 3, 4]]
+    # the real thing: a round over two cached rows, then compact
+    cache = DynamicCache()
+    target.forward(torch.tensor([[1, 2, 3, 4], [8, 0, 0, 0]]), cache=cache,
+                   attention_mask=torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0]]).bool())
+    # row 0 caches 1..4; row 1 caches 8, then 3 garbage columns
+    ids, mask, pos = batch_cache.inputs([torch.tensor([5, 6, 7]), torch.tensor([9, 10, 11, 12])],
+                                        [4, 1], 4, trees=[None, anc])
+    target.forward(ids, cache=cache, attention_mask=mask, position_ids=pos)
+    batch_cache.compact(cache, [4, 1], [2, torch.tensor([0, 2, 3])], 4)  # 5 6 | 9 11 12
+    for r, toks in enumerate([[1, 2, 3, 4, 5, 6], [8, 9, 11, 12]]):
+        fresh = DynamicCache()
+        target.forward(torch.tensor([toks]), cache=fresh)
+        n = len(toks)
+        for a, b in zip(cache.layers, fresh.layers):
+            torch.testing.assert_close(a.keys[r:r + 1, :, :n], b.keys)
+            torch.testing.assert_close(a.values[r:r + 1, :, :n], b.values)

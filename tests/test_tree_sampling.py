@@ -13,10 +13,9 @@ import torch
 
 import decode.tree
 from decode.accept import multi_draft
-from decode.spec import generate
 from decode.tree import sample_path
-from decode_toys import chi2_stat, make_target, pair_counts, pair_joint
-from drafters.base import DecodeState, Drafter, TreeProposal, build_drafter
+from decode_toys import SampledToyTree, chi2_stat, make_target, pair_counts, pair_joint
+from drafters.base import DecodeState, build_drafter
 from drafters.sampling import SamplingParams, warp
 from drafters.tree import draw_children, dynamic_tree, sampled_tree
 
@@ -164,35 +163,6 @@ def test_sample_path_walks_the_tree_with_the_target_distribution():
 
 
 # -- tree decoding at temperature > 0 has the target's distribution -----------------------------
-class SampledToyTree(Drafter):
-    """A depth-2 tree of `width` children per node drawn from fixed q's far from the target's
-    (most mass on token 0 at depth 1, on token 1 at depth 2): "without" replacement, "iid", or
-    "fixed" (deterministic candidates 0, 1, .. with probs None)."""
-
-    def __init__(self, vocab, mode, width=2):
-        super().__init__(vocab)
-        self.mode, self.width = mode, width
-        self.logits = torch.full((2, vocab), -2.0)  # (depth, V)
-        self.logits[0, 0], self.logits[1, 1] = 2.5, 2.0
-
-    def _children(self, q, generator):
-        if self.mode == "without":
-            return draw_children(q, self.width, generator)
-        if self.mode == "iid":
-            return torch.multinomial(q, self.width, True, generator=generator), q.expand(self.width, -1)
-        return torch.arange(self.width), q.expand(self.width, -1)
-
-    def propose_tree(self, state, sampling, generator=None):
-        tokens, parents, probs = [], [], []
-        for node in [-1] + list(range(self.width)):  # the root, then each depth-1 node
-            tok, cond = self._children(warp(self.logits[0 if node < 0 else 1], sampling), generator)
-            tokens += tok.tolist()
-            parents += [node] * len(tok)
-            probs.append(cond)
-        return TreeProposal(torch.tensor(tokens), torch.tensor(parents),
-                            None if self.mode == "fixed" else torch.cat(probs))
-
-
 Vs, PROMPT = 8, [1, 2, 3, 4]
 
 

@@ -15,7 +15,10 @@ new block (a 4-D mask), at positions L_r + t; afterwards the kept columns of eac
 Modes: plain (no drafts), verify_all (every row verifies all its drafts), budgeted (decode/budget.py:
 before drafting, the draft depth of the round from past acceptance, the measured drafting time and
 the target's measured (B, Q) cost grid, 0 = a plain round without drafter calls; after drafting,
-the verify width from the drafts' confidences).
+the verify width from the drafts' confidences). tree=True: each row drafts the drafter's tree
+(spec's tree step) and verifies it under its own tree mask in the same padded forward; the
+accepted branch (non-contiguous block columns) is compacted per row; budgeted then chooses per
+round between a plain round and the whole trees, from past rounds only.
 """
 from __future__ import annotations
 

@@ -243,6 +243,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=list(BATCH_SIZES))
     ap.add_argument("--batch-modes", nargs="+", default=list(MODES))
     ap.add_argument("--batch-repeats", type=int, default=3, help="interleaved repeats (medians)")
+    ap.add_argument("--batch-tree", action="store_true",
+                    help="--batch: the drafter's trees instead of chains of --k")
     ap.add_argument("--out", default="runs/bench")
     return ap.parse_args(argv)
 
@@ -311,9 +313,10 @@ def batch_main(target, prompts, args, head: list[str]) -> None:
     ids = [render(target, p.turns[:1], []) for p in prompts]
     rows = run_batch_bench(target, drafter, ids, batch_sizes=args.batch_sizes,
                            modes=args.batch_modes, k=args.k, max_new_tokens=args.max_new_tokens,
-                           repeats=args.batch_repeats)
+                           repeats=args.batch_repeats, tree=args.batch_tree)
     lines = head + [f"{args.eval}, {len(ids)} prompts cycled to {max(args.batch_sizes)} sequences, "
-                    f"greedy, {args.max_new_tokens} new tokens, drafter {drafter.name} k={args.k}, "
+                    f"greedy, {args.max_new_tokens} new tokens, drafter {drafter.name} "
+                    f"{'trees' if args.batch_tree else f'k={args.k}'}, "
                     f"{args.batch_repeats} interleaved repeats (medians)", ""] + batch_markdown(rows)
     out = Path(args.out)
     batch_plot(rows, out / "batch.png", f"{args.target}, {drafter.name} k={args.k}")

@@ -5,7 +5,8 @@ Every (B, mode) decodes the same prompt list (as many prompts as the largest B, 
 set if it is shorter), so each B is a full batch until its queue drains. Runs are interleaved
 round-robin (repeat 1: every B, every mode; repeat 2: ...), so load from other processes hits every
 cell alike; the table gives medians over repeats. Greedy outputs are checked against plain batched
-decoding at the same B (itself token-identical to decoding alone).
+decoding at the same B (itself token-identical to decoding alone). tree=True: the speculative
+modes verify the drafter's trees instead of chains.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from typing import Any, Sequence
 import torch
 
 from decode.batch import MODES, BatchResult, generate_batch
-from decode.budget import CostCurve, RoundPlanner, cost_curve
+from decode.budget import CostCurve, cost_curve, new_planner
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 
@@ -25,7 +26,7 @@ def run_batch_bench(target: Any, drafter: Any, prompts: Sequence[torch.Tensor], 
                     batch_sizes: Sequence[int] = BATCH_SIZES, modes: Sequence[str] = MODES,
                     k: int = 5, max_new_tokens: int = 128, repeats: int = 1,
                     cost: CostCurve | None = None, cache_dir: str | None = None,
-                    log=print) -> list[dict]:
+                    tree: bool = False, log=print) -> list[dict]:
     """One row per (B, mode): medians over `repeats` interleaved runs of tokens/s over the batch
     and of the mean / p90 per-sequence latency (seconds from the start to its last token), tau,
     the mean forward width, the share of rounds that drafted, and how many outputs differ from
@@ -35,14 +36,15 @@ def run_batch_bench(target: Any, drafter: Any, prompts: Sequence[torch.Tensor], 
     # starts from the acceptance and drafting seconds the earlier ones measured)
     planner = None
     if "budgeted" in modes and drafter is not None:
-        planner = RoundPlanner(cost if cost is not None else cost_curve(target, cache_dir), k)
+        planner = new_planner(cost if cost is not None else cost_curve(target, cache_dir), k,
+                              drafter, tree)
     runs: dict[tuple[int, str], list[BatchResult]] = {(b, m): [] for b in batch_sizes for m in modes}
     for r in range(repeats):
         for b in batch_sizes:
             for m in modes:
                 runs[(b, m)].append(generate_batch(
                     target, drafter if m != "plain" else None, work, max_new_tokens=max_new_tokens,
-                    batch_size=b, k=k, mode=m, cache_dir=cache_dir,
+                    batch_size=b, k=k, mode=m, cache_dir=cache_dir, tree=tree and m != "plain",
                     **({"planner": planner} if m == "budgeted" else {"cost": cost})))
                 last = runs[(b, m)][-1]
                 log(f"repeat {r + 1}/{repeats} B={b} {m}: {last.tokens_per_s:.1f} tokens/s")

@@ -455,10 +455,11 @@ def test_guards(target):
 
 
 # -- python -m decode batch_size=B ------------------------------------------------------------------
-def test_decode_cli_batch(tmp_path, tiny_target_cfg):
-    """`python -m decode batch_size=3 batch_mode=verify_all` on the tiny target: the result
-    records the batch size and mode, and every output equals plain decoding of that prompt alone
-    (budgeted differs only in the widths: tested above with a given cost curve)."""
+@pytest.mark.parametrize("tree", [False, True])
+def test_decode_cli_batch(tmp_path, tiny_target_cfg, tree):
+    """`python -m decode batch_size=3 batch_mode=verify_all [tree=true]` on the tiny target: the
+    result records the batch size, mode and tree, and every output equals plain decoding of that
+    prompt alone (budgeted differs only in the widths: tested above with a given cost curve)."""
     import json
     import subprocess
     import sys
@@ -473,12 +474,14 @@ def test_decode_cli_batch(tmp_path, tiny_target_cfg):
     run_dir = tmp_path / "run"
     out = subprocess.run([sys.executable, "-m", "decode", "target=tiny", "drafter=ngram",
                           "eval=jsonl", f"eval.path={prompts}", "max_new_tokens=10", "k=3",
-                          "batch_size=3", "batch_mode=verify_all", f"run_dir={run_dir}"],
+                          "batch_size=3", "batch_mode=verify_all", f"tree={str(tree).lower()}",
+                          f"run_dir={run_dir}"],
                          capture_output=True, text=True, cwd=root, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads((run_dir / "result.json").read_text())
     s = res["summary"]
-    assert (s["batch_size"], s["batch_mode"], s["lossless_check"]) == (3, "verify_all", "passed")
+    assert (s["batch_size"], s["batch_mode"], s["tree"], s["lossless_check"]) == (
+        3, "verify_all", tree, "passed")
     target = load_target(tiny_target_cfg)
     ids_of = jsonl_prompt_ids(target, prompts)
     for row in res["prompts"]:
@@ -494,22 +497,27 @@ def test_measure_cost_times_every_size(target):
 
 
 # -- the batched benchmark --------------------------------------------------------------------------
-def test_batch_bench_table_and_plot(target, tmp_path):
+@pytest.mark.parametrize("tree", [False, True])
+def test_batch_bench_table_and_plot(target, tmp_path, tree):
     """Every (B, mode) cell is measured, interleaved; greedy outputs equal plain's at each B; the
-    table and the PNG are written."""
+    table and the PNG are written; with tree=True the speculative modes verify trees."""
     from decode.bench_batch import batch_markdown, batch_plot, run_batch_bench
     from drafters.ngram import Ngram
 
     prompts = [torch.tensor(p) for p in PROMPTS[:3]]
     order = []
-    rows = run_batch_bench(target, Ngram(vocab_size=V), prompts, batch_sizes=(1, 2, 4),
-                           k=3, max_new_tokens=12, repeats=2, cost=FLAT, log=order.append)
+    drafter = NoisyOracle(target, noise=0.3) if tree else Ngram(vocab_size=V)
+    rows = run_batch_bench(target, drafter, prompts, batch_sizes=(1, 2, 4),
+                           k=3, max_new_tokens=12, repeats=2, cost=FLAT, log=order.append,
+                           tree=tree)
     assert len(rows) == 9 and all(r["differ_from_plain"] == 0 for r in rows)
     assert [o.split(":")[0] for o in order[:4]] == ["repeat 1/2 B=1 plain", "repeat 1/2 B=1 "
                                                     "verify_all", "repeat 1/2 B=1 budgeted",
                                                     "repeat 1/2 B=2 plain"]
     assert all(r["tokens_per_s"] > 0 and len(r["runs_tokens_per_s"]) == 2 for r in rows)
     assert {r["mean_width"] for r in rows if r["mode"] == "plain"} == {1.0}
+    widest = max(r["mean_width"] for r in rows if r["mode"] == "verify_all")
+    assert (widest > 4.0) == tree  # chains: at most k + 1 = 4 tokens per row; trees: ~20
     table = "\n".join(batch_markdown(rows))
     assert table.count("| plain |") == 3 and "| 4 | budgeted |" in table
     png = batch_plot(rows, tmp_path / "batch.png", "tiny")

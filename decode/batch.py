@@ -217,7 +217,7 @@ class _Batch:
                 trees.append(_draft_tree(s.loop, budget))
             else:
                 none = s.loop.buf.new_empty(0)
-                trees.append(_Tree(none, none, torch.zeros(0, 0, dtype=torch.bool), None))
+                trees.append(_Tree(none, none, none.new_zeros(0, 0, dtype=torch.bool), None))
         t_draft = time.perf_counter() - t_round
         rows = [torch.cat([s.loop.buf[s.loop.T - 1:s.loop.T], t.nodes])
                 for s, t in zip(self.seqs, trees)]  # (N_r+1,) each

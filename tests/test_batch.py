@@ -527,16 +527,15 @@ def test_batch_bench_table_and_plot(target, tmp_path, tree):
 def test_bench_batch_cli_writes_files(tiny_target_cfg, tmp_path):
     """`python -m decode.bench --batch` minus the target loading: batch.md / .json / .png."""
     import json
-    from argparse import Namespace
 
     from data.prompts import load_prompts
     from decode import bench
     from drafters.target import load_target
 
     tgt = load_target(tiny_target_cfg)
-    args = Namespace(ckpt=[], batch_sizes=[1, 2], batch_modes=["plain", "verify_all"], k=2,
-                     max_new_tokens=6, batch_repeats=1, eval="mtbench", target="tiny",
-                     out=str(tmp_path))
+    args = bench.parse_args(["--batch", "--batch-sizes", "1", "2", "--batch-modes", "plain",
+                             "verify_all", "--k", "2", "--max-new-tokens", "6",
+                             "--batch-repeats", "1", "--target", "tiny", "--out", str(tmp_path)])
     bench.batch_main(tgt, load_prompts("mtbench", limit=2), args, ["head", ""])
     rows = json.loads((tmp_path / "batch.json").read_text())["rows"]
     assert {(r["batch_size"], r["mode"]) for r in rows} == {(1, "plain"), (1, "verify_all"),

@@ -257,6 +257,23 @@ class _Batch:
         return finished
 
 
+def _budget_planner(target: Any, drafter: Drafter, k: int, tree: bool, planner: RoundPlanner | None,
+                    cost: CostCurve | None, cache_dir: str | None) -> RoundPlanner:
+    """budgeted: the caller's kept planner (checked against this call's settings), else a new one
+    over `cost` (None = the target's measured grid, cached under cache_dir)."""
+    if planner is None:
+        return new_planner(cost if cost is not None else cost_curve(target, cache_dir), k,
+                           drafter, tree)
+    if planner.tree != tree or (not tree and planner.k != k):
+        made = "trees" if planner.tree else f"chains of k={planner.k}"
+        asked = "trees" if tree else f"chains of k={k}"
+        raise ValueError(f"the planner was made for {made}, this call drafts {asked}; keep one "
+                         f"planner per k and tree setting")
+    if cost is not None and cost is not planner.cost:
+        raise ValueError("cost and planner.cost differ; pass the cost only through the planner")
+    return planner
+
+
 def _finish(seq: _Seq, t_start: float, results: list, latency: list) -> None:
     loop, now = seq.loop, time.perf_counter()
     loop.res.tokens = loop.buf[loop.P:loop.T].cpu()
@@ -307,19 +324,9 @@ def generate_batch(
     speculative = one is not None and k > 0 and mode != "plain"
     for p, n in zip(prompts, budgets):  # 0. guards, as spec's, before any work
         _check_inputs(target, one if speculative else None, len(p), n, k, sampling, tree)
-    if planner is not None:
-        if planner.tree != tree or (not tree and planner.k != k):
-            made = "trees" if planner.tree else f"chains of k={planner.k}"
-            asked = "trees" if tree else f"chains of k={k}"
-            raise ValueError(f"the planner was made for {made}, this call drafts {asked}; keep "
-                             f"one planner per k and tree setting")
-        if cost is not None and cost is not planner.cost:
-            raise ValueError("cost and planner.cost differ; pass the cost only through the planner")
+    if speculative and mode == "budgeted":
+        planner = _budget_planner(target, one, k, tree, planner, cost, cache_dir)
         cost = planner.cost
-    if speculative and mode == "budgeted" and cost is None:
-        cost = cost_curve(target, cache_dir)
-    if speculative and mode == "budgeted" and planner is None:
-        planner = new_planner(cost, k, one, tree)
     gens = list(generators) if generators is not None else [
         torch.Generator(device=dev).manual_seed(seed + i) for i in range(len(prompts))]
     eos = torch.tensor(sorted(target.eos_token_ids), dtype=torch.long, device=dev)  # (E,)

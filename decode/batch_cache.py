@@ -6,7 +6,7 @@ Rows are left-aligned: row r holds its L_r committed positions in columns [0, L_
 appends a (B, Q) block at columns [L, L + Q) (`inputs` builds its ids, mask and positions);
 `compact` then moves each row's kept block columns (a chain's first n_r, a tree's accepted branch)
 to [L_r, L_r + n_r) and crops the cache to the longest row, so every row's cache equals the one a lone decoder of that sequence would hold.
-Only the tail from the shortest row on is rewritten.
+Only the kept columns are written (one indexed copy per layer).
 """
 from __future__ import annotations
 
@@ -94,20 +94,13 @@ def compact(cache: Any, lengths: Sequence[int], keep: Sequence[int | torch.Tenso
     if min(lengths) == cache_len and in_place:  # ... already at [L_r, L_r + n_r)
         cache.crop(int(n.max()) - (cache.get_seq_length() - cache_len))
         return
-    L = torch.as_tensor(list(lengths), dtype=torch.long, device=dev)  # (B,)
-    lo, new_len = int(L.min()), int((L + n).max())
-    K = torch.zeros(len(cols), int(n.max()), dtype=torch.long, device=dev)  # (B, n_max)
-    for r, c in enumerate(cols):
-        K[r, :len(c)] = c
-    a = torch.arange(lo, new_len, device=dev)[None, :].expand(len(L), -1)  # (B, W) absolute column
-    off = a - L[:, None]  # (B, W) offset into row r's kept columns
-    inside = (off >= 0) & (off < n[:, None])
-    # source column: a row's own prefix stays, its kept block columns move down, the rest is garbage
-    src = torch.where(inside, cache_len + K.gather(1, off.clamp(0, K.shape[1] - 1)), a)
+    new_len = max(l + len(c) for l, c in zip(lengths, cols))
+    # only the kept columns move: row r's i-th kept block column goes to column L_r + i
+    rows = torch.repeat_interleave(torch.arange(len(cols), device=dev), n)  # (M,) M = sum n_r
+    src = cache_len + torch.cat(cols)  # (M,)
+    dst = torch.cat([torch.arange(l, l + len(c), device=dev) for l, c in zip(lengths, cols)])
     for layer, k, v in _pairs(cache):
-        B, H, _, D = k.shape
-        idx = src[:, None, :, None].expand(B, H, src.shape[1], D)  # (B, H, W, D)
-        # gather copies first, so overlapping source and destination columns are safe
-        k[:, :, lo:new_len] = k.gather(2, idx)
-        v[:, :, lo:new_len] = v.gather(2, idx)
+        # the right side is read (copied) first, so overlapping columns are safe
+        k[rows, :, dst] = k[rows, :, src]  # (M, H, D)
+        v[rows, :, dst] = v[rows, :, src]
         layer.keys, layer.values = k[:, :, :new_len], v[:, :, :new_len]  # (B, H, new_len, D)

@@ -146,15 +146,26 @@ def sized_tree(target, drafter, spec: str, n: int):
 
 
 def load_drafters(target, ckpts: list[str], drafter_dtypes: list[str]) -> list:
-    """(label, drafter) per checkpoint and drafter dtype ("target" = the target's dtype)."""
+    """(label, drafter) per checkpoint and drafter dtype ("target" = the target's dtype). Where
+    two checkpoints hold the same kind of drafter, the labels name the run folder too, so the
+    modes stay apart (e.g. "eagle [eagle_v4k]")."""
     out = []
     for path in ckpts:
         for dd in drafter_dtypes:
             d = load_drafter(Path(path), target).eval()
             dtype = target.dtype if dd == "target" else getattr(torch, dd)
             cast_drafter(d, target, dtype)
-            out.append((f"{d.name} (drafter {str(dtype).removeprefix('torch.')})", d))
-    return out
+            out.append((path, d, f"(drafter {str(dtype).removeprefix('torch.')})"))
+    names = [d.name for _, d, _ in out]
+    return [(f"{d.name} [{_run_name(path)}] {tail}" if names.count(d.name) > len(drafter_dtypes)
+             else f"{d.name} {tail}", d) for path, d, tail in out]
+
+
+def _run_name(path: str) -> str:
+    """A checkpoint's run: the folder above `best` / `step-N` / `checkpoints`, else its own name."""
+    parts = Path(path).resolve().parts
+    keep = [x for x in parts if x != "best" and not x.startswith("step-") and x != "checkpoints"]
+    return keep[-1] if keep else Path(path).name
 
 
 def run_modes(targets: dict, modes: dict, prompts, target_any) -> tuple[dict, dict, dict]:

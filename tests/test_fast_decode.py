@@ -290,3 +290,30 @@ def test_decode_casts_the_drafter_to_the_target_dtype(tiny_run, tmp_path):
         s = json.loads((tmp_path / setting / "result.json").read_text())["summary"]
         assert s["drafter_dtype"] == want and s["target_dtype"] == "float32"
         assert s["outputs_identical_to_plain"] is True
+
+
+def test_bench_labels_two_runs_of_one_drafter_apart(monkeypatch):
+    """`decode.bench --ckpt A --ckpt B` with two runs of the same drafter kind: each mode's label
+    names its run, so neither overwrites the other; one run keeps the short label."""
+    from types import SimpleNamespace
+
+    from decode import bench
+
+    monkeypatch.setattr(bench, "load_drafter", lambda path, target: _Stub(path))
+    monkeypatch.setattr(bench, "cast_drafter", lambda d, target, dtype: None)
+    target = SimpleNamespace(dtype=torch.bfloat16)
+    two = bench.load_drafters(target, ["runs/a/eagle/best", "runs/a/eagle_v4k/best"], ["target"])
+    assert [label for label, _ in two] == ["eagle [eagle] (drafter bfloat16)",
+                                           "eagle [eagle_v4k] (drafter bfloat16)"]
+    one = bench.load_drafters(target, ["runs/a/eagle/best"], ["target", "float32"])
+    assert [label for label, _ in one] == ["eagle (drafter bfloat16)", "eagle (drafter float32)"]
+
+
+class _Stub:
+    name = "eagle"
+
+    def __init__(self, path):
+        self.path = path
+
+    def eval(self):
+        return self

@@ -95,12 +95,11 @@ def _check_batch(mode: str, n_prompts: int, batch_size: int) -> None:
 class _Batch:
     """The running batch: its sequences (row r of the cache = seqs[r]) and the shared settings."""
 
-    def __init__(self, target, drafter, layers, sampling, k, mode, min_confidence, cost, stop,
-                 eos, sync, planner=None, tree=False):
+    def __init__(self, target, drafter, layers, sampling, k, mode, min_confidence, stop, eos,
+                 sync, planner=None, tree=False):
         self.target, self.drafter, self.layers = target, drafter, layers
         self.sampling, self.k, self.mode = sampling, k, mode
-        self.min_confidence, self.cost, self.stop, self.eos, self.sync = (min_confidence, cost,
-                                                                         stop, eos, sync)
+        self.min_confidence, self.stop, self.eos, self.sync = min_confidence, stop, eos, sync
         self.tree = tree  # rows draft trees (decode/tree.py) instead of chains
         self.seqs: list[_Seq] = []
         self.cache = DynamicCache()
@@ -172,21 +171,12 @@ class _Batch:
         t_draft = time.perf_counter() - t_round
         lens = [len(d) for d, _, _ in drafts]
         if self.planner and depth:  # 2. cut every row to the width the cost grid pays for
-            lens = choose_widths([sc for _, _, sc in drafts], self.cost, self.sampling.greedy)
-        rows = [torch.cat([s.loop.buf[s.loop.T - 1:s.loop.T], d[:m]])
-                for s, (d, _, _), m in zip(self.seqs, drafts, lens)]  # (m_r+1,) each
-        L = [s.loop.T - 1 for s in self.seqs]  # committed tokens in each row's cache
-        cache_len = self.cache.get_seq_length()
-        ids, mask, pos = batch_cache.inputs(rows, L, cache_len)  # 3.
-        out, dt = _timed(lambda: self.target.forward(ids, layers=self.layers, cache=self.cache,
-                                                     attention_mask=mask, position_ids=pos),
-                         self.sync)
-        self.time_verify += dt
+            lens = choose_widths([sc for _, _, sc in drafts], self.planner.cost,
+                                 self.sampling.greedy)
+        ids, out, dt, L, cache_len = self._verify([d[:m] for (d, _, _), m in zip(drafts, lens)])  # 3.
         new, kept, n_keep = [], [], []
         for r, (s, (d, q, _), m) in enumerate(zip(self.seqs, drafts, lens)):  # 4.
             res = s.loop.res
-            res.time_verify += dt
-            res.target_forwards += 1
             n_t, nxt = accept_chain(d[None, :m], None if q is None else q[None, :m],
                                     out.logits[r:r + 1, :m + 1], self.sampling, s.loop.generator)
             n = int(n_t)
@@ -196,11 +186,9 @@ class _Batch:
             kept.append(out.features[r, :n + 1] if self.layers else None)  # (n+1, F)
             n_keep.append(n + 1)
         batch_cache.compact(self.cache, L, n_keep, cache_len)  # 5.
-        if self.planner:  # 6. a draft cut in step 2 counts as drafted, not accepted
-            made = [len(d) for d, _, _ in drafts]
-            self.planner.observe(made, [n - 1 for n in n_keep])
-            self.planner.observe_times(depth, sum(m > 0 for m in made), t_draft, len(self.seqs),
-                                       time.perf_counter() - t_round - t_draft - dt)
+        # 6. a draft cut in step 2 counts as drafted, not accepted
+        self._learn(depth, [len(d) for d, _, _ in drafts], [n - 1 for n in n_keep], t_round,
+                    t_draft, dt)
         return new, kept, ids.shape[1], depth
 
     def _tree_round(self, t_round: float, depth: int
@@ -216,34 +204,49 @@ class _Batch:
             if budget > 0:
                 trees.append(_draft_tree(s.loop, budget))
             else:
-                none = s.loop.buf.new_empty(0)
-                trees.append(_Tree(none, none, none.new_zeros(0, 0, dtype=torch.bool), None))
+                trees.append(_Tree.empty(s.loop.buf.device))
         t_draft = time.perf_counter() - t_round
-        rows = [torch.cat([s.loop.buf[s.loop.T - 1:s.loop.T], t.nodes])
-                for s, t in zip(self.seqs, trees)]  # (N_r+1,) each
-        L = [s.loop.T - 1 for s in self.seqs]
-        cache_len = self.cache.get_seq_length()
-        ids, mask, pos = batch_cache.inputs(rows, L, cache_len, trees=[t.anc for t in trees])  # 3.
-        out, dt = _timed(lambda: self.target.forward(ids, layers=self.layers, cache=self.cache,
-                                                     attention_mask=mask, position_ids=pos),
-                         self.sync)
-        self.time_verify += dt
+        ids, out, dt, L, cache_len = self._verify([t.nodes for t in trees], [t.anc for t in trees])
         new, kept, keeps = [], [], []
         for r, (s, t) in enumerate(zip(self.seqs, trees)):  # 4.
-            s.loop.res.time_verify += dt
-            s.loop.res.target_forwards += 1
             keep, bonus = _accept_tree(s.loop, t, out.logits[r, :len(t.nodes) + 1])
             new.append(torch.cat([ids[r, keep[1:]], bonus]))  # (n+1,)
             kept.append(out.features[r, keep] if self.layers else None)  # (n+1, F)
             keeps.append(keep)
         batch_cache.compact(self.cache, L, keeps, cache_len)  # 5.
-        if self.planner:  # 6.
-            made = [s.loop.res.drafted[-1] for s in self.seqs]  # each tree's depth
-            self.planner.observe(made, [len(x) - 1 for x in keeps])
+        if self.planner:  # 6. each tree's depth counts as drafted
             self.planner.observe_width(ids.shape[1])
-            self.planner.observe_times(depth, sum(len(t.nodes) > 0 for t in trees), t_draft,
-                                       len(self.seqs), time.perf_counter() - t_round - t_draft - dt)
+        self._learn(depth, [s.loop.res.drafted[-1] for s in self.seqs],
+                    [len(x) - 1 for x in keeps], t_round, t_draft, dt)
         return new, kept, ids.shape[1], depth
+
+    def _verify(self, drafts: list[torch.Tensor], trees: list[torch.Tensor] | None = None):
+        """Step 3: ONE padded target forward over every row's [last committed, drafts] (a chain,
+        or a tree under its ancestor mask), timed and counted for the batch and every row.
+        Returns (ids (B, Q), the target's output, seconds, each row's cached length L_r, the
+        cache length before the forward)."""
+        rows = [torch.cat([s.loop.buf[s.loop.T - 1:s.loop.T], d])
+                for s, d in zip(self.seqs, drafts)]  # (m_r+1,) each
+        L = [s.loop.T - 1 for s in self.seqs]  # committed tokens in each row's cache
+        cache_len = self.cache.get_seq_length()
+        ids, mask, pos = batch_cache.inputs(rows, L, cache_len, trees=trees)
+        out, dt = _timed(lambda: self.target.forward(ids, layers=self.layers, cache=self.cache,
+                                                     attention_mask=mask, position_ids=pos),
+                         self.sync)
+        self.time_verify += dt
+        for s in self.seqs:
+            s.loop.res.time_verify += dt
+            s.loop.res.target_forwards += 1
+        return ids, out, dt, L, cache_len
+
+    def _learn(self, depth: int, made: list[int], accepted: list[int], t_round: float,
+               t_draft: float, dt: float) -> None:
+        """Step 6, budgeted: the planner learns each row's drafts made and committed, and the
+        round's seconds (drafting; the rest outside the drafters and the forward)."""
+        if self.planner:
+            self.planner.observe(made, accepted)
+            self.planner.observe_times(depth, sum(m > 0 for m in made), t_draft, len(self.seqs),
+                                       time.perf_counter() - t_round - t_draft - dt)
 
     def commit(self, new: list[torch.Tensor], kept: list[torch.Tensor | None]) -> list[_Seq]:
         """Spec's commit step per row; the finished sequences leave the batch (and the cache)."""
@@ -326,14 +329,13 @@ def generate_batch(
         _check_inputs(target, one if speculative else None, len(p), n, k, sampling, tree)
     if speculative and mode == "budgeted":
         planner = _budget_planner(target, one, k, tree, planner, cost, cache_dir)
-        cost = planner.cost
     gens = list(generators) if generators is not None else [
         torch.Generator(device=dev).manual_seed(seed + i) for i in range(len(prompts))]
     eos = torch.tensor(sorted(target.eos_token_ids), dtype=torch.long, device=dev)  # (E,)
     stop = _StopChecker(target.tokenizer, stop_strings) if any(stop_strings) else None
     layers = tuple(one.feature_layers) if speculative else ()
     batch = _Batch(target, drafter if speculative else None, layers, sampling, k, mode,
-                   min_confidence, cost, stop, eos, dev.type == "cuda", planner, tree)
+                   min_confidence, stop, eos, dev.type == "cuda", planner, tree)
     results: list = [None] * len(prompts)
     latency: list = [0.0] * len(prompts)
     out = BatchResult(results=results, latency=latency)

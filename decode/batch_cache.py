@@ -87,16 +87,18 @@ def compact(cache: Any, lengths: Sequence[int], keep: Sequence[int | torch.Tenso
     committed token + accepted chain drafts) or the ascending block positions (n,) of a tree's
     root and accepted branch, moved from cache_len + those positions to [L_r, L_r + n); then the
     cache is cropped to max_r (L_r + n_r) columns."""
+    n = [k if isinstance(k, int) else len(k) for k in keep]
+    # every kept block a prefix (a chain's, or a branch that is one) ...
+    in_place = all(isinstance(k, int) or int(k[-1]) == len(k) - 1 for k in keep)
+    if min(lengths) == cache_len and in_place:  # ... already at [L_r, L_r + n_r)
+        cache.crop(max(n) - (cache.get_seq_length() - cache_len))
+        return
     dev = _pairs(cache)[0][1].device
     cols = [torch.arange(k, device=dev) if isinstance(k, int) else k.to(dev) for k in keep]
-    n = torch.as_tensor([len(c) for c in cols], dtype=torch.long, device=dev)  # (B,)
-    in_place = all(int(c[-1]) == len(c) - 1 for c in cols)  # every kept block is a prefix
-    if min(lengths) == cache_len and in_place:  # ... already at [L_r, L_r + n_r)
-        cache.crop(int(n.max()) - (cache.get_seq_length() - cache_len))
-        return
-    new_len = max(l + len(c) for l, c in zip(lengths, cols))
+    new_len = max(l + m for l, m in zip(lengths, n))
     # only the kept columns move: row r's i-th kept block column goes to column L_r + i
-    rows = torch.repeat_interleave(torch.arange(len(cols), device=dev), n)  # (M,) M = sum n_r
+    rows = torch.repeat_interleave(torch.arange(len(cols), device=dev),
+                                   torch.tensor(n, device=dev))  # (M,) M = sum n_r
     src = cache_len + torch.cat(cols)  # (M,)
     dst = torch.cat([torch.arange(l, l + len(c), device=dev) for l, c in zip(lengths, cols)])
     for layer, k, v in _pairs(cache):

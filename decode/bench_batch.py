@@ -44,7 +44,7 @@ def run_batch_bench(target: Any, drafter: Any, prompts: Sequence[torch.Tensor], 
             for m in modes:
                 runs[(b, m)].append(generate_batch(
                     target, drafter if m != "plain" else None, work, max_new_tokens=max_new_tokens,
-                    batch_size=b, k=k, mode=m, cache_dir=cache_dir, tree=tree and m != "plain",
+                    batch_size=b, k=k, mode=m, cache_dir=cache_dir, tree=tree,
                     **({"planner": planner} if m == "budgeted" else {"cost": cost})))
                 last = runs[(b, m)][-1]
                 log(f"repeat {r + 1}/{repeats} B={b} {m}: {last.tokens_per_s:.1f} tokens/s")

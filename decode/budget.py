@@ -209,12 +209,17 @@ class RoundPlanner:
         self.cost, self.k, self.decay, self.ema = cost, k, decay, ema
         # trees: the round is plain (0) or the drafter's whole tree (k = its depth), whose
         # forward is tree_width tokens per row (first guessed, then an EMA of the measured ones)
-        self.tree, self.tree_width = tree_width is not None, tree_width
+        self.tree_width = tree_width
         self.idle_decay, self.optimism = idle_decay, optimism
         self.reach, self.acc = [0.0] * k, [0.0] * k  # decayed counts per depth 1..k
         self.draft_row: dict[int, float] = {}  # asked depth -> seconds of drafting per row
         self.other_row = 0.0  # seconds per row per round outside the drafters and the forward
         self.probes = 0  # rounds drafted only because the optimistic estimate might pay
+
+    @property
+    def tree(self) -> bool:
+        """Planning trees (plain or the whole tree) rather than chain depths."""
+        return self.tree_width is not None
 
     def survival(self, extra: float = 0.0) -> list[float]:
         """S_1 .. S_k: the running chance that a row commits its i-th draft; with extra > 0 each

@@ -21,7 +21,7 @@ What this module does, each piece removing one cause:
   3. attention is computed by plain ops: scores = q k^T (all query rows of a KV head in one matmul,
      M = heads-per-KV-head x rows >= 2), an fp32 softmax over the full length, then p v.
 Every query row then sees exactly the arithmetic of a one-token step (tested bitwise on the tiny
-target and on SmolLM2 at bf16: tests/test_fast_decode.py). The reliance on GEMM row-consistency
+target and on SmolLM2 at bf16: tests/test_exact_verify.py). The reliance on GEMM row-consistency
 for M >= 2 is an observed property of the CPU kernels, not a guarantee of torch: the benchmark
 counts flips, and `first_difference` still classifies any that remain.
 
@@ -131,6 +131,12 @@ def resolve_exact(setting: bool | str, dtype: torch.dtype, tree: bool) -> bool:
     """decode's `exact_verify`: true / false, or auto = on for greedy-exact chains where it is
     needed and cheap: a 16-bit target (bf16 / fp16; at fp32 a one-row matmul run as two costs
     ~1.6x, and near-ties that flip are rare) decoding chains (trees keep near-tie flips anyway)."""
+    forced = parse_exact(setting)
+    return forced if forced is not None else dtype in (torch.bfloat16, torch.float16) and not tree
+
+
+def parse_exact(setting: bool | str) -> bool | None:
+    """`exact_verify` as given: True / False, or None for auto."""
     value = str(setting).strip().lower()
     if value in ("true", "1", "yes", "on"):
         return True
@@ -138,7 +144,7 @@ def resolve_exact(setting: bool | str, dtype: torch.dtype, tree: bool) -> bool:
         return False
     if value != "auto":
         raise ValueError(f"exact_verify={setting!r}: use auto, true or false")
-    return dtype in (torch.bfloat16, torch.float16) and not tree
+    return None
 
 
 VERIFY_ROOM = 128  # cache rows past the budget a verify may write (a tree of up to 127 nodes)

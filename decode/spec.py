@@ -200,6 +200,12 @@ class _Tree:
     anc: torch.Tensor
     probs: torch.Tensor | None
 
+    @classmethod
+    def empty(cls, device: torch.device) -> "_Tree":
+        """No nodes: the round verifies only the last committed token."""
+        none = torch.empty(0, dtype=torch.long, device=device)
+        return cls(none, none, torch.zeros(0, 0, dtype=torch.bool, device=device), None)
+
 
 def _draft_tree(loop: _Loop, budget: int) -> _Tree:
     """Step 3a: draft a tree of N nodes, cut to the depth the budget can still commit."""

@@ -13,6 +13,7 @@ from conftest import write_chats
 from data.capture import CaptureConfig, OfflineFeatures, capture, capture_split, pad_batch
 from decode.spec import generate
 from drafters.base import load_drafter
+from drafters.vocab import select_draft_vocab
 from train import checkpoint as ckpt
 from train import recipe as recipe_mod
 from train.recipe import DistillRecipe, NonFiniteLoss
@@ -191,3 +192,31 @@ def test_unwritable_run_dir_is_refused_before_training(tmp_path, chat_file):
     cfg = make_cfg(tmp_path, chat_file, f"run_dir={blocker / 'run'}")
     with pytest.raises((PermissionError, OSError, FileExistsError, NotADirectoryError)):
         DistillRecipe(cfg).setup()
+
+
+def test_train_conversations_trains_on_a_prefix_of_one_capture(tmp_path, chat_file):
+    """trainer.train_conversations=N: the whole split is captured once (reused by every N), batches
+    and the draft vocabulary come from its first N conversations only; too many is refused."""
+    feats = tmp_path / "feats"
+    cfg = make_cfg(tmp_path / "a", chat_file, "trainer.max_steps=1", "trainer.features=offline",
+                   f"trainer.features_dir={feats}", "trainer.train_conversations=6",
+                   "trainer.batch_size=4", "drafter.draft_vocab_size=64")
+    r = DistillRecipe(cfg)
+    r.setup()
+    assert len(r.train_ds) == 6 and len(r.split_ds) > 6
+    assert len(r.offline) == len(r.split_ds)  # the capture holds the whole split
+    seen = set()
+    for _ in range(12):  # 8 epochs of the 6 conversations
+        seen |= set(next(r.batches)["index"].tolist())
+    assert seen == set(range(6))
+    def vocab(ds):
+        return select_draft_vocab(recipe_mod.token_counts(ds, r.target.vocab_size),
+                                  len(r.drafter.d2t), r.target.eos_token_ids)
+    assert torch.equal(r.drafter.d2t, vocab(r.train_ds))  # fitted to the six alone
+    assert not torch.equal(r.drafter.d2t, vocab(r.split_ds))
+    r.train_step()  # a batch of the prefix reads its features from the whole split's capture
+    r.cleanup()
+    too_many = make_cfg(tmp_path / "b", chat_file, "trainer.max_steps=1",
+                        "trainer.train_conversations=999")
+    with pytest.raises(ValueError, match="train_conversations=999"):
+        DistillRecipe(too_many).setup()

@@ -50,3 +50,14 @@ class BatchIterator:
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.epoch, self.cursor = state["epoch"], state["cursor"]
         self._order = self._permutation(self.epoch)
+
+
+def first_conversations(dataset, n: int | None):
+    """The first n conversations of a split (None = all of it): what a data-scaling study trains
+    on while the split's one capture (offline features, indexed by row) serves every n."""
+    if n is None or n == len(dataset):
+        return dataset
+    if n > len(dataset):
+        raise ValueError(f"trainer.train_conversations={n} but the train split has {len(dataset)} "
+                         f"conversations; lower it, or raise data.max_conversations")
+    return dataset.select(range(n))

@@ -40,6 +40,9 @@ class TrainerConfig:
     # the target's training forwards (offline capture, online, on-policy batches) under torch.autocast: bfloat16 (None = target.dtype)
     capture_autocast: Optional[str] = None
     features_dir: Optional[str] = None  # offline: a `python -m data.capture` out folder (None = auto, in the cache)
+    # train on the first N conversations of the train split only (None = all): data-scaling studies
+    # (tokens vs passes) on ONE capture of the whole split; the draft vocabulary is fitted to them
+    train_conversations: Optional[int] = None
     on_policy_fraction: float = 0.0  # share of micro-batches replaced by drafter-written text (train/on_policy.py)
     on_policy_max_new_tokens: int = 64  # tokens the drafter samples per on-policy continuation
     on_policy_temperature: float = 1.0  # sampling temperature of on-policy continuations (0 = greedy)
@@ -115,6 +118,7 @@ TRAIN_RULES = {
     "trainer.on_policy_start_step": (0, None), "trainer.eval_every": (0, None),
     "trainer.save_every": (0, None), "trainer.keep_last": (1, None), "trainer.log_every": (1, None),
     "trainer.eval_conversations": (1, None), "trainer.final_eval_limit": (1, None),
+    "trainer.train_conversations": (1, None),
     "trainer.final_eval_max_new_tokens": (1, None), "trainer.dist_timeout_s": (1, None),
     "data.max_length": (2, None), "data.eval_fraction": (0, 1), "data.max_conversations": (1, None),
     "data.num_proc": (1, None),

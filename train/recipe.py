@@ -39,7 +39,7 @@ from train.config import TRAIN_RULES
 from train.distributed import peer_failure_message
 from train.resume import check_resume_config
 from train.runlock import RunLock
-from train.batches import BatchIterator
+from train.batches import BatchIterator, first_conversations
 from train.loggers import Loggers
 from train.losses import distill_loss
 from train.on_policy import OnPolicyMixer
@@ -93,7 +93,8 @@ class DistillRecipe:
         self._prepare_run_dir()
         self.loggers = Loggers(cfg.logger, self.run_dir, self.backend.is_main, config=cfg)
         self.target, self.data = self._setup_data(cfg)  # 1. the frozen target and its chat data
-        self.train_ds, self.eval_ds = self.data.train, self.data.eval
+        self.split_ds, self.eval_ds = self.data.train, self.data.eval  # the split: what is captured
+        self.train_ds = first_conversations(self.split_ds, self.tcfg.train_conversations)  # trained on
         self.drafter = self._setup_drafter(cfg)  # 2. the drafter on the backend's device
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
         self._setup_optimizer(self.tcfg)  # 3. optimizer, schedule, the backend-wrapped model
@@ -150,9 +151,9 @@ class DistillRecipe:
             raise ValueError(f"trainer.features must be online or offline, not {tcfg.features!r}")
         layers = list(self.drafter.feature_layers)
         folder = Path(tcfg.features_dir) if tcfg.features_dir else capture_dir(
-            cache_root(self.cfg.target), self.target, self.train_ds, self.data.cache_path.name,
+            cache_root(self.cfg.target), self.target, self.split_ds, self.data.cache_path.name,
             layers, tcfg.capture_autocast)
-        return offline_features(self.target, self.train_ds, folder,
+        return offline_features(self.target, self.split_ds, folder,
                                 CaptureConfig(layers=layers, autocast=tcfg.capture_autocast),
                                 is_main=self.backend.is_main, barrier=self.backend.barrier,
                                 progress=not quiet())

@@ -51,6 +51,14 @@ ARMS: dict[str, tuple[str, list[str]]] = {
         "drafter=eagle", "drafter.init_from_target_layer=-1"]),
     "eagle_v4k": ("EAGLE-1, draft vocab 4k", ["drafter=eagle", "drafter.draft_vocab_size=4096"]),
     "eagle_v16k": ("EAGLE-1, draft vocab 16k", ["drafter=eagle", "drafter.draft_vocab_size=16384"]),
+    # tokens vs passes at equal steps: the first half / quarter / eighth of the default split's 815
+    # conversations (at 300 steps x 4: 2.9 / 5.9 / 11.8 passes instead of 1.5)
+    "eagle_d50": ("EAGLE-1, the first 408 conversations", [
+        "drafter=eagle", "trainer.train_conversations=408"]),
+    "eagle_d25": ("EAGLE-1, the first 204 conversations", [
+        "drafter=eagle", "trainer.train_conversations=204"]),
+    "eagle_d12": ("EAGLE-1, the first 102 conversations", [
+        "drafter=eagle", "trainer.train_conversations=102"]),
     "eagle_tv": ("EAGLE-1, TV loss (1 - acceptance)", ["drafter=eagle", "trainer.loss=tv"]),
     "eagle_lk": ("EAGLE-1, LK hybrid loss", ["drafter=eagle", "trainer.loss=lk_hybrid"]),
     "e3_ttt1": ("EAGLE-3, no training-time test", ["drafter=eagle3", "drafter.ttt_length=1"]),

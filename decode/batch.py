@@ -96,8 +96,9 @@ class _Batch:
     """The running batch: its sequences (row r of the cache = seqs[r]) and the shared settings."""
 
     def __init__(self, target, drafter, layers, sampling, k, mode, min_confidence, stop, eos,
-                 sync, planner=None, tree=False):
+                 sync, planner=None, tree=False, batch_drafts=True):
         self.target, self.drafter, self.layers = target, drafter, layers
+        self.batch_drafts = batch_drafts  # rows draft together (propose_rows), else one by one
         self.sampling, self.k, self.mode = sampling, k, mode
         self.min_confidence, self.stop, self.eos, self.sync = min_confidence, stop, eos, sync
         self.tree = tree  # rows draft trees (decode/tree.py) instead of chains
@@ -136,22 +137,43 @@ class _Batch:
         res.cache = loop.cache = None  # the row now lives in the batch cache
         return seq, added
 
-    def _draft(self, seq: _Seq, depth: int
-               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Step 1 for one row: (draft (m,) of at most `depth` tokens, q (m, V) or None,
-        budgeted: survival scores (m,))."""
-        loop = seq.loop
-        budget = min(depth, loop.end - loop.T - 1)  # drafts beyond end could never be committed
-        if loop.drafter is None or budget <= 0:
-            return loop.buf.new_empty(0), None, torch.ones(0)
-        prop, dt = _timed(lambda: loop.drafter.propose(loop.state(), budget, self.sampling,
-                                                       loop.generator, self.min_confidence),
-                          self.sync)
-        loop.res.time_draft += dt
-        m = min(len(prop.tokens), budget)
-        q = prop.probs[:m] if prop.probs is not None else None  # (m, V)
-        scores = survival(prop, m) if self.mode == "budgeted" else None  # (m,)
-        return prop.tokens[:m].to(loop.buf.device), q, scores
+    def _draft(self, depth: int
+               ) -> list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
+        """Step 1 for every row: (draft (m,) of at most `depth` tokens, q (m, V) or None,
+        budgeted: survival scores (m,)) each. The rows draft together (the drafter's propose_rows:
+        one forward per draft step for all rows where the drafter can) or, with batch_drafts
+        off, one after another; a together call's seconds are shared evenly by its rows."""
+        budgets = [min(depth, s.loop.end - s.loop.T - 1) if s.loop.drafter is not None else 0
+                   for s in self.seqs]  # drafts beyond end could never be committed
+        live = [s for s, b in zip(self.seqs, budgets) if b > 0]
+        props: dict[int, Any] = {}
+        if live and self.batch_drafts:
+            ks = [b for b in budgets if b > 0]
+            got, dt = _timed(lambda: live[0].loop.drafter.propose_rows(
+                [s.loop.drafter for s in live], [s.loop.state() for s in live], ks, self.sampling,
+                [s.loop.generator for s in live], self.min_confidence), self.sync)
+            for s, prop in zip(live, got):
+                props[id(s)] = prop
+                s.loop.res.time_draft += dt / len(live)
+        else:
+            for s, b in zip(self.seqs, budgets):
+                if b > 0:
+                    loop = s.loop
+                    props[id(s)], dt = _timed(lambda: loop.drafter.propose(
+                        loop.state(), b, self.sampling, loop.generator, self.min_confidence),
+                        self.sync)
+                    loop.res.time_draft += dt
+        out = []
+        for s, b in zip(self.seqs, budgets):
+            prop = props.get(id(s))
+            if prop is None:
+                out.append((s.loop.buf.new_empty(0), None, torch.ones(0)))
+                continue
+            m = min(len(prop.tokens), b)
+            q = prop.probs[:m] if prop.probs is not None else None  # (m, V)
+            scores = survival(prop, m) if self.mode == "budgeted" else None  # (m,)
+            out.append((prop.tokens[:m].to(s.loop.buf.device), q, scores))
+        return out
 
     def _depth(self) -> int:
         """Drafts asked per row this round: k (verify_all), 0 (plain), or the planner's."""
@@ -167,7 +189,7 @@ class _Batch:
         t_round, depth = time.perf_counter(), self._depth()
         if self.tree and depth:
             return self._tree_round(t_round, depth)
-        drafts = [self._draft(s, depth) for s in self.seqs]  # 1.
+        drafts = self._draft(depth)  # 1.
         t_draft = time.perf_counter() - t_round
         lens = [len(d) for d, _, _ in drafts]
         if self.planner and depth:  # 2. cut every row to the width the cost grid pays for
@@ -303,6 +325,7 @@ def generate_batch(
     cache_dir: str | None = None,  # where a measured cost curve is cached
     planner: RoundPlanner | None = None,  # budgeted: kept across calls (None = a fresh one)
     tree: bool = False,  # every row verifies the drafter's tree (decode/tree.py) instead of a chain
+    batch_drafts: bool = True,  # chains: rows draft together (Drafter.propose_rows), else 1 by 1
 ) -> BatchResult:
     """Decode every prompt, up to batch_size at a time in one target forward per round,
     losslessly per sequence: each output is what `decode.spec.generate` gives that prompt alone
@@ -335,7 +358,7 @@ def generate_batch(
     stop = _StopChecker(target.tokenizer, stop_strings) if any(stop_strings) else None
     layers = tuple(one.feature_layers) if speculative else ()
     batch = _Batch(target, drafter if speculative else None, layers, sampling, k, mode,
-                   min_confidence, stop, eos, dev.type == "cuda", planner, tree)
+                   min_confidence, stop, eos, dev.type == "cuda", planner, tree, batch_drafts)
     results: list = [None] * len(prompts)
     latency: list = [0.0] * len(prompts)
     out = BatchResult(results=results, latency=latency)

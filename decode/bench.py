@@ -256,6 +256,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch-repeats", type=int, default=3, help="interleaved repeats (medians)")
     ap.add_argument("--batch-tree", action="store_true",
                     help="--batch: the drafter's trees instead of chains of --k")
+    ap.add_argument("--batch-one-by-one", action="store_true",
+                    help="--batch: also every speculative mode with the rows drafting one after "
+                         "another, interleaved (the A/B of batched drafting)")
     ap.add_argument("--out", default="runs/bench")
     return ap.parse_args(argv)
 
@@ -324,7 +327,8 @@ def batch_main(target, prompts, args, head: list[str]) -> None:
     ids = [render(target, p.turns[:1], []) for p in prompts]
     rows = run_batch_bench(target, drafter, ids, batch_sizes=args.batch_sizes,
                            modes=args.batch_modes, k=args.k, max_new_tokens=args.max_new_tokens,
-                           repeats=args.batch_repeats, tree=args.batch_tree)
+                           repeats=args.batch_repeats, tree=args.batch_tree,
+                           one_by_one=args.batch_one_by_one)
     lines = head + [f"{args.eval}, {len(ids)} prompts cycled to {max(args.batch_sizes)} sequences, "
                     f"greedy, {args.max_new_tokens} new tokens, drafter {drafter.name} "
                     f"{'trees' if args.batch_tree else f'k={args.k}'}, "

@@ -6,7 +6,9 @@ set if it is shorter), so each B is a full batch until its queue drains. Runs ar
 round-robin (repeat 1: every B, every mode; repeat 2: ...), so load from other processes hits every
 cell alike; the table gives medians over repeats. Greedy outputs are checked against plain batched
 decoding at the same B (itself token-identical to decoding alone). tree=True: the speculative
-modes verify the drafter's trees instead of chains.
+modes verify the drafter's trees instead of chains. one_by_one=True adds every speculative mode
+with the rows drafting one after another ("verify_all 1by1"), interleaved with the default where
+the rows draft together (Drafter.propose_rows): the A/B of batched drafting.
 """
 from __future__ import annotations
 
@@ -20,34 +22,41 @@ from decode.batch import MODES, BatchResult, generate_batch
 from decode.budget import CostCurve, cost_curve, new_planner
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+ONE_BY_ONE = "1by1"  # label suffix of a speculative mode whose rows draft one after another
 
 
 def run_batch_bench(target: Any, drafter: Any, prompts: Sequence[torch.Tensor], *,
                     batch_sizes: Sequence[int] = BATCH_SIZES, modes: Sequence[str] = MODES,
                     k: int = 5, max_new_tokens: int = 128, repeats: int = 1,
                     cost: CostCurve | None = None, cache_dir: str | None = None,
-                    tree: bool = False, log=print) -> list[dict]:
+                    tree: bool = False, one_by_one: bool = False, log=print) -> list[dict]:
     """One row per (B, mode): medians over `repeats` interleaved runs of tokens/s over the batch
     and of the mean / p90 per-sequence latency (seconds from the start to its last token), tau,
     the mean forward width, the share of rounds that drafted, and how many outputs differ from
     plain decoding at that B."""
     work = [prompts[i % len(prompts)] for i in range(max(batch_sizes))]
+    cells = [(m, m, True) for m in modes]  # (label, mode, rows draft together)
+    if one_by_one:
+        cells += [(f"{m} {ONE_BY_ONE}", m, False) for m in modes if m != "plain"]
     # budgeted keeps one planner across every call, as a serving process would (each call then
-    # starts from the acceptance and drafting seconds the earlier ones measured)
-    planner = None
+    # starts from the acceptance and drafting seconds the earlier ones measured); one per way of
+    # drafting, whose drafting seconds differ
+    planners = {}
     if "budgeted" in modes and drafter is not None:
-        planner = new_planner(cost if cost is not None else cost_curve(target, cache_dir), k,
-                              drafter, tree)
-    runs: dict[tuple[int, str], list[BatchResult]] = {(b, m): [] for b in batch_sizes for m in modes}
+        grid = cost if cost is not None else cost_curve(target, cache_dir)
+        planners = {t: new_planner(grid, k, drafter, tree) for t in (True, False)}
+    runs: dict[tuple[int, str], list[BatchResult]] = {(b, c[0]): [] for b in batch_sizes
+                                                      for c in cells}
     for r in range(repeats):
         for b in batch_sizes:
-            for m in modes:
-                runs[(b, m)].append(generate_batch(
+            for label, m, together in cells:
+                runs[(b, label)].append(generate_batch(
                     target, drafter if m != "plain" else None, work, max_new_tokens=max_new_tokens,
                     batch_size=b, k=k, mode=m, cache_dir=cache_dir, tree=tree,
-                    **({"planner": planner} if m == "budgeted" else {"cost": cost})))
-                last = runs[(b, m)][-1]
-                log(f"repeat {r + 1}/{repeats} B={b} {m}: {last.tokens_per_s:.1f} tokens/s")
+                    batch_drafts=together,
+                    **({"planner": planners[together]} if m == "budgeted" else {"cost": cost})))
+                last = runs[(b, label)][-1]
+                log(f"repeat {r + 1}/{repeats} B={b} {label}: {last.tokens_per_s:.1f} tokens/s")
     rows = []
     for (b, m), rs in runs.items():
         ref = runs.get((b, "plain"))
@@ -67,23 +76,29 @@ def run_batch_bench(target: Any, drafter: Any, prompts: Sequence[torch.Tensor], 
             "mean_width": statistics.mean(rs[0].widths) if rs[0].widths else 0.0,
             "draft_rounds": (sum(d > 0 for x in rs for d in x.depths)
                              / max(1, sum(len(x.depths) for x in rs))),
-            "differ_from_plain": differ})
+            "differ_from_plain": differ,
+            "draft_ms_round": statistics.median(1e3 * x.time_draft / max(1, x.rounds) for x in rs)})
     return rows
+
+
+def _order(label: str) -> tuple[int, str]:
+    """Table and plot order: by mode, each mode's one-by-one variant after it."""
+    return MODES.index(label.split()[0]), label
 
 
 def batch_markdown(rows: list[dict]) -> list[str]:
     """The table: per B and mode, throughput (and vs plain at that B), latency, tau, width."""
     plain = {r["batch_size"]: r["tokens_per_s"] for r in rows if r["mode"] == "plain"}
     lines = ["| B | mode | tokens/s | vs plain | latency mean (s) | latency p90 (s) | tau | "
-             "mean forward width | rounds drafting | outputs differ from plain |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in sorted(rows, key=lambda r: (r["batch_size"], MODES.index(r["mode"]))):
+             "mean forward width | rounds drafting | draft ms / round | outputs differ from plain |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in sorted(rows, key=lambda r: (r["batch_size"], _order(r["mode"]))):
         base = plain.get(r["batch_size"])
         vs = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
         lines.append(f"| {r['batch_size']} | {r['mode']} | {r['tokens_per_s']:.1f} | {vs} | "
                      f"{r['latency_mean_s']:.2f} | {r['latency_p90_s']:.2f} | {r['tau']:.2f} | "
                      f"{r['mean_width']:.2f} | {r.get('draft_rounds', 0.0):.0%} | "
-                     f"{r['differ_from_plain']} |")
+                     f"{r.get('draft_ms_round', 0.0):.1f} | {r['differ_from_plain']} |")
     return lines
 
 
@@ -96,7 +111,7 @@ def batch_plot(rows: list[dict], path: Path, title: str = "") -> Path:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    for m in MODES:
+    for m in sorted({r["mode"] for r in rows}, key=_order):
         pts = sorted((r["batch_size"], r["tokens_per_s"], r["latency_mean_s"]) for r in rows
                      if r["mode"] == m)
         if pts:

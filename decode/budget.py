@@ -191,16 +191,17 @@ class RoundPlanner:
     before any draft exists, from past rounds only. Keep one per (target, drafter, k) across
     `generate_batch` calls (its `planner` argument): what it learns holds for every batch size.
 
-    What it learns online, all per row so one estimate serves every batch size (rows draft one
-    after another, so a round's drafting costs rows x the per-row time):
+    What it learns online (acceptance per row, so one estimate serves every batch size):
       * S_i, a row's chance to commit its i-th draft: per depth, decayed counts of rows that
         reached depth i (drafted it, every earlier draft accepted) and of those that committed it;
         a draft cut by step 2 counts as not committed (it brought nothing). Prior: half a reached
         and accepted draft per depth, so depths never tried look worth a try. The counts decay by
         `decay` per drafting round and by `idle_decay` per plain round (old evidence fades, so a
         probe eventually comes back to check it);
-      * the drafting phase's seconds per row at each asked depth (an EMA; an unseen depth is
-        scaled from the nearest seen one, linear in depth; nothing seen yet = free);
+      * the drafting phase's seconds at each asked depth and number of drafting rows (an EMA per
+        (depth, rows): rows drafting together (Drafter.propose_rows) cost less than rows x one
+        row; an unseen pair is scaled from the nearest seen one (rows first), linear in depth and
+        in rows; nothing seen yet = free);
       * the round's other seconds per row (accept, cache compaction: an EMA).
     """
 
@@ -212,7 +213,7 @@ class RoundPlanner:
         self.tree_width = tree_width
         self.idle_decay, self.optimism = idle_decay, optimism
         self.reach, self.acc = [0.0] * k, [0.0] * k  # decayed counts per depth 1..k
-        self.draft_row: dict[int, float] = {}  # asked depth -> seconds of drafting per row
+        self.draft_s: dict[tuple[int, int], float] = {}  # (depth, rows drafting) -> phase seconds
         self.other_row = 0.0  # seconds per row per round outside the drafters and the forward
         self.probes = 0  # rounds drafted only because the optimistic estimate might pay
 
@@ -230,18 +231,18 @@ class RoundPlanner:
             out.append(s)
         return out
 
-    def draft_seconds(self, d: int) -> float:
-        """Estimated drafting seconds per row at depth d."""
-        if d == 0 or not self.draft_row:
+    def draft_seconds(self, d: int, B: int) -> float:
+        """Estimated seconds of a round's drafting phase: B rows drafting d each."""
+        if d == 0 or B == 0 or not self.draft_s:
             return 0.0
-        near = min(self.draft_row, key=lambda x: (abs(x - d), -x))
-        return self.draft_row[near] * d / near
+        nd, nb = min(self.draft_s, key=lambda x: (abs(x[1] - B), abs(x[0] - d), -x[1], -x[0]))
+        return self.draft_s[(nd, nb)] * (d / nd) * (B / nb)
 
     def rate(self, B: int, d: int, S: Sequence[float]) -> float:
         """Expected committed tokens per second of a round of B rows drafting d each."""
         tokens = B * (1.0 + sum(S[:d]))
         width = self.tree_width if self.tree and d else d + 1
-        seconds = self.cost(B, width) + B * (self.draft_seconds(d) + self.other_row)
+        seconds = self.cost(B, width) + self.draft_seconds(d, B) + B * self.other_row
         return tokens / seconds
 
     def _best(self, B: int, S: Sequence[float]) -> int:
@@ -289,9 +290,8 @@ class RoundPlanner:
         """One round's seconds: its drafting phase over rows_drafted rows at depth `depth`, and
         its work outside the drafters and the forward over all `rows`."""
         if depth and rows_drafted:
-            per = draft_s / rows_drafted
-            old = self.draft_row.get(depth)
-            self.draft_row[depth] = per if old is None else old + self.ema * (per - old)
+            key, old = (depth, rows_drafted), self.draft_s.get((depth, rows_drafted))
+            self.draft_s[key] = draft_s if old is None else old + self.ema * (draft_s - old)
         if rows:
             self.other_row += self.ema * (other_s / rows - self.other_row)
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 from torch import nn
@@ -117,6 +117,50 @@ class DraftPrediction:
     anchors: torch.Tensor | None = None  # (B, A): logits (B, A, Vd) at these anchors (None: all)
 
 
+class ChainDraw:
+    """One chain being drafted, draw by draw (Drafter.draft_chain; several at once in a drafter's
+    batched propose_rows):
+    1. draw draft i from its logits (argmax, or a sample from the warped q_i);
+    2. stop early when its confidence falls below min_confidence (never on the first);
+    3. map it to a target id; the chain goes on until k drafts;
+    4. package the target ids, their confidences and (sampling) q over the target vocabulary."""
+
+    def __init__(self, drafter: "Drafter", k: int, sampling: SamplingParams,
+                 generator: torch.Generator | None, min_confidence: float) -> None:
+        self.drafter, self.k, self.sampling = drafter, k, sampling
+        self.generator, self.min_confidence = generator, min_confidence
+        self.tokens: list[torch.Tensor] = []  # target ids
+        self.qs: list[torch.Tensor | None] = []
+        self.confs: list[float] = []
+        self.done = k < 1
+
+    @property
+    def n(self) -> int:
+        return len(self.tokens)
+
+    def draw(self, logits: torch.Tensor) -> bool:
+        """Draw the next draft from logits (Vd,); True when the chain wants the next logits."""
+        if self.done:
+            return False
+        d, q, conf = draft_token(logits, self.sampling, self.generator, self.min_confidence)
+        if self.tokens and conf < self.min_confidence:  # 2.
+            self.done = True
+            return False
+        self.tokens.append(self.drafter.target_ids(d))  # 3.
+        self.qs.append(q)
+        self.confs.append(conf)
+        self.done = self.n >= self.k
+        return not self.done
+
+    def proposal(self) -> ChainProposal:  # 4.
+        if not self.tokens:
+            return ChainProposal(tokens=torch.empty(0, dtype=torch.long))
+        tokens, conf = torch.stack(self.tokens).long(), torch.tensor(self.confs)  # (n,), (n,)
+        q = None if self.sampling.greedy else expand_probs(torch.stack(self.qs), self.drafter.d2t,
+                                                           self.drafter.vocab_size)
+        return ChainProposal(tokens=tokens, probs=q, confidence=conf)  # q: (n, V) | None
+
+
 class Drafter(nn.Module):
     """Base class of every drafter. Subclasses implement `propose` and optionally `propose_tree`;
     trainable drafters also implement `forward_train`. Set by `register`: `name`, `config_class`,
@@ -167,28 +211,27 @@ class Drafter(nn.Module):
         """`module(batch)` trains: DDP and DeepSpeed wrappers hook into forward()."""
         return self.forward_train(batch)
 
+    def propose_rows(self, slots: Sequence["Drafter"], states: Sequence[DecodeState],
+                     ks: Sequence[int], sampling: SamplingParams,
+                     generators: Sequence[torch.Generator | None],
+                     min_confidence: float = 0.0) -> list[ChainProposal]:
+        """Chains for several sequences decoded together (decode/batch.py): row r's drafter is
+        slots[r] (a copy of this drafter holding row r's state), drafting up to ks[r] tokens after
+        states[r] with generators[r]. Each row gets what slots[r].propose would give it. This
+        default runs the rows one after another; drafters that can put every row through one
+        forward per draft step override it."""
+        return [d.propose(s, k, sampling, g, min_confidence)
+                for d, s, k, g in zip(slots, states, ks, generators)]
+
     def draft_chain(self, logits: torch.Tensor, step: Callable[[int, torch.Tensor], torch.Tensor],
                     k: int, sampling: SamplingParams, generator: torch.Generator | None = None,
                     min_confidence: float = 0.0) -> ChainProposal:
         """The chain-proposal loop every drafter shares. logits (Vd,): the first draft's; step(i,
-        token) feeds draft i (a target id) and returns the next draft's logits (Vd,).
-        1. Draw draft i from the logits (argmax, or a sample from the warped q_i).
-        2. Stop early when its confidence falls below min_confidence (never on the first).
-        3. Map it to a target id; unless it was the k-th, step to the next logits.
-        4. Package the target ids, their confidences and (sampling) q over the target vocab."""
-        toks, qs, confs = [], [], []
-        for i in range(k):
-            d, q, conf = draft_token(logits, sampling, generator, min_confidence)  # q: (Vd,) | None
-            if i > 0 and conf < min_confidence:
-                break
-            toks.append(self.target_ids(d))
-            qs.append(q)
-            confs.append(conf)
-            if i + 1 < k:
-                logits = step(i, toks[-1])  # (Vd,)
-        tokens, conf = torch.stack(toks).long(), torch.tensor(confs)  # (n,), (n,)
-        q = None if sampling.greedy else expand_probs(torch.stack(qs), self.d2t, self.vocab_size)
-        return ChainProposal(tokens=tokens, probs=q, confidence=conf)  # q: (n, V) | None
+        token) feeds draft i (a target id) and returns the next draft's logits (Vd,)."""
+        chain = ChainDraw(self, k, sampling, generator, min_confidence)
+        while chain.draw(logits):
+            logits = step(chain.n - 1, chain.tokens[-1])  # (Vd,)
+        return chain.proposal()
 
     # A pruned draft vocabulary (drafters/head.py): drafters that support one hold `self.draft_vocab`
     # (a drafters.vocab.DraftVocab, None = the full target vocabulary) and a trainable `self.lm_head`

@@ -77,3 +77,54 @@ class DraftCache:
         """Record the cache slots of a level's nodes (after running it)."""
         for i, f in enumerate(frontier.tolist()):
             self.slots[f] = base + i
+
+
+class RowsKV:
+    """Several sequences' drafter caches as ONE padded batch cache, for a round of batched drafting
+    (an Eagle drafter's `propose_rows`). Row r's cached positions sit in columns [0, L_r) of a
+    DynamicCache of max L_r columns (zeros after: never attended to); every forward then appends Q
+    columns for all rows at once (`block`), and `allowed` (B, K) records which columns hold a
+    real position of each row. `commit` appends each row's first n_r new columns (its committed
+    positions) to its own cache; everything after (drafts) goes away with the batch cache, as a
+    lone row's `forget_drafts` drops them."""
+
+    def __init__(self, caches: list[DraftCache]) -> None:
+        self.lengths = [len(c) for c in caches]
+        full = next((c for c, n in zip(caches, self.lengths) if n), None)
+        config = caches[0].config
+        self.kv = DynamicCache(config=config) if config is not None else DynamicCache()
+        B, L = len(caches), max(self.lengths)
+        dev = full.kv.layers[0].keys.device if full is not None else None
+        lengths = torch.tensor(self.lengths, device=dev)
+        self.allowed = torch.arange(L, device=dev)[None, :] < lengths[:, None]  # (B, L)
+        self.start = L  # first column of the round's new positions
+        if full is None:
+            return
+        for i, layer in enumerate(full.kv.layers):
+            keys, values = (torch.zeros((B, *t.shape[1:2], L, t.shape[-1]), dtype=t.dtype,
+                                        device=t.device) for t in (layer.keys, layer.values))
+            for r, (c, n) in enumerate(zip(caches, self.lengths)):
+                if n:
+                    keys[r, :, :n] = c.kv.layers[i].keys[0]
+                    values[r, :, :n] = c.kv.layers[i].values[0]
+            self.kv.update(keys, values, i)
+
+    def block(self, valid: torch.Tensor) -> torch.Tensor:
+        """The attention of the next Q queries of every row (valid (B, Q) bool: real queries),
+        appended as the next Q columns: (B, Q, K + Q) bool over every column so far and the block,
+        causal within it. A padding query sees itself only (finite, and nobody reads it)."""
+        B, Q = valid.shape
+        dev = valid.device
+        old = self.allowed[:, None, :] & valid[:, :, None]  # (B, Q, K)
+        causal = torch.ones(Q, Q, dtype=torch.bool, device=dev).tril()
+        new = (causal & valid[:, None, :] & valid[:, :, None]) | torch.eye(Q, dtype=torch.bool,
+                                                                          device=dev)  # (B, Q, Q)
+        self.allowed = torch.cat([self.allowed, valid], dim=1)
+        return torch.cat([old, new], dim=-1)
+
+    def commit(self, caches: list[DraftCache], n: list[int]) -> None:
+        """Append row r's first n[r] columns of the round (its committed positions) to caches[r]."""
+        a = self.start
+        for r, (c, m) in enumerate(zip(caches, n)):
+            for i, layer in enumerate(self.kv.layers):
+                c.kv.update(layer.keys[r:r + 1, :, a:a + m], layer.values[r:r + 1, :, a:a + m], i)

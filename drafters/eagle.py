@@ -32,14 +32,15 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaRMSNorm,
                                                       LlamaRotaryEmbedding)
 
-from drafters.base import (ChainProposal, DecodeState, Drafter, DrafterConfig, DraftPrediction,
-                           ExportLayout, TrainBatch, TreeProposal, register)
-from drafters.cache import DraftCache
+from drafters.base import (ChainDraw, ChainProposal, DecodeState, Drafter, DrafterConfig,
+                           DraftPrediction, ExportLayout, TrainBatch, TreeProposal, register)
+from drafters.cache import DraftCache, RowsKV
 from drafters.export_formats import WEIGHTS, llama_layer_config, speculators_config
 from drafters.head import frozen_logits, init_draft_head
 from drafters.sampling import SamplingParams
@@ -350,6 +351,60 @@ class Eagle(Drafter):
                                     min_confidence)
         finally:  # drafts came from predicted features: redo them from real ones next round
             self._cache.forget_drafts()
+
+    @torch.no_grad()
+    def propose_rows(self, slots, states, ks, sampling, generators, min_confidence=0.0):
+        """Drafter.propose_rows with ONE drafter forward per draft step for all rows (and one for
+        their new committed positions), each row attending to its own cache only (RowsKV), so each
+        row's chain is what its own propose would draft (up to the padded forward's rounding)."""
+        live = [r for r, k in enumerate(ks) if k >= 1]
+        if len(live) < 2:  # nothing to batch: no padding
+            return super().propose_rows(slots, states, ks, sampling, generators, min_confidence)
+        out = [ChainProposal(tokens=s.tokens.new_empty(0)) for s in states]
+        pick = [slots[r] for r in live]
+        try:
+            got = self._propose_together(pick, [states[r] for r in live], [ks[r] for r in live],
+                                         sampling, [generators[r] for r in live], min_confidence)
+        except BaseException:
+            for d in pick:  # a half-synced cache must not survive: the next round rebuilds it
+                d.reset()
+            raise
+        for r, p in zip(live, got):
+            out[r] = p
+        return out
+
+    def _propose_together(self, slots, states, ks, sampling, generators, min_confidence
+                          ) -> list[ChainProposal]:
+        """propose_rows' round: 1. every row's new committed positions in one forward (padded);
+        2. each row's first draft from its last one; 3. one forward per further draft step over
+        the rows still drafting; 4. each row's cache keeps its committed positions only."""
+        synced = [d._sync_inputs(s) for d, s in zip(slots, states)]  # [(x (1, n, .), pos (n,))]
+        rows = RowsKV([d._cache for d in slots])
+        n = [len(p) for _, p in synced]
+        B, Q = len(slots), max(n)
+        x = torch.cat([F.pad(x, (0, 0, 0, Q - len(p))) for x, p in synced])  # (B, Q, .)
+        pos = torch.stack([torch.cat([p, p[-1:].expand(Q - len(p))]) for _, p in synced])  # (B, Q)
+        valid = torch.arange(Q)[None, :] < torch.tensor(n)[:, None]  # (B, Q) real queries
+        valid = valid.to(pos.device)
+        h = self._layers(x, pos, additive_mask(rows.block(valid), x.dtype), rows.kv)  # 1. (B, Q, H)
+        h = h[torch.arange(B), torch.tensor(n) - 1][:, None]  # (B, 1, H)
+        chains = [ChainDraw(self, k, sampling, g, min_confidence) for k, g in zip(ks, generators)]
+        logits = self.head(h)[:, 0].float()  # (B, Vd)
+        want = [c.draw(logits[b]) for b, c in enumerate(chains)]  # 2.
+        T = [s.tokens.shape[0] for s in states]
+        while any(want):  # 3. rows that stopped ride along, seeing only themselves
+            tok = torch.stack([c.tokens[-1] for c in chains]).view(B, 1)
+            pos = torch.tensor([[t - 2 + c.n] for t, c in zip(T, chains)], device=tok.device)
+            live = torch.tensor(want, device=tok.device)[:, None]  # (B, 1)
+            x = self._inputs(tok, h)  # (B, 1, .)
+            h = self._layers(x, pos, additive_mask(rows.block(live), x.dtype), rows.kv)
+            logits = self.head(h)[:, 0].float()  # (B, Vd)
+            want = [c.draw(logits[b]) for b, c in enumerate(chains)]  # a done chain draws no more
+        rows.commit([d._cache for d in slots], n)  # 4.
+        for d in slots:
+            d._cache.forget_drafts()
+            assert len(d._cache) == d._cache.committed
+        return [c.proposal() for c in chains]
 
     @torch.no_grad()
     def propose_tree(self, state: DecodeState, sampling: SamplingParams,

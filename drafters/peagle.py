@@ -61,8 +61,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from drafters.base import (ChainProposal, DecodeState, DraftPrediction, ExportLayout, TrainBatch,
-                           TreeProposal, register)
+from drafters.base import (ChainProposal, DecodeState, Drafter, DraftPrediction, ExportLayout,
+                           TrainBatch, TreeProposal, register)
 from drafters.eagle3 import (Eagle3, Eagle3Config, engine_config, engine_refusal, engine_state,
                              state_from_engine, ttt_attention)
 from drafters.export_formats import WEIGHTS, torch_dtype
@@ -272,6 +272,10 @@ class Peagle(Eagle3):
             return self.head(h[0, real.shape[1] - 1:]).float()  # (k, Vd)
         finally:
             self._cache.forget_drafts()  # masks are per round: drop them, keep the real positions
+
+    # a row's k drafts are one forward already: rows go one after another (not EAGLE's batched
+    # chain steps, which would draft autoregressively)
+    propose_rows = Drafter.propose_rows
 
     @torch.no_grad()
     def propose(self, state: DecodeState, k: int, sampling: SamplingParams,

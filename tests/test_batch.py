@@ -22,7 +22,7 @@ from decode.budget import (BATCH_NS, WIDTH_NS, CostCurve, RoundPlanner, choose_w
 from decode.spec import generate
 from decode_toys import (V, FixedQ, NoisyOracle, StubTokenizer, chi2_stat, jsonl_prompt_ids,
                          make_target, pair_joint, wrong_rule)
-from drafters.base import ChainProposal, build_drafter
+from drafters.base import ChainProposal, DecodeState, build_drafter
 from drafters.sampling import SamplingParams
 from drafters.target import Target
 from eagle3_engines import perturbed_drafter, tiny8_target
@@ -162,20 +162,36 @@ def target8():
 def test_registered_drafters_see_what_they_see_alone(target8, name, B, monkeypatch):
     """Greedy outputs equal the lone decoder's, and each slot's drafter proposes exactly what the
     drafter proposes for that prompt alone (so its own cache and the target features it reads
-    are the lone decoder's): the shallow per-slot copies share weights, never state."""
+    are the lone decoder's): the shallow per-slot copies share weights, never state; rows that
+    draft together (EAGLE's propose_rows: one padded forward per draft step) draft the same."""
     cfg = {"draft_vocab_size": None} if name == "eagle" else {}
     d = (build_drafter({"name": name}, target8) if name == "ngram"
          else perturbed_drafter(target8, name, **cfg))
     log: dict = {}
-    propose = type(d).propose
+    propose, propose_rows, inside = type(d).propose, type(d).propose_rows, []
+
+    def record(state, prop):
+        key = tuple(state.tokens[:4].tolist())  # the prompts differ in their first tokens
+        log.setdefault(key, []).append(prop.tokens.tolist())
 
     def logged(self, state, k, *a, **kw):
         prop = propose(self, state, k, *a, **kw)
-        key = tuple(state.tokens[:4].tolist())  # the prompts differ in their first tokens
-        log.setdefault(key, []).append(prop.tokens.tolist())
+        if not inside:  # a row drafted by propose_rows is recorded there
+            record(state, prop)
         return prop
 
+    def logged_rows(self, slots, states, *a, **kw):  # rows drafting together (eagle, eagle3)
+        inside.append(1)
+        try:
+            props = propose_rows(self, slots, states, *a, **kw)
+        finally:
+            inside.pop()
+        for state, prop in zip(states, props):
+            record(state, prop)
+        return props
+
     monkeypatch.setattr(type(d), "propose", logged)
+    monkeypatch.setattr(type(d), "propose_rows", logged_rows)
     g = torch.Generator().manual_seed(7)
     prompts = [torch.cat([torch.tensor([i]), torch.randint(0, 128, (n,), generator=g)])
                for i, n in enumerate([5, 12, 8, 20, 3, 9])]
@@ -185,6 +201,63 @@ def test_registered_drafters_see_what_they_see_alone(target8, name, B, monkeypat
     out = generate_batch(target8, d, prompts, max_new_tokens=budgets, batch_size=B, k=3)
     assert [r.tokens.tolist() for r in out.results] == refs
     assert log == ref_log
+
+
+def _state(target, d, tokens):
+    feats = target.forward(tokens[None, :-1], layers=d.feature_layers).features[0]  # (T-1, F)
+    return DecodeState(tokens=tokens, features=feats)
+
+
+@pytest.mark.parametrize("name", ["eagle", "eagle3"])
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=1.0, top_k=6)])
+def test_rows_drafting_together_draft_what_each_drafts_alone(target8, name, sampling):
+    """EAGLE's propose_rows (one padded forward per draft step for every row, RowsKV) over rows of
+    different lengths and cache lengths, ks of 0 / 1 / 3 / 4 and confidence stops: every row's
+    tokens, q and confidences are its own propose's (sampled with the same generator), and its
+    cache afterwards holds what its own propose leaves, over two rounds."""
+    torch.manual_seed(0)  # the drafter's init: the confidence thresholds below are set for it
+    d = perturbed_drafter(target8, name, draft_vocab_size=64)  # a pruned head: q mapped back
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(0, 128, (n,), generator=g) for n in (9, 4, 15, 7, 11)]
+    ks = [3, 0, 4, 1, 3]
+    minc = {"eagle": 0.95, "eagle3": 0.2 if sampling.greedy else 0.28}[name]  # some chains stop
+    together, alone_ = [slot_drafter(d) for _ in seqs], [slot_drafter(d) for _ in seqs]
+    made = []  # (drafts, k) of every row and round
+    for grow in (0, 3):  # round 2: each row committed a few more tokens (its cache is reused)
+        seqs = [torch.cat([t, torch.randint(0, 128, (grow + i % 2,), generator=g)]) if grow else t
+                for i, t in enumerate(seqs)]
+        states = [_state(target8, d, t) for t in seqs]
+        gens = [torch.Generator().manual_seed(10 + i) for i in range(len(seqs))]
+        got = d.propose_rows(together, states, ks, sampling, gens, minc)
+        gens = [torch.Generator().manual_seed(10 + i) for i in range(len(seqs))]
+        ref = [a.propose(s, k, sampling, gn, minc) if k else None
+               for a, s, k, gn in zip(alone_, states, ks, gens)]
+        for p, r, k in zip(got, ref, ks):
+            if not k:
+                assert len(p.tokens) == 0
+                continue
+            assert p.tokens.tolist() == r.tokens.tolist()
+            torch.testing.assert_close(p.confidence, r.confidence, rtol=1e-4, atol=1e-5)
+            if not sampling.greedy:
+                torch.testing.assert_close(p.probs, r.probs, rtol=1e-4, atol=1e-5)
+        made += [(len(p.tokens), k) for p, k in zip(got, ks)]
+        for a, b in zip(together, alone_):
+            assert len(a._cache) == len(b._cache) == a._cache.committed
+            for la, lb in zip(a._cache.kv.layers, b._cache.kv.layers):
+                torch.testing.assert_close(la.keys, lb.keys, rtol=1e-4, atol=1e-5)
+    assert any(n < k for n, k in made if n) and any(n == k > 2 for n, k in made)  # stops, whole
+
+
+def test_a_failed_round_of_rows_leaves_no_half_synced_cache(target8, monkeypatch):
+    d = perturbed_drafter(target8, "eagle", draft_vocab_size=64)
+    rows = [slot_drafter(d) for _ in range(2)]
+    states = [_state(target8, d, torch.arange(5 + i)) for i in range(2)]
+    d.propose_rows(rows, states, [2, 2], SamplingParams(), [None, None])
+    assert all(len(r._cache) for r in rows)
+    monkeypatch.setattr(type(d), "head", lambda self, h: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        d.propose_rows(rows, states, [2, 2], SamplingParams(), [None, None])
+    assert all(len(r._cache) == 0 for r in rows)  # reset: the next round rebuilds them
 
 
 def test_slot_drafter_shares_weights_not_state(target8):
@@ -353,8 +426,14 @@ def test_planner_drafts_only_where_it_pays():
     assert S[0] == pytest.approx(1.0) and S[1] < 0.1 and S[2] == pytest.approx(S[1])
     # 3. drafting measured at 2 ms per row and draft: one draft pays, deeper ones do not
     p.observe_times(depth=1, rows_drafted=2, draft_s=0.004, rows=2, other_s=0.0)
-    assert p.draft_seconds(1) == pytest.approx(0.002) and p.draft_seconds(2) == pytest.approx(0.004)
+    assert p.draft_seconds(1, 2) == pytest.approx(0.004)
+    assert p.draft_seconds(2, 2) == pytest.approx(0.008)
+    assert p.draft_seconds(1, 1) == pytest.approx(0.002)  # unseen: scaled from the nearest
     assert p.depth(1) == 1 and p.depth(2) == 1
+    # rows drafting together: 4 rows measured at 1.5x one row's time, not 4x
+    p.observe_times(depth=1, rows_drafted=4, draft_s=0.003, rows=4, other_s=0.0)
+    assert p.draft_seconds(1, 4) == pytest.approx(0.003)
+    assert p.draft_seconds(1, 2) == pytest.approx(0.004)
     # 4. drafts now rejected: plain; a probe only once the evidence has faded (idle_decay per
     #    plain round) far enough that one more accepted draft would make depth 1 pay
     for _ in range(20):
@@ -391,7 +470,7 @@ def test_a_kept_planner_skips_the_blind_first_rounds(target):
     assert fresh.batch_sizes[0] == 8 and fresh.depths[0] == 1  # blind: the first round drafts
     planner = RoundPlanner(cost, k=1)
     generate_batch(target, slow, prompts, planner=planner, **kw)  # learns: drafts do not pay
-    assert planner.draft_row and planner.survival()[0] < 0.5
+    assert planner.draft_s and planner.survival()[0] < 0.5
     slow.asked.clear()
     kept = generate_batch(target, slow, prompts, planner=planner, **kw)
     full = [d for b, d in zip(kept.batch_sizes, kept.depths) if b >= 6]
@@ -522,6 +601,28 @@ def test_batch_bench_table_and_plot(target, tmp_path, tree):
     assert table.count("| plain |") == 3 and "| 4 | budgeted |" in table
     png = batch_plot(rows, tmp_path / "batch.png", "tiny")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_batch_bench_one_by_one_is_the_drafting_a_b(target8):
+    """one_by_one=True adds each speculative mode with its rows drafting one after another,
+    interleaved with the together default; both decode what plain decoding does."""
+    from decode.bench_batch import batch_markdown, run_batch_bench
+
+    prompts = [torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(n))
+               for n in (5, 9, 7)]
+    order = []
+    drafter = perturbed_drafter(target8, "eagle", draft_vocab_size=64)
+    rows = run_batch_bench(target8, drafter, prompts,
+                           batch_sizes=(3,), modes=("plain", "verify_all"), k=2,
+                           max_new_tokens=8, repeats=1, cost=FLAT, log=order.append,
+                           one_by_one=True)
+    assert [o.split(":")[0] for o in order] == ["repeat 1/1 B=3 plain", "repeat 1/1 B=3 verify_all",
+                                                "repeat 1/1 B=3 verify_all 1by1"]
+    assert all(r["differ_from_plain"] == 0 for r in rows)
+    spec = {r["mode"]: r for r in rows if r["mode"] != "plain"}
+    assert spec["verify_all"]["tau"] == spec["verify_all 1by1"]["tau"]  # the same drafts
+    assert all(r["draft_ms_round"] > 0 for r in spec.values())
+    assert "| 3 | verify_all 1by1 |" in "\n".join(batch_markdown(rows))
 
 
 def test_bench_batch_cli_writes_files(tiny_target_cfg, tmp_path):

@@ -378,15 +378,8 @@ class Eagle(Drafter):
         """propose_rows' round: 1. every row's new committed positions in one forward (padded);
         2. each row's first draft from its last one; 3. one forward per further draft step over
         the rows still drafting; 4. each row's cache keeps its committed positions only."""
-        synced = [d._sync_inputs(s) for d, s in zip(slots, states)]  # [(x (1, n, .), pos (n,))]
-        rows = RowsKV([d._cache for d in slots])
-        n = [len(p) for _, p in synced]
-        B, Q = len(slots), max(n)
-        x = torch.cat([F.pad(x, (0, 0, 0, Q - len(p))) for x, p in synced])  # (B, Q, .)
-        pos = torch.stack([torch.cat([p, p[-1:].expand(Q - len(p))]) for _, p in synced])  # (B, Q)
-        valid = torch.arange(Q)[None, :] < torch.tensor(n)[:, None]  # (B, Q) real queries
-        valid = valid.to(pos.device)
-        h = self._layers(x, pos, additive_mask(rows.block(valid), x.dtype), rows.kv)  # 1. (B, Q, H)
+        h, rows, n = self._rows_forward(slots, states)  # 1. (B, Q, H)
+        B = len(slots)
         h = h[torch.arange(B), torch.tensor(n) - 1][:, None]  # (B, 1, H)
         chains = [ChainDraw(self, k, sampling, g, min_confidence) for k, g in zip(ks, generators)]
         logits = self.head(h)[:, 0].float()  # (B, Vd)
@@ -400,11 +393,35 @@ class Eagle(Drafter):
             h = self._layers(x, pos, additive_mask(rows.block(live), x.dtype), rows.kv)
             logits = self.head(h)[:, 0].float()  # (B, Vd)
             want = [c.draw(logits[b]) for b, c in enumerate(chains)]  # a done chain draws no more
-        rows.commit([d._cache for d in slots], n)  # 4.
+        self._rows_keep(slots, rows, n)  # 4.
+        return [c.proposal() for c in chains]
+
+    def _rows_forward(self, slots, states, tails=None) -> tuple[torch.Tensor, RowsKV, list[int]]:
+        """ONE padded forward over every row's new committed positions (its cache synced first,
+        as propose does) followed by tails[b] = (inputs (t_b, .), positions (t_b,)) if given,
+        each row attending to its own cache (RowsKV) and causally within its block. Returns
+        (h (B, Q, H), the RowsKV, n: each row's committed positions in the block)."""
+        synced = [d._sync_inputs(s) for d, s in zip(slots, states)]  # [(x (1, n, .), pos (n,))]
+        n = [len(p) for _, p in synced]
+        parts = [(x[0], p) for x, p in synced]
+        if tails is not None:
+            parts = [(torch.cat([x, tx]), torch.cat([p, tp])) for (x, p), (tx, tp) in zip(parts, tails)]
+        rows = RowsKV([d._cache for d in slots])
+        width = [len(p) for _, p in parts]
+        Q = max(width)
+        x = torch.stack([F.pad(x, (0, 0, 0, Q - len(x))) for x, _ in parts])  # (B, Q, .)
+        pos = torch.stack([torch.cat([p, p[-1:].expand(Q - len(p))]) for _, p in parts])  # (B, Q)
+        valid = (torch.arange(Q)[None, :] < torch.tensor(width)[:, None]).to(pos.device)  # (B, Q)
+        return self._layers(x, pos, additive_mask(rows.block(valid), x.dtype), rows.kv), rows, n
+
+    @staticmethod
+    def _rows_keep(slots, rows: RowsKV, n: list[int]) -> None:
+        """The end of a together round: each row's cache gains its n[b] committed positions; the
+        drafts stay behind in the batch cache."""
+        rows.commit([d._cache for d in slots], n)
         for d in slots:
             d._cache.forget_drafts()
             assert len(d._cache) == d._cache.committed
-        return [c.proposal() for c in chains]
 
     @torch.no_grad()
     def propose_tree(self, state: DecodeState, sampling: SamplingParams,

@@ -61,7 +61,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from drafters.base import (ChainProposal, DecodeState, Drafter, DraftPrediction, ExportLayout,
+from drafters.base import (ChainDraw, ChainProposal, DecodeState, DraftPrediction, ExportLayout,
                            TrainBatch, TreeProposal, register)
 from drafters.eagle3 import (Eagle3, Eagle3Config, engine_config, engine_refusal, engine_state,
                              state_from_engine, ttt_attention)
@@ -273,9 +273,14 @@ class Peagle(Eagle3):
         finally:
             self._cache.forget_drafts()  # masks are per round: drop them, keep the real positions
 
-    # a row's k drafts are one forward already: rows go one after another (not EAGLE's batched
-    # chain steps, which would draft autoregressively)
-    propose_rows = Drafter.propose_rows
+    def _trained_k(self, k: int) -> int:
+        """k capped at ttt_length, the draft positions trained (said once, not silently)."""
+        if k > self.cfg.ttt_length and not self._warned_k:
+            logging.getLogger(__name__).warning(
+                "peagle: k=%d but only %d draft positions were trained (drafter.ttt_length): "
+                "drafting %d per round", k, self.cfg.ttt_length, self.cfg.ttt_length)
+            self._warned_k = True
+        return min(k, self.cfg.ttt_length)
 
     @torch.no_grad()
     def propose(self, state: DecodeState, k: int, sampling: SamplingParams,
@@ -285,15 +290,31 @@ class Peagle(Eagle3):
         from its own position's distribution, cut where confidence < min_confidence."""
         if k < 1:
             return ChainProposal(tokens=state.tokens.new_empty(0))
-        if k > self.cfg.ttt_length and not self._warned_k:  # said once, not silently
-            logging.getLogger(__name__).warning(
-                "peagle: k=%d but only %d draft positions were trained (drafter.ttt_length): "
-                "drafting %d per round", k, self.cfg.ttt_length, self.cfg.ttt_length)
-            self._warned_k = True
-        k = min(k, self.cfg.ttt_length)
+        k = self._trained_k(k)
         logits = self.draft_logits(state, k)  # (k, Vd)
         return self.draft_chain(logits[0], lambda i, token: logits[i + 1], k, sampling, generator,
                                 min_confidence)
+
+    def _propose_together(self, slots, states, ks, sampling, generators, min_confidence
+                          ) -> list[ChainProposal]:
+        """Eagle.propose_rows' round for parallel drafting: ONE forward for every row, over its
+        new real positions and its k-1 mask positions after them (padded, each row through its own
+        cache); each row's chain is then drawn from its k distributions, as propose draws it."""
+        ks = [self._trained_k(k) for k in ks]
+        masks = torch.cat(self._mask_inputs(1, max(ks) - 1), dim=-1)[0]  # (max k - 1, 2H)
+        ends = [int(s.tokens.shape[0]) - 2 for s in states]  # each row's last real position
+        dev = masks.device
+        tails = [(masks[:k - 1], e + 1 + torch.arange(k - 1, device=dev)) for k, e in zip(ks, ends)]
+        h, rows, n = self._rows_forward(slots, states, tails)  # (B, Q, H)
+        self._rows_keep(slots, rows, n)
+        out = []
+        for b, (k, g) in enumerate(zip(ks, generators)):
+            logits = self.head(h[b, n[b] - 1:n[b] - 1 + k]).float()  # (k, Vd)
+            chain = ChainDraw(self, k, sampling, g, min_confidence)
+            while chain.draw(logits[chain.n]):  # draft i from position i + 1's distribution
+                pass
+            out.append(chain.proposal())
+        return out
 
     @torch.no_grad()
     def propose_tree(self, state: DecodeState, sampling: SamplingParams,

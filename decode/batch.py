@@ -5,8 +5,10 @@ prompts take their place (continuous batching, admitted at round boundaries).
 Every sequence runs decode/spec.py's own per-sequence state (`_Loop`: token buffer, features,
 result) and its prefill and commit steps, so a sequence decoded in a batch commits what
 `decode.spec.generate` commits for it alone (greedy: the same tokens; sampling: the same rule and,
-in verify_all mode with the same generator, the same draws). Only the verification forward is
-shared. The batch KV cache is one transformers DynamicCache with a row per sequence, rows
+in verify_all mode with the same generator, the same draws). Shared across the rows: the
+verification forward, and for chains the drafting (`Drafter.propose_rows`: EAGLE-family drafters
+put every row through one padded drafter forward per draft step, P-EAGLE one per round, each row
+attending to its own drafter cache; other drafters draft row after row). The batch KV cache is one transformers DynamicCache with a row per sequence, rows
 left-aligned: row r holds its committed tokens[:T_r - 1] in columns [0, L_r), L_r = T_r - 1, and
 garbage after. A round appends Q columns; row r attends to its own [0, L_r) and causally within the
 new block (a 4-D mask), at positions L_r + t; afterwards the kept columns of each row move to
@@ -50,7 +52,7 @@ class BatchResult:
     latency: list[float]  # per prompt: seconds from the call's start to its last token
     time_total: float = 0.0  # wall-clock seconds of the whole call
     rounds: int = 0  # batched target forwards (prefills excluded)
-    time_draft: float = 0.0  # seconds inside the drafters (they run one after another)
+    time_draft: float = 0.0  # seconds inside the drafters
     time_verify: float = 0.0  # seconds inside target forwards: the batched ones and the prefills
     batch_sizes: list[int] = field(default_factory=list)  # rows in each round's forward
     widths: list[int] = field(default_factory=list)  # width Q (tokens per row) of each forward

@@ -88,13 +88,12 @@ class RowsKV:
     positions) to its own cache; everything after (drafts) goes away with the batch cache, as a
     lone row's `forget_drafts` drops them."""
 
-    def __init__(self, caches: list[DraftCache]) -> None:
+    def __init__(self, caches: list[DraftCache], device: torch.device) -> None:
         self.lengths = [len(c) for c in caches]
         full = next((c for c, n in zip(caches, self.lengths) if n), None)
         config = caches[0].config
         self.kv = DynamicCache(config=config) if config is not None else DynamicCache()
-        B, L = len(caches), max(self.lengths)
-        dev = full.kv.layers[0].keys.device if full is not None else None
+        B, L, dev = len(caches), max(self.lengths), device
         lengths = torch.tensor(self.lengths, device=dev)
         self.allowed = torch.arange(L, device=dev)[None, :] < lengths[:, None]  # (B, L)
         self.start = L  # first column of the round's new positions

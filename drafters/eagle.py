@@ -396,17 +396,25 @@ class Eagle(Drafter):
         self._rows_keep(slots, rows, n)  # 4.
         return [c.proposal() for c in chains]
 
+    # propose_rows: a row with more new committed positions than this (a new prompt) runs all but
+    # the last of them alone first, so the padded forward stays as narrow as the rounds' blocks
+    rows_sync_alone: int = 16
+
     def _rows_forward(self, slots, states, tails=None) -> tuple[torch.Tensor, RowsKV, list[int]]:
         """ONE padded forward over every row's new committed positions (its cache synced first,
         as propose does) followed by tails[b] = (inputs (t_b, .), positions (t_b,)) if given,
         each row attending to its own cache (RowsKV) and causally within its block. Returns
         (h (B, Q, H), the RowsKV, n: each row's committed positions in the block)."""
         synced = [d._sync_inputs(s) for d, s in zip(slots, states)]  # [(x (1, n, .), pos (n,))]
+        for b, (d, (x, p)) in enumerate(zip(slots, synced)):
+            if len(p) > self.rows_sync_alone:  # e.g. a new row's prompt: not B padded copies of it
+                d._run_causal(x[:, :-1], p[:-1])  # causal: its last position comes out the same
+                synced[b] = x[:, -1:], p[-1:]
         n = [len(p) for _, p in synced]
         parts = [(x[0], p) for x, p in synced]
         if tails is not None:
             parts = [(torch.cat([x, tx]), torch.cat([p, tp])) for (x, p), (tx, tp) in zip(parts, tails)]
-        rows = RowsKV([d._cache for d in slots])
+        rows = RowsKV([d._cache for d in slots], parts[0][1].device)
         width = [len(p) for _, p in parts]
         Q = max(width)
         x = torch.stack([F.pad(x, (0, 0, 0, Q - len(x))) for x, _ in parts])  # (B, Q, .)

@@ -413,7 +413,8 @@ class Eagle(Drafter):
         n = [len(p) for _, p in synced]
         parts = [(x[0], p) for x, p in synced]
         if tails is not None:
-            parts = [(torch.cat([x, tx]), torch.cat([p, tp])) for (x, p), (tx, tp) in zip(parts, tails)]
+            parts = [(torch.cat([x, tx]), torch.cat([p, tp]))
+                     for (x, p), (tx, tp) in zip(parts, tails)]
         rows = RowsKV([d._cache for d in slots], parts[0][1].device)
         width = [len(p) for _, p in parts]
         Q = max(width)

@@ -307,11 +307,13 @@ class Peagle(Eagle3):
         tails = [(masks[:k - 1], e + 1 + torch.arange(k - 1, device=dev)) for k, e in zip(ks, ends)]
         h, rows, n = self._rows_forward(slots, states, tails)  # (B, Q, H)
         self._rows_keep(slots, rows, n)
+        at = [(b, n[b] - 1 + i) for b, k in enumerate(ks) for i in range(k)]  # rows' draft positions
+        logits = self.head(h[[b for b, _ in at], [j for _, j in at]]).float()  # (sum k, Vd)
         out = []
         for b, (k, g) in enumerate(zip(ks, generators)):
-            logits = self.head(h[b, n[b] - 1:n[b] - 1 + k]).float()  # (k, Vd)
+            mine = logits[sum(ks[:b]):sum(ks[:b]) + k]  # (k, Vd)
             chain = ChainDraw(self, k, sampling, g, min_confidence)
-            while chain.draw(logits[chain.n]):  # draft i from position i + 1's distribution
+            while chain.draw(mine[chain.n]):  # draft i from position i + 1's distribution
                 pass
             out.append(chain.proposal())
         return out

@@ -38,6 +38,7 @@ from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaRMSNorm,
                                                       LlamaRotaryEmbedding)
 
+from drafters.attention import FEW_Q
 from drafters.base import (ChainDraw, ChainProposal, DecodeState, Drafter, DrafterConfig,
                            DraftPrediction, ExportLayout, TrainBatch, TreeProposal, register)
 from drafters.cache import DraftCache, RowsKV
@@ -86,7 +87,8 @@ def drafter_llama_config(target, num_layers: int) -> LlamaConfig:
         head_dim=head_dim, hidden_act=getattr(tc, "hidden_act", "silu"),
         max_position_embeddings=target.max_length, rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
         rope_parameters=getattr(tc, "rope_parameters", None))
-    cfg._attn_implementation = "sdpa"  # our masks are explicit additive float masks
+    cfg._attn_implementation = FEW_Q  # SDPA, but plain ops for 16-bit CPU draft steps (our masks:
+    # explicit additive float masks)
     return cfg
 
 

@@ -36,6 +36,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding,
                                                       apply_rotary_pos_emb)
 
+from drafters.attention import few_query, grouped_attention
 from drafters.base import DrafterConfig, DraftPrediction, ExportLayout, TrainBatch, register
 from drafters.eagle import Eagle, drafter_llama_config
 from drafters.export_formats import (WEIGHTS, ExportError, cast, llama_layer_config,
@@ -236,6 +237,8 @@ class Eagle3(Eagle):  # registered at the end of the module, with its export lay
         def attend(i: int) -> Attend:
             def run(q, k, v):
                 k, v = cache.update(k, v, i)  # (B, kv, K, d)
+                if few_query(q):  # a 16-bit CPU draft step: plain ops (drafters/attention.py)
+                    return grouped_attention(q, k, v, mask, causal=False)
                 return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
             return run
         emb, h = x.chunk(2, dim=-1)  # (B, Q, H) each

@@ -22,6 +22,7 @@ from typing import Any, Optional, Sequence
 import torch
 from omegaconf import MISSING
 
+from drafters.attention import use_few_query_attention
 from drafters.precision import (DTYPES, NATIVE_BF16_FLAGS, DtypeChoice, available_cores,  # noqa: F401
                                 cpu_flags, idle_cores, resolve_dtype, set_threads)
 
@@ -68,6 +69,7 @@ class Target:
 
     def __init__(self, model, tokenizer, source: str, dtype_choice: DtypeChoice | None = None) -> None:
         self.model = model.eval().requires_grad_(False)
+        use_few_query_attention(model)  # few-query 16-bit CPU forwards: drafters/attention.py
         self.tokenizer = tokenizer
         self.source = source  # human-readable description of where it came from
         self.config = model.config

@@ -1,0 +1,92 @@
+"""Attention for the few-query forwards of decoding on CPUs: decode steps (one token), verify
+blocks (k+1 tokens) and draft steps, in bf16 / fp16.
+
+Why: on CPUs torch's fused SDPA kernel is slow at 16-bit for few queries. Measured on the 2-core
+AVX512-BF16 EPYC, torch 2.13, one thread, SmolLM2's shapes (9 query / 3 KV heads of 64), per call
+(BENCHMARKS.md "Attention for few queries on CPUs"):
+
+    | cached keys | q=1 SDPA | q=1 here | q=3 SDPA | q=3 here | q=16 SDPA | q=16 here |
+    | 300         | 210 us   | 59 us    | 98 us    | 70 us    | 198 us    | 140 us    |
+    | 1000        | 754 us   | 86 us    | 277 us   | 118 us   | 575 us    | 330 us    |
+
+At 30 layers that is most of a one-token step at long contexts. At fp32 SDPA is as fast or faster
+(27 us for q=1 at 300 keys), and for long query blocks (prefill, training) it is the right kernel.
+
+What this does: `grouped_attention` computes attention with plain ops, all query rows of a KV head
+in one matmul (no repeated K/V), an fp32 softmax, then p @ v. `few_query_attention`, registered with
+transformers as FEW_Q, runs it for CPU 16-bit forwards of at most FEW_Q_MAX queries and hands
+everything else to SDPA unchanged; `use_few_query_attention(model)` switches an HF model to it.
+The two round differently at bf16 (within ~1e-3 relative), so near-tie argmaxes can differ from an
+SDPA run; every forward of one decode goes through the same dispatch.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+FEW_Q = "specdistill_few_q"  # the registered attention implementation name
+FEW_Q_MAX = 16  # query rows up to which plain ops beat SDPA at 16-bit on CPUs (measured to 16)
+
+
+def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      mask: torch.Tensor | None, scaling: float | None = None,
+                      causal: bool = True) -> torch.Tensor:
+    """query (B, H, q, d), key / value (B, Hkv, L, d), mask (B | 1, 1, q, >= L) bool (True =
+    attend) or additive, or None (then causal: query i sees keys <= L - q + i; or all keys when
+    causal=False) -> (B, H, q, d). Scores in the inputs' dtype, softmax in fp32; a query row with
+    every key masked gets uniform weights (finite), as padding rows need."""
+    B, H, q, d = query.shape
+    Hkv, L = key.shape[1], key.shape[2]
+    g = H // Hkv  # query heads per KV head
+    scale = scaling if scaling is not None else d ** -0.5
+    scores = torch.matmul(query.reshape(B, Hkv, g * q, d), key.transpose(-1, -2))  # (B, Hkv, gq, L)
+    acc = torch.promote_types(scores.dtype, torch.float32)  # fp32 softmax (fp64 stays fp64)
+    scores = scores.to(acc).mul_(scale).view(B, Hkv, g, q, L)
+    low = torch.finfo(acc).min
+    if mask is not None:
+        m = mask[..., :L][:, :, None]  # (B | 1, 1, 1, q, L)
+        scores = scores.masked_fill(~m, low) if m.dtype == torch.bool else scores + m.to(acc)
+    elif causal and q > 1:
+        keys = torch.arange(L, device=query.device)
+        rows = L - q + torch.arange(q, device=query.device)
+        scores = scores.masked_fill(keys[None, :] > rows[:, None], low)
+    probs = scores.softmax(-1).to(value.dtype).view(B, Hkv, g * q, L)
+    return torch.matmul(probs, value).view(B, H, q, d)
+
+
+def few_query(query: torch.Tensor) -> bool:
+    """Whether `grouped_attention` is the faster kernel for this forward (see the module doc)."""
+    return (query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16)
+            and query.shape[2] <= FEW_Q_MAX)
+
+
+def few_query_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                        value: torch.Tensor, attention_mask: torch.Tensor | None,
+                        dropout: float = 0.0, scaling: float | None = None,
+                        is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function interface: grouped_attention where `few_query` says so
+    (and no dropout), else SDPA as transformers runs it. Returns (B, q, H, d)."""
+    if dropout or not few_query(query) or kwargs.get("softcap") is not None:
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask,
+                                               dropout=dropout, scaling=scaling,
+                                               is_causal=is_causal, **kwargs)
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    out = grouped_attention(query, key, value, attention_mask, scaling, causal)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(FEW_Q, few_query_attention)
+AttentionMaskInterface.register(FEW_Q, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])  # sdpa's masks
+
+
+def use_few_query_attention(model: nn.Module) -> bool:
+    """Switch an HF model that runs SDPA to FEW_Q (the same masks; SDPA still runs every forward
+    where it is the faster kernel). Other implementations (eager, flash, ours) stay. Returns
+    whether it switched."""
+    if model.config._attn_implementation != "sdpa":
+        return False
+    model.set_attn_implementation(FEW_Q)
+    return True

@@ -228,6 +228,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--target", default="packaged:smollm2", help="target.path")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "auto"],
                     help="target dtypes to compare (auto = target.dtype's default resolution)")
+    ap.add_argument("--attn", nargs="+", default=["few_q"], choices=["few_q", "sdpa"],
+                    help="the target's attention: few_q (ours, drafters/attention.py: plain ops "
+                         "for 16-bit CPU forwards of few queries) and / or sdpa (torch's fused "
+                         "kernel everywhere), each a separate column set, interleaved")
     ap.add_argument("--eval", default="mtbench")
     ap.add_argument("--limit", type=int, default=10)
     ap.add_argument("--max-new-tokens", type=int, default=256)
@@ -263,14 +267,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def load_targets(args) -> dict:
+    """One target per (dtype, attention) asked, the same weights: name -> Target. The attention
+    A/B (--attn few_q sdpa) switches the target's attention only; drafters keep theirs."""
+    targets = {}
+    for dn in args.dtypes:
+        for attn in args.attn:
+            t = load_target(TargetConfig(path=args.target, dtype=dn, threads=args.threads))
+            if attn == "sdpa":
+                t.model.set_attn_implementation("sdpa")
+            name = f"{t.dtype_choice.dtype}" + (" (auto)" if dn == "auto" else "")
+            targets[name + (f" {attn}" if len(args.attn) > 1 else "")] = t
+    return targets
+
+
 def main() -> None:
     args = parse_args()
 
     # 1. one target per dtype (the same weights), and the machine facts that explain the numbers
-    targets = {}
-    for dn in args.dtypes:
-        t = load_target(TargetConfig(path=args.target, dtype=dn, threads=args.threads))
-        targets[f"{t.dtype_choice.dtype}" + (" (auto)" if dn == "auto" else "")] = t
+    targets = load_targets(args)
     any_t = next(iter(targets.values()))
     flags = sorted(f for f in cpu_flags() if f.startswith(("avx512", "amx", "avx2")))
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")

@@ -292,6 +292,20 @@ def test_decode_casts_the_drafter_to_the_target_dtype(tiny_run, tmp_path):
         assert s["outputs_identical_to_plain"] is True
 
 
+def test_bench_attention_a_b_loads_one_target_per_attention(monkeypatch, tiny_target_cfg):
+    """`decode.bench --attn few_q sdpa`: a target per (dtype, attention), named apart; the sdpa
+    one runs torch's kernel, the other ours; one attention keeps the plain dtype names."""
+    from decode import bench
+    from drafters.attention import FEW_Q
+
+    monkeypatch.setattr(bench, "load_target", lambda cfg: load_target(tiny_target_cfg))
+    both = bench.load_targets(bench.parse_args(["--dtypes", "float32", "--attn", "few_q", "sdpa"]))
+    assert {n: t.model.config._attn_implementation for n, t in both.items()} == {
+        "float32 few_q": FEW_Q, "float32 sdpa": "sdpa"}
+    one = bench.load_targets(bench.parse_args(["--dtypes", "float32"]))
+    assert list(one) == ["float32"] and one["float32"].model.config._attn_implementation == FEW_Q
+
+
 def test_bench_labels_two_runs_of_one_drafter_apart(monkeypatch):
     """`decode.bench --ckpt A --ckpt B` with two runs of the same drafter kind: each mode's label
     names its run, so neither overwrites the other; one run keeps the short label."""

@@ -109,9 +109,11 @@ class CostCurve:
 
 
 def target_hash(target: Any) -> str:
-    """A short fingerprint of the target: its config, dtype and a sample of every weight."""
+    """A short fingerprint of the target: its config, dtype, attention implementation (its costs
+    differ: drafters/attention.py) and a sample of every weight."""
     h = hashlib.sha256(target.config.to_json_string().encode())
     h.update(str(target.dtype).encode())
+    h.update(str(getattr(target.config, "_attn_implementation", "")).encode())
     for name, p in target.model.named_parameters():
         flat = p.detach().reshape(-1)
         h.update(f"{name}{tuple(p.shape)}{float(flat.double().sum()):.9e}".encode())

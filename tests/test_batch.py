@@ -522,6 +522,13 @@ def test_cost_curve_is_measured_once_per_target_and_cached(tmp_path, monkeypatch
     # a grid cached for other sizes (or in an older layout) is measured again
     c = cost_curve(target, tmp_path, bs=(1, 2), qs=(1, 2))
     assert len(calls) == 3 and (c.bs, c.qs) == ([1, 2], [1, 2])
+    # another attention implementation costs differently: its own grid
+    own = target.model.config._attn_implementation
+    target.model.set_attn_implementation("eager")
+    try:
+        assert cost_curve(target, tmp_path).key != a.key and len(calls) == 4
+    finally:
+        target.model.set_attn_implementation(own)
 
 
 def test_guards(target):

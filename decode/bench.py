@@ -1,8 +1,9 @@
 """Decoder benchmark, per target dtype, in ONE process, interleaved so that load from other
 processes hits every mode alike:
 
-1. the verify-cost curve: a forward of n new tokens over a ~300-token KV cache, in one-token steps
-   of the same dtype (n = 1..64), rounds interleaved over n and dtypes, medians;
+1. the verify-cost curve: a forward of n new tokens over a KV cache of --curve-context real tokens
+   (default 300), in one-token steps of the same dtype (n = 1..64), rounds interleaved over n and
+   dtypes, medians;
 2. a row per (dtype, mode) for plain decoding (ours), HF `generate` greedy, HF prompt lookup, our
    decoder with the n-gram drafter and with every trained drafter given, prompt by prompt;
 3. numerics: every greedy output that differs from plain decoding at the same dtype, with the
@@ -249,6 +250,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="chain draft lengths of trained drafters (default: --k)")
     ap.add_argument("--curve-rounds", type=int, default=7, help="verify-cost curve rounds (0 = skip)")
     ap.add_argument("--curve-ns", type=int, nargs="+", default=list(CURVE_NS))
+    ap.add_argument("--curve-context", type=int, default=300,
+                    help="tokens in the KV cache of the verify-cost curve (MT-bench turns joined)")
     ap.add_argument("--curve-only", action="store_true", help="only the verify-cost curve")
     ap.add_argument("--modes", nargs="+", default=None,
                     help="only modes whose name starts with one of these (plain always runs)")
@@ -298,10 +301,11 @@ def main() -> None:
     if args.batch:
         return batch_main(any_t, prompts, args, head)
 
-    # 2. the verify-cost curve over a real ~300-token context
+    # 2. the verify-cost curve over a real context of --curve-context tokens
     lines = list(head)
     if args.curve_rounds:
-        ctx = torch.cat([render(any_t, [p.turns[0]], []) for p in prompts])[:300]
+        ctx = torch.cat([render(any_t, [p.turns[0]], [])
+                         for p in load_prompts(args.eval)])[:args.curve_context]
         curve = verify_curve(targets, ctx, tuple(args.curve_ns), args.curve_rounds)
         report["verify_curve_s"] = curve
         lines += [f"Verify cost: forward of n new tokens over a {len(ctx)}-token cache, in one-token "

@@ -35,6 +35,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from drafters.attention import use_few_query_attention
 from drafters.base import (ChainProposal, DecodeState, Drafter, DrafterConfig, DraftPrediction,
                            TrainBatch, TreeProposal, register)
 from drafters.cache import DraftCache
@@ -128,6 +129,7 @@ class SmallLm(Drafter):
         self.cfg = cfg  # with `layers` resolved
         lm = (self._pretrained(cfg, target) if cfg.source == "pretrained"
               else self._from_target(cfg, target))
+        use_few_query_attention(lm)  # its draft steps are one-token forwards (drafters/attention.py)
         if cfg.freeze_embeddings:
             lm.get_input_embeddings().requires_grad_(False)
             lm.get_output_embeddings().requires_grad_(False)

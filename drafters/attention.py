@@ -1,21 +1,25 @@
 """Attention for the few-query forwards of decoding on CPUs: decode steps (one token), verify
 blocks (k+1 tokens) and draft steps, in bf16 / fp16.
 
-Why: on CPUs torch's fused SDPA kernel is slow at 16-bit for few queries. Measured on the 2-core
-AVX512-BF16 EPYC, torch 2.13, one thread, SmolLM2's shapes (9 query / 3 KV heads of 64), per call
-(BENCHMARKS.md "Attention for few queries on CPUs"):
+Why: on CPUs torch's fused SDPA kernel is slow at 16-bit for few queries over many keys, and
+its time grows with the keys ~5x faster than plain ops'. Measured on the 2-core AVX512-BF16 EPYC,
+torch 2.13, 2 threads, SmolLM2's shapes (9 query / 3 KV heads of 64), microseconds per call, SDPA
+/ here (BENCHMARKS.md "Attention for few queries on CPUs"):
 
-    | cached keys | q=1 SDPA | q=1 here | q=3 SDPA | q=3 here | q=16 SDPA | q=16 here |
-    | 300         | 210 us   | 59 us    | 98 us    | 70 us    | 198 us    | 140 us    |
-    | 1000        | 754 us   | 86 us    | 277 us   | 118 us   | 575 us    | 330 us    |
+    | keys | q=1      | q=3      | q=6      |
+    | 64   | 39 / 48  | 29 / 60  | 33 / 64  |
+    | 300  | 131 / 55 | 66 / 74  | 74 / 90  |
+    | 1000 | 461 / 71 | 176 / 112| 208 / 135|
+    | 2000 | 907 / 94 | 335 / 146| 395 / 198|
 
-At 30 layers that is most of a one-token step at long contexts. At fp32 SDPA is as fast or faster
-(27 us for q=1 at 300 keys), and for long query blocks (prefill, training) it is the right kernel.
+At 30 layers that is a third of a one-token step at 1000 keys. Below ~128 keys per query SDPA is
+the faster one, at fp32 it is as fast or faster (27 us for q=1 at 300 keys, one thread), and for
+long query blocks (prefill, training) it is the right kernel.
 
 What this does: `grouped_attention` computes attention with plain ops, all query rows of a KV head
 in one matmul (no repeated K/V), an fp32 softmax, then p @ v. `few_query_attention`, registered with
-transformers as FEW_Q, runs it for CPU 16-bit forwards of at most FEW_Q_MAX queries and hands
-everything else to SDPA unchanged; `use_few_query_attention(model)` switches an HF model to it.
+transformers as FEW_Q, runs it for CPU 16-bit forwards of at most FEW_Q_MAX queries over at least
+KEYS_PER_QUERY keys per query, and hands everything else to SDPA unchanged; `use_few_query_attention(model)` switches an HF model to it.
 The two round differently at bf16 (within ~1e-3 relative), so near-tie argmaxes can differ from an
 SDPA run; every forward of one decode goes through the same dispatch.
 """
@@ -28,7 +32,8 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 FEW_Q = "specdistill_few_q"  # the registered attention implementation name
-FEW_Q_MAX = 16  # query rows up to which plain ops beat SDPA at 16-bit on CPUs (measured to 16)
+FEW_Q_MAX = 16  # query rows up to which plain ops can beat SDPA at 16-bit on CPUs
+KEYS_PER_QUERY = 128  # ... once the keys are at least this many per query (the crossover, above)
 
 
 def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -57,10 +62,12 @@ def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     return torch.matmul(probs, value).view(B, H, q, d)
 
 
-def few_query(query: torch.Tensor) -> bool:
-    """Whether `grouped_attention` is the faster kernel for this forward (see the module doc)."""
+def few_query(query: torch.Tensor, keys: int) -> bool:
+    """Whether `grouped_attention` is the faster kernel for a forward of `query` (B, H, q, d)
+    over `keys` keys (see the module doc)."""
+    q = query.shape[2]
     return (query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16)
-            and query.shape[2] <= FEW_Q_MAX)
+            and q <= FEW_Q_MAX and keys >= KEYS_PER_QUERY * q)
 
 
 def few_query_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -69,7 +76,7 @@ def few_query_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
                         is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function interface: grouped_attention where `few_query` says so
     (and no dropout), else SDPA as transformers runs it. Returns (B, q, H, d)."""
-    if dropout or not few_query(query) or kwargs.get("softcap") is not None:
+    if dropout or not few_query(query, key.shape[2]) or kwargs.get("softcap") is not None:
         return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask,
                                                dropout=dropout, scaling=scaling,
                                                is_causal=is_causal, **kwargs)

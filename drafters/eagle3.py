@@ -237,7 +237,7 @@ class Eagle3(Eagle):  # registered at the end of the module, with its export lay
         def attend(i: int) -> Attend:
             def run(q, k, v):
                 k, v = cache.update(k, v, i)  # (B, kv, K, d)
-                if few_query(q):  # a 16-bit CPU draft step: plain ops (drafters/attention.py)
+                if few_query(q, k.shape[2]):  # 16-bit CPU draft step, long cache: plain ops
                     return grouped_attention(q, k, v, mask, causal=False)
                 return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
             return run

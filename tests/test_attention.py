@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import drafters.attention as attn
-from drafters.attention import FEW_Q, FEW_Q_MAX, few_query, grouped_attention
+from drafters.attention import FEW_Q, FEW_Q_MAX, KEYS_PER_QUERY, few_query, grouped_attention
 
 
 def qkv(q, L, dtype=torch.float64, B=2, H=6, Hkv=2, d=8, seed=0):
@@ -52,21 +52,26 @@ def test_a_fully_masked_row_stays_finite():
     torch.testing.assert_close(out, V.mean(2, keepdim=True).repeat_interleave(3, 1).expand_as(out))
 
 
-def test_dispatch_is_16_bit_cpu_few_queries_only(monkeypatch):
-    assert few_query(torch.zeros(1, 2, FEW_Q_MAX, 4, dtype=torch.bfloat16))
-    assert few_query(torch.zeros(1, 2, 1, 4, dtype=torch.float16))
-    assert not few_query(torch.zeros(1, 2, FEW_Q_MAX + 1, 4, dtype=torch.bfloat16))
-    assert not few_query(torch.zeros(1, 2, 1, 4, dtype=torch.float32))
+def test_dispatch_is_16_bit_cpu_few_queries_over_many_keys_only(monkeypatch):
+    n = KEYS_PER_QUERY
+    assert few_query(torch.zeros(1, 2, FEW_Q_MAX, 4, dtype=torch.bfloat16), n * FEW_Q_MAX)
+    assert few_query(torch.zeros(1, 2, 1, 4, dtype=torch.float16), n)
+    assert not few_query(torch.zeros(1, 2, 1, 4, dtype=torch.bfloat16), n - 1)
+    assert not few_query(torch.zeros(1, 2, 3, 4, dtype=torch.bfloat16), 3 * n - 1)
+    assert not few_query(torch.zeros(1, 2, FEW_Q_MAX + 1, 4, dtype=torch.bfloat16), 10**6)
+    assert not few_query(torch.zeros(1, 2, 1, 4, dtype=torch.float32), 10**6)
     calls = []
     real = attn.grouped_attention
     monkeypatch.setattr(attn, "grouped_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     module = torch.nn.Module()
     module.is_causal, module.num_key_value_groups = True, 3
-    for q, dtype, ours in ((1, torch.bfloat16, True), (4, torch.bfloat16, True),
-                           (FEW_Q_MAX + 1, torch.bfloat16, False), (1, torch.float32, False)):
+    for q, L, dtype, ours in ((1, n, torch.bfloat16, True), (4, 4 * n, torch.bfloat16, True),
+                              (4, 4 * n - 1, torch.bfloat16, False),
+                              (FEW_Q_MAX + 1, 4000, torch.bfloat16, False),
+                              (1, n, torch.float32, False)):
         calls.clear()
-        Q, K, V = qkv(q, 24, dtype)
-        causal = torch.arange(24)[None, :] <= (24 - q + torch.arange(q))[:, None]  # (q, 24)
+        Q, K, V = qkv(q, L, dtype)
+        causal = torch.arange(L)[None, :] <= (L - q + torch.arange(q))[:, None]  # (q, L)
         out, _ = attn.few_query_attention(module, Q, K, V, causal[None, None])
         assert bool(calls) == ours, (q, dtype)
         ref = sdpa(Q.double(), K.double(), V.double(), causal)
@@ -74,7 +79,7 @@ def test_dispatch_is_16_bit_cpu_few_queries_only(monkeypatch):
         torch.testing.assert_close(out.transpose(1, 2).double(), ref, rtol=tol, atol=tol)
 
 
-def test_targets_and_eagle_drafters_use_it(tiny_target_cfg):
+def test_targets_and_eagle_drafters_use_it(tiny_target_cfg, monkeypatch):
     from drafters.base import build_drafter
     from drafters.target import load_target
 
@@ -84,7 +89,8 @@ def test_targets_and_eagle_drafters_use_it(tiny_target_cfg):
     assert d.layers[0].self_attn.config._attn_implementation == FEW_Q
     # a bf16 target: a decode step and a verify block give SDPA's logits within bf16 rounding
     model = target.model.to(torch.bfloat16)
-    ids = torch.randint(0, target.vocab_size, (2, 12))
+    ids = torch.randint(0, target.vocab_size, (2, 12))  # prefill: SDPA; the steps after: ours
+    monkeypatch.setattr(attn, "KEYS_PER_QUERY", 1)  # the tiny target's short caches count as long
     with torch.no_grad():
         ours = model(ids).logits.float()
         model.set_attn_implementation("sdpa")

@@ -41,6 +41,8 @@ from transformers import AttentionInterface, StaticCache
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from drafters.attention import grouped_attention
+
 ATTN_NAME = "specdistill_exact"  # + "_<the target's own implementation>", registered at install
 _ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("specdistill_exact", default=False)
 
@@ -60,23 +62,10 @@ def exact_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
     if attention_mask is None or attention_mask.dtype != torch.bool:
         raise ValueError("exact verification passes explicit boolean attention masks; got "
                          f"{None if attention_mask is None else attention_mask.dtype}")
-    B, H, q, d = query.shape
-    Hkv, L = key.shape[1], key.shape[2]
-    g = H // Hkv  # query heads per KV head
-    scale = scaling if scaling is not None else d ** -0.5
-    # 1. scores of every query row of a KV head in one matmul: rows ordered (head in group, row);
-    #    a single row (no GQA, one token) runs twice, as the linears do: GEMM, never GEMV
-    rows = g * q
-    qs = query.reshape(B, Hkv, rows, d)  # (B, Hkv, g*q, d)
-    if rows == 1:
-        qs = torch.cat([qs, qs], dim=2)  # (B, Hkv, 2, d)
-    scores = torch.matmul(qs, key.transpose(-1, -2)).float() * scale  # (B, Hkv, R, L)
-    # 2. the mask of row i repeated for the g heads; a full-length fp32 softmax
-    mask = attention_mask.expand(B, 1, q, L).repeat(1, g, 1, 1).reshape(B, 1, rows, L)
-    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(value.dtype)
-    # 3. back to (B, q, H, d)
-    out = torch.matmul(probs, value)[:, :, :rows].view(B, Hkv, g, q, d)  # (B, Hkv, g, q, d)
-    return out.permute(0, 3, 1, 2, 4).reshape(B, q, H, d), None
+    # 1. scores of every query row of a KV head in one matmul (a single row runs twice, as the
+    #    linears do: GEMM, never GEMV), 2. the mask over the whole capacity, an fp32 softmax, 3. p v
+    out = grouped_attention(query, key, value, attention_mask, scaling, two_rows=True)
+    return out.transpose(1, 2).contiguous(), None  # (B, q, H, d)
 
 
 def _pad_one_row(module: nn.Module, args: tuple) -> tuple | None:

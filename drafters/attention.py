@@ -38,28 +38,35 @@ KEYS_PER_QUERY = 128  # ... once the keys are at least this many per query (the 
 
 def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       mask: torch.Tensor | None, scaling: float | None = None,
-                      causal: bool = True) -> torch.Tensor:
+                      causal: bool = True, two_rows: bool = False) -> torch.Tensor:
     """query (B, H, q, d), key / value (B, Hkv, L, d), mask (B | 1, 1, q, >= L) bool (True =
     attend) or additive, or None (then causal: query i sees keys <= L - q + i; or all keys when
     causal=False) -> (B, H, q, d). Scores in the inputs' dtype, softmax in fp32; a query row with
-    every key masked gets uniform weights (finite), as padding rows need."""
+    every key masked gets uniform weights (finite), as padding rows need. two_rows: a lone query
+    row per KV head (no GQA, one token) runs as two identical rows, so both matmuls are GEMMs, as
+    exact verification needs (decode/kernels.py)."""
     B, H, q, d = query.shape
     Hkv, L = key.shape[1], key.shape[2]
     g = H // Hkv  # query heads per KV head
+    rows = g * q  # query rows per KV head, in one matmul
     scale = scaling if scaling is not None else d ** -0.5
-    scores = torch.matmul(query.reshape(B, Hkv, g * q, d), key.transpose(-1, -2))  # (B, Hkv, gq, L)
+    qs = query.reshape(B, Hkv, rows, d)
+    if two_rows and rows == 1:
+        qs = torch.cat([qs, qs], dim=2)  # (B, Hkv, 2, d)
+    R = qs.shape[2]
+    scores = torch.matmul(qs, key.transpose(-1, -2))  # (B, Hkv, R, L)
     acc = torch.promote_types(scores.dtype, torch.float32)  # fp32 softmax (fp64 stays fp64)
-    scores = scores.to(acc).mul_(scale).view(B, Hkv, g, q, L)
+    scores = scores.to(acc).mul_(scale).view(B, Hkv, R // q, q, L)
     low = torch.finfo(acc).min
     if mask is not None:
         m = mask[..., :L][:, :, None]  # (B | 1, 1, 1, q, L)
         scores = scores.masked_fill(~m, low) if m.dtype == torch.bool else scores + m.to(acc)
     elif causal and q > 1:
         keys = torch.arange(L, device=query.device)
-        rows = L - q + torch.arange(q, device=query.device)
-        scores = scores.masked_fill(keys[None, :] > rows[:, None], low)
-    probs = scores.softmax(-1).to(value.dtype).view(B, Hkv, g * q, L)
-    return torch.matmul(probs, value).view(B, H, q, d)
+        last = L - q + torch.arange(q, device=query.device)  # the last key each query sees
+        scores = scores.masked_fill(keys[None, :] > last[:, None], low)
+    probs = scores.softmax(-1).to(value.dtype).view(B, Hkv, R, L)
+    return torch.matmul(probs, value)[:, :, :rows].reshape(B, H, q, d)
 
 
 def few_query(query: torch.Tensor, keys: int) -> bool:

@@ -1,5 +1,5 @@
 """The drafter interface, its config schema, its export layouts and the registry. Interfaces live
-here and nowhere else.
+here and nowhere else (the decode-time types, drafters/proposals.py, are re-exported here).
 
 A drafter proposes tokens for the frozen target to verify. The decoder (decode/) and the trainer
 (train/) only ever talk to this interface. A new drafter is one module in drafters/ (any `drafters/`
@@ -38,8 +38,10 @@ from drafters.folder import (CONFIG_FILE, DECODE_TIME_PREFIX, WEIGHTS_FILE,  # n
                              config_dict, parse_config, save_drafter)
 from drafters.head import fit_draft_vocab  # noqa: F401  (re-exported)
 from drafters.head import set_draft_vocab as _set_draft_vocab
-from drafters.sampling import SamplingParams, draft_token
-from drafters.vocab import d2t_to_offsets, expand_probs, offsets_to_d2t
+from drafters.proposals import (ChainDraw, ChainProposal, DecodeState,  # noqa: F401  (re-exported)
+                                TreeProposal)
+from drafters.sampling import SamplingParams
+from drafters.vocab import d2t_to_offsets, offsets_to_d2t
 
 
 @dataclass
@@ -47,47 +49,6 @@ class DrafterConfig:
     """Fields every drafter config has. Each drafter subclasses this with its own settings."""
 
     name: str = "?"  # registry key; set by each drafter's schema
-
-
-@dataclass
-class DecodeState:
-    """What the decoder shows a drafter before a round."""
-
-    tokens: torch.Tensor  # (T,) long: prompt + generated tokens committed so far
-    # (T-1, F) target features of tokens[:-1] (the last committed token, the target's bonus token,
-    # has not been through the target yet), F = sum of the widths of `feature_layers`, concatenated
-    # in that order. None when the drafter asks for no features.
-    features: torch.Tensor | None = None
-
-
-@dataclass
-class ChainProposal:
-    """k drafted tokens that continue `state.tokens`, in order."""
-
-    tokens: torch.Tensor  # (k,) long
-    # (k, V) the warped draft distributions q_i the tokens were sampled from, needed by the lossless
-    # sampling rule. None means a deterministic drafter: q_i is one-hot on tokens[i].
-    probs: torch.Tensor | None = None
-    # (k,) max_x q_i(x) per position, for verify budgets (decode/budget.py); None: deterministic
-    confidence: torch.Tensor | None = None
-
-
-@dataclass
-class TreeProposal:
-    """A draft tree rooted at the last committed token. Nodes are topologically ordered."""
-
-    tokens: torch.Tensor  # (N,) long: the token of each node
-    parents: torch.Tensor  # (N,) long: index of the parent node, -1 = child of the root
-    # (N, V) warped q node i was drawn from given its path and earlier siblings (drawn in index
-    # order), for the lossless multi-draft rule; None = a deterministic tree (q one-hot on tokens)
-    probs: torch.Tensor | None = None
-
-    def depths(self) -> torch.Tensor:
-        """(N,) depth of each node, 1 for children of the root."""
-        depth = torch.zeros_like(self.parents)
-        for i, p in enumerate(self.parents.tolist()):
-            depth[i] = 1 if p < 0 else depth[p] + 1
-        return depth
 
 
 @dataclass
@@ -115,50 +76,6 @@ class DraftPrediction:
     # (B, T, F') EAGLE: predicted target feature of position t + shift, regressed on the target's
     features: torch.Tensor | None = None
     anchors: torch.Tensor | None = None  # (B, A): logits (B, A, Vd) at these anchors (None: all)
-
-
-class ChainDraw:
-    """One chain being drafted, draw by draw (Drafter.draft_chain; several at once in a drafter's
-    batched propose_rows):
-    1. draw draft i from its logits (argmax, or a sample from the warped q_i);
-    2. stop early when its confidence falls below min_confidence (never on the first);
-    3. map it to a target id; the chain goes on until k drafts;
-    4. package the target ids, their confidences and (sampling) q over the target vocabulary."""
-
-    def __init__(self, drafter: "Drafter", k: int, sampling: SamplingParams,
-                 generator: torch.Generator | None, min_confidence: float) -> None:
-        self.drafter, self.k, self.sampling = drafter, k, sampling
-        self.generator, self.min_confidence = generator, min_confidence
-        self.tokens: list[torch.Tensor] = []  # target ids
-        self.qs: list[torch.Tensor | None] = []
-        self.confs: list[float] = []
-        self.done = k < 1
-
-    @property
-    def n(self) -> int:
-        return len(self.tokens)
-
-    def draw(self, logits: torch.Tensor) -> bool:
-        """Draw the next draft from logits (Vd,); True when the chain wants the next logits."""
-        if self.done:
-            return False
-        d, q, conf = draft_token(logits, self.sampling, self.generator, self.min_confidence)
-        if self.tokens and conf < self.min_confidence:  # 2.
-            self.done = True
-            return False
-        self.tokens.append(self.drafter.target_ids(d))  # 3.
-        self.qs.append(q)
-        self.confs.append(conf)
-        self.done = self.n >= self.k
-        return not self.done
-
-    def proposal(self) -> ChainProposal:  # 4.
-        if not self.tokens:
-            return ChainProposal(tokens=torch.empty(0, dtype=torch.long))
-        tokens, conf = torch.stack(self.tokens).long(), torch.tensor(self.confs)  # (n,), (n,)
-        q = None if self.sampling.greedy else expand_probs(torch.stack(self.qs), self.drafter.d2t,
-                                                           self.drafter.vocab_size)
-        return ChainProposal(tokens=tokens, probs=q, confidence=conf)  # q: (n, V) | None
 
 
 class Drafter(nn.Module):

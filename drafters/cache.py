@@ -15,6 +15,14 @@ import torch
 from transformers import DynamicCache
 
 
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bool (..., Q, K) True = may attend -> additive float mask (..., 1, Q, K) for the layers.
+    The finite minimum (not -inf) keeps a fully masked padding row from producing NaN."""
+    zero = torch.zeros((), dtype=dtype, device=allowed.device)
+    neg = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=allowed.device)
+    return torch.where(allowed, zero, neg).unsqueeze(-3)
+
+
 class DraftCache:
     """A DynamicCache plus what it holds: `tokens` (the tokens it was synced to) and `committed`
     (how many cache positions come from committed tokens; the rest are drafts)."""

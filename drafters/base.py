@@ -17,7 +17,10 @@ engine layouts are `ExportLayout`s registered by the drafter module that owns th
 Decode-time contract (see decode/spec.py for the loop that drives it):
   * Before the first round of a prompt the decoder calls `reset()`.
   * Each round it calls `propose(state, k, sampling, generator)` (chain) or `propose_tree(state,
-    sampling, generator)` (tree). `state.tokens` holds every committed token; between two calls
+    sampling, generator)` (tree). Batched decoding (decode/batch.py) instead calls
+    `propose_rows(slots, states, ks, ...)` once for every row's chain (slots[r]: row r's copy of
+    the drafter, holding its state); the default loops over `propose`, EAGLE-family drafters put
+    the rows through one forward per draft step (drafters/rows.py). `state.tokens` holds every committed token; between two calls
     it only grows by appending (accepted drafts + the target's bonus token), so a drafter with
     its own KV cache crops it back to the longest prefix it still shares with `state.tokens`.
   * Drafters that read target features (EAGLE, Medusa) list the hidden-state indices they need in

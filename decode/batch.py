@@ -8,10 +8,11 @@ result) and its prefill and commit steps, so a sequence decoded in a batch commi
 in verify_all mode with the same generator, the same draws). Shared across the rows: the
 verification forward, and for chains the drafting (`Drafter.propose_rows`: EAGLE-family drafters
 put every row through one padded drafter forward per draft step, P-EAGLE one per round, each row
-attending to its own drafter cache; other drafters draft row after row). The batch KV cache is one transformers DynamicCache with a row per sequence, rows
-left-aligned: row r holds its committed tokens[:T_r - 1] in columns [0, L_r), L_r = T_r - 1, and
-garbage after. A round appends Q columns; row r attends to its own [0, L_r) and causally within the
-new block (a 4-D mask), at positions L_r + t; afterwards the kept columns of each row move to
+attending to its own drafter cache; other drafters draft row after row). The batch KV cache is
+one transformers DynamicCache with a row per sequence, rows left-aligned: row r holds its
+committed tokens[:T_r - 1] in columns [0, L_r), L_r = T_r - 1, and garbage after. A round
+appends Q columns; row r attends to its own [0, L_r) and causally within the new block (a 4-D
+mask), at positions L_r + t; afterwards the kept columns of each row move to
 [L_r, L_r + n_r + 1) and the cache is cropped to the longest row (`batch_cache.compact`).
 
 Modes: plain (no drafts), verify_all (every row verifies all its drafts), budgeted (decode/budget.py:
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import time
+from functools import partial
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -142,32 +144,27 @@ class _Batch:
     def _draft(self, depth: int
                ) -> list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
         """Step 1 for every row: (draft (m,) of at most `depth` tokens, q (m, V) or None,
-        budgeted: survival scores (m,)) each. The rows draft together (the drafter's propose_rows:
-        one forward per draft step for all rows where the drafter can) or, with batch_drafts
-        off, one after another; a together call's seconds are shared evenly by its rows."""
+        budgeted: survival scores (m,)) each, from ONE propose_rows call: the rows draft together
+        where the drafter can (one forward per draft step for all rows), or, with batch_drafts off,
+        through the base class's one-row-after-another loop. The call's seconds are shared evenly
+        by its rows."""
         budgets = [min(depth, s.loop.end - s.loop.T - 1) if s.loop.drafter is not None else 0
                    for s in self.seqs]  # drafts beyond end could never be committed
-        live = [s for s, b in zip(self.seqs, budgets) if b > 0]
-        props: dict[int, Any] = {}
-        if live and self.batch_drafts:
-            ks = [b for b in budgets if b > 0]
-            got, dt = _timed(lambda: live[0].loop.drafter.propose_rows(
-                [s.loop.drafter for s in live], [s.loop.state() for s in live], ks, self.sampling,
-                [s.loop.generator for s in live], self.min_confidence), self.sync)
-            for s, prop in zip(live, got):
-                props[id(s)] = prop
-                s.loop.res.time_draft += dt / len(live)
-        else:
-            for s, b in zip(self.seqs, budgets):
-                if b > 0:
-                    loop = s.loop
-                    props[id(s)], dt = _timed(lambda: loop.drafter.propose(
-                        loop.state(), b, self.sampling, loop.generator, self.min_confidence),
-                        self.sync)
-                    loop.res.time_draft += dt
+        live = [r for r, b in enumerate(budgets) if b > 0]
+        props = [None] * len(self.seqs)
+        if live:
+            loops = [self.seqs[r].loop for r in live]
+            propose_rows = loops[0].drafter.propose_rows if self.batch_drafts else partial(
+                Drafter.propose_rows, loops[0].drafter)
+            got, dt = _timed(lambda: propose_rows(
+                [lp.drafter for lp in loops], [lp.state() for lp in loops],
+                [budgets[r] for r in live], self.sampling, [lp.generator for lp in loops],
+                self.min_confidence), self.sync)
+            for r, lp, prop in zip(live, loops, got):
+                props[r] = prop
+                lp.res.time_draft += dt / len(live)
         out = []
-        for s, b in zip(self.seqs, budgets):
-            prop = props.get(id(s))
+        for s, b, prop in zip(self.seqs, budgets, props):
             if prop is None:
                 out.append((s.loop.buf.new_empty(0), None, torch.ones(0)))
                 continue
@@ -197,7 +194,8 @@ class _Batch:
         if self.planner and depth:  # 2. cut every row to the width the cost grid pays for
             lens = choose_widths([sc for _, _, sc in drafts], self.planner.cost,
                                  self.sampling.greedy)
-        ids, out, dt, L, cache_len = self._verify([d[:m] for (d, _, _), m in zip(drafts, lens)])  # 3.
+        ids, out, dt, L, cache_len = self._verify(  # 3.
+            [d[:m] for (d, _, _), m in zip(drafts, lens)])
         new, kept, n_keep = [], [], []
         for r, (s, (d, q, _), m) in enumerate(zip(self.seqs, drafts, lens)):  # 4.
             res = s.loop.res

@@ -44,7 +44,7 @@ def run_batch_bench(target: Any, drafter: Any, prompts: Sequence[torch.Tensor], 
     planners = {}
     if "budgeted" in modes and drafter is not None:
         grid = cost if cost is not None else cost_curve(target, cache_dir)
-        planners = {t: new_planner(grid, k, drafter, tree) for t in (True, False)}
+        planners = {t: new_planner(grid, k, drafter, tree) for t in {c[2] for c in cells}}
     runs: dict[tuple[int, str], list[BatchResult]] = {(b, c[0]): [] for b in batch_sizes
                                                       for c in cells}
     for r in range(repeats):
@@ -77,7 +77,8 @@ def run_batch_bench(target: Any, drafter: Any, prompts: Sequence[torch.Tensor], 
             "draft_rounds": (sum(d > 0 for x in rs for d in x.depths)
                              / max(1, sum(len(x.depths) for x in rs))),
             "differ_from_plain": differ,
-            "draft_ms_round": statistics.median(1e3 * x.time_draft / max(1, x.rounds) for x in rs)})
+            "draft_ms_round": statistics.median(1e3 * x.time_draft / max(1, x.rounds)
+                                                for x in rs)})
     return rows
 
 

@@ -310,8 +310,7 @@ class Peagle(Eagle3):
         at = [(b, n[b] - 1 + i) for b, k in enumerate(ks) for i in range(k)]  # rows' draft positions
         logits = self.head(h[[b for b, _ in at], [j for _, j in at]]).float()  # (sum k, Vd)
         out = []
-        for b, (k, g) in enumerate(zip(ks, generators)):
-            mine = logits[sum(ks[:b]):sum(ks[:b]) + k]  # (k, Vd)
+        for k, g, mine in zip(ks, generators, logits.split(ks)):  # mine (k, Vd): one row's
             chain = ChainDraw(self, k, sampling, g, min_confidence)
             while chain.draw(mine[chain.n]):  # draft i from position i + 1's distribution
                 pass

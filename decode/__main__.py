@@ -14,12 +14,7 @@ def main(cfg: DictConfig) -> None:
     with user_errors("python -m decode"):
         if cfg.batch_size > 1:  # B sequences per target forward (batch_size=1: today's path)
             from decode.batch_eval import run_batched
-            from decode.kernels import parse_exact
 
-            if parse_exact(cfg.exact_verify):
-                raise ValueError(f"exact_verify=true decodes one sequence at a time; got "
-                                 f"batch_size={cfg.batch_size}. Use batch_size=1, or "
-                                 f"exact_verify=false for batched decoding")
             run_batched(cfg)
         else:
             from decode.evaluate import run

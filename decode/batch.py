@@ -13,7 +13,8 @@ one transformers DynamicCache with a row per sequence, rows left-aligned: row r 
 committed tokens[:T_r - 1] in columns [0, L_r), L_r = T_r - 1, and garbage after. A round
 appends Q columns; row r attends to its own [0, L_r) and causally within the new block (a 4-D
 mask), at positions L_r + t; afterwards the kept columns of each row move to
-[L_r, L_r + n_r + 1) and the cache is cropped to the longest row (`batch_cache.compact`).
+[L_r, L_r + n_r + 1) and the cache is cropped to the longest row (`batch_cache.compact`);
+exact_verify keeps each row as its lone exact decode does instead (decode/rows_exact.py).
 
 Modes: plain (no drafts), verify_all (every row verifies all its drafts), budgeted (decode/budget.py:
 before drafting, the draft depth of the round from past acceptance, the measured drafting time and
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import time
+from contextlib import nullcontext
 from functools import partial
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -36,8 +38,8 @@ from transformers import DynamicCache
 
 from decode import batch_cache
 from decode.accept import accept_chain
-from decode.budget import (CostCurve, RoundPlanner, choose_widths, cost_curve, new_planner,
-                           survival)
+from decode.budget import CostCurve, RoundPlanner, batch_planner, choose_widths, survival
+from decode.rows_exact import ExactRows
 from decode.spec import (GenerationResult, _accept_tree, _check_inputs, _commit, _draft_tree,
                          _Loop, _prefill, _StopChecker, _timed, _Tree)
 from drafters.base import Drafter
@@ -88,19 +90,29 @@ def slot_drafter(drafter: Drafter | Callable[[], Drafter]) -> Drafter:
     return d
 
 
-def _check_batch(mode: str, n_prompts: int, batch_size: int) -> None:
+def _check_batch(mode: str, n_prompts: int, batch_size: int, max_new_tokens: int | Sequence[int],
+                 generators: Sequence | None) -> list[int]:
+    """generate_batch's argument checks; returns each prompt's max_new_tokens."""
     if mode not in MODES:
         raise ValueError(f"batch mode {mode!r} is unknown; use one of {MODES}")
     if batch_size < 1 or n_prompts < 1:
         raise ValueError(f"need batch_size >= 1 and at least one prompt (got batch_size="
                          f"{batch_size}, {n_prompts} prompts)")
+    if generators is not None and len(generators) != n_prompts:
+        raise ValueError(f"{len(generators)} generators for {n_prompts} prompts; give one each")
+    budgets = ([max_new_tokens] * n_prompts if isinstance(max_new_tokens, int)
+               else [int(n) for n in max_new_tokens])
+    if len(budgets) != n_prompts:
+        raise ValueError(f"{len(budgets)} max_new_tokens for {n_prompts} prompts; give one "
+                         f"int or one per prompt")
+    return budgets
 
 
 class _Batch:
     """The running batch: its sequences (row r of the cache = seqs[r]) and the shared settings."""
 
     def __init__(self, target, drafter, layers, sampling, k, mode, min_confidence, stop, eos,
-                 sync, planner=None, tree=False, batch_drafts=True):
+                 sync, planner=None, tree=False, batch_drafts=True, exact=False):
         self.target, self.drafter, self.layers = target, drafter, layers
         self.batch_drafts = batch_drafts  # rows draft together (propose_rows), else one by one
         self.sampling, self.k, self.mode = sampling, k, mode
@@ -108,6 +120,8 @@ class _Batch:
         self.tree = tree  # rows draft trees (decode/tree.py) instead of chains
         self.seqs: list[_Seq] = []
         self.cache = DynamicCache()
+        # exact verification: rows kept as their lone exact decodes keep them (decode/rows_exact.py)
+        self.exact = ExactRows(target) if exact else None
         self.time_verify = 0.0  # seconds in target forwards, prefills included
         # budgeted: each round's draft depth, decided from past rounds only, before any draft
         # exists (lossless for sampling too); it learns acceptance and drafting time as it goes
@@ -118,10 +132,12 @@ class _Batch:
         """Prefill prompt (P,) alone (spec's step 1, its own cache), commit its first token and,
         unless that already ends it, add it as a new row. Returns (the sequence, added)."""
         t0, P, dev = time.perf_counter(), len(prompt), self.target.device
-        res = GenerationResult(tokens=prompt.new_empty(0).cpu(), cache=DynamicCache())
+        lone = self.exact.new_row(self.target, P, max_new_tokens) if self.exact else None
+        res = GenerationResult(tokens=prompt.new_empty(0).cpu(),
+                               cache=lone.cache if lone else DynamicCache())
         loop = _Loop(target=self.target, drafter=slot_drafter(self.drafter) if self.drafter else None,
                      sampling=self.sampling, generator=generator, layers=self.layers,
-                     sync=self.sync, res=res, cache=res.cache,
+                     sync=self.sync, res=res, cache=res.cache, exact=lone,
                      buf=torch.empty(P + max_new_tokens, dtype=torch.long, device=dev),
                      P=P, end=P + max_new_tokens)
         loop.buf[:P] = prompt
@@ -133,12 +149,14 @@ class _Batch:
         self.time_verify += res.time_verify
         added = not _commit(loop, first, None, self.eos, self.stop)
         if added:
-            if self.seqs:
+            if self.exact:
+                self.exact.add_row(lone, loop.T - 1)
+            elif self.seqs:
                 batch_cache.add_row(self.cache, loop.cache)
             else:  # the first row: its own cache becomes the batch cache
                 self.cache = loop.cache
             self.seqs.append(seq)
-        res.cache = loop.cache = None  # the row now lives in the batch cache
+        res.cache = loop.cache = loop.exact = None  # the row now lives in the batch cache
         return seq, added
 
     def _draft(self, depth: int
@@ -207,7 +225,7 @@ class _Batch:
             new.append(torch.cat([d[:n], nxt]))  # (n+1,)
             kept.append(out.features[r, :n + 1] if self.layers else None)  # (n+1, F)
             n_keep.append(n + 1)
-        batch_cache.compact(self.cache, L, n_keep, cache_len)  # 5.
+        self._compact(L, n_keep, cache_len)  # 5.
         # 6. a draft cut in step 2 counts as drafted, not accepted
         self._learn(depth, [len(d) for d, _, _ in drafts], [n - 1 for n in n_keep], t_round,
                     t_draft, dt)
@@ -235,7 +253,7 @@ class _Batch:
             new.append(torch.cat([ids[r, keep[1:]], bonus]))  # (n+1,)
             kept.append(out.features[r, keep] if self.layers else None)  # (n+1, F)
             keeps.append(keep)
-        batch_cache.compact(self.cache, L, keeps, cache_len)  # 5.
+        self._compact(L, keeps, cache_len)  # 5.
         if self.planner:  # 6. each tree's depth counts as drafted
             self.planner.observe_width(ids.shape[1])
         self._learn(depth, [s.loop.res.drafted[-1] for s in self.seqs],
@@ -250,16 +268,30 @@ class _Batch:
         rows = [torch.cat([s.loop.buf[s.loop.T - 1:s.loop.T], d])
                 for s, d in zip(self.seqs, drafts)]  # (m_r+1,) each
         L = [s.loop.T - 1 for s in self.seqs]  # committed tokens in each row's cache
-        cache_len = self.cache.get_seq_length()
-        ids, mask, pos = batch_cache.inputs(rows, L, cache_len, trees=trees)
-        out, dt = _timed(lambda: self.target.forward(ids, layers=self.layers, cache=self.cache,
-                                                     attention_mask=mask, position_ids=pos),
-                         self.sync)
+        if self.exact:
+            cache_len, cache, ctx = 0, self.exact.cache, self.exact.context()
+            ids, mask, pos = self.exact.inputs(rows, L, trees)
+        else:
+            cache_len, cache, ctx = self.cache.get_seq_length(), self.cache, nullcontext()
+            ids, mask, pos = batch_cache.inputs(rows, L, cache_len, trees=trees)
+
+        def run():
+            with ctx:
+                return self.target.forward(ids, layers=self.layers, cache=cache,
+                                           attention_mask=mask, position_ids=pos)
+        out, dt = _timed(run, self.sync)
         self.time_verify += dt
         for s in self.seqs:
             s.loop.res.time_verify += dt
             s.loop.res.target_forwards += 1
         return ids, out, dt, L, cache_len
+
+    def _compact(self, L: list[int], keep: list, cache_len: int) -> None:
+        """Step 5: each row keeps its last committed token and accepted drafts in its cache."""
+        if self.exact:
+            self.exact.compact(L, keep)
+        else:
+            batch_cache.compact(self.cache, L, keep, cache_len)
 
     def _learn(self, depth: int, made: list[int], accepted: list[int], t_round: float,
                t_draft: float, dt: float) -> None:
@@ -277,26 +309,12 @@ class _Batch:
         if finished:
             stay = [r for r, d in enumerate(done) if not d]
             self.seqs = [self.seqs[r] for r in stay]
-            batch_cache.select_rows(self.cache, stay, max((s.loop.T - 1 for s in self.seqs),
-                                                          default=0))
+            if self.exact:
+                self.exact.select_rows(stay)
+            else:
+                batch_cache.select_rows(self.cache, stay, max((s.loop.T - 1 for s in self.seqs),
+                                                              default=0))
         return finished
-
-
-def _budget_planner(target: Any, drafter: Drafter, k: int, tree: bool, planner: RoundPlanner | None,
-                    cost: CostCurve | None, cache_dir: str | None) -> RoundPlanner:
-    """budgeted: the caller's kept planner (checked against this call's settings), else a new one
-    over `cost` (None = the target's measured grid, cached under cache_dir)."""
-    if planner is None:
-        return new_planner(cost if cost is not None else cost_curve(target, cache_dir), k,
-                           drafter, tree)
-    if planner.tree != tree or (not tree and planner.k != k):
-        made = "trees" if planner.tree else f"chains of k={planner.k}"
-        asked = "trees" if tree else f"chains of k={k}"
-        raise ValueError(f"the planner was made for {made}, this call drafts {asked}; keep one "
-                         f"planner per k and tree setting")
-    if cost is not None and cost is not planner.cost:
-        raise ValueError("cost and planner.cost differ; pass the cost only through the planner")
-    return planner
 
 
 def _finish(seq: _Seq, t_start: float, results: list, latency: list) -> None:
@@ -326,10 +344,12 @@ def generate_batch(
     planner: RoundPlanner | None = None,  # budgeted: kept across calls (None = a fresh one)
     tree: bool = False,  # every row verifies the drafter's tree (decode/tree.py) instead of a chain
     batch_drafts: bool = True,  # chains: rows draft together (Drafter.propose_rows), else 1 by 1
+    exact_verify: bool = False,  # every row rounds as its lone exact decode (decode/rows_exact.py)
 ) -> BatchResult:
     """Decode every prompt, up to batch_size at a time in one target forward per round,
     losslessly per sequence: each output is what `decode.spec.generate` gives that prompt alone
-    (greedy: token-identical; sampling: the target's distribution).
+    (greedy: token-identical; at 16 bits up to near-tie flips, a row's rounding depending on the
+    batch, unless exact_verify: then bit-identical to `generate(..., exact_verify=True)` alone).
 
     budgeted: pass the same `planner` (a `decode.budget.RoundPlanner` for this target, drafter and
     k) to every call, as a server would keep it, so a call starts from the acceptance and drafting
@@ -337,28 +357,22 @@ def generate_batch(
     t_start = time.perf_counter()
     sampling = sampling or SamplingParams()
     dev = target.device
-    _check_batch(mode, len(prompts), batch_size)
-    if generators is not None and len(generators) != len(prompts):
-        raise ValueError(f"{len(generators)} generators for {len(prompts)} prompts; give one each")
+    budgets = _check_batch(mode, len(prompts), batch_size, max_new_tokens, generators)
     prompts = [torch.as_tensor(p, dtype=torch.long).reshape(-1).to(dev) for p in prompts]
-    budgets = ([max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int)
-               else [int(n) for n in max_new_tokens])
-    if len(budgets) != len(prompts):
-        raise ValueError(f"{len(budgets)} max_new_tokens for {len(prompts)} prompts; give one "
-                         f"int or one per prompt")
     one = slot_drafter(drafter) if drafter is not None else None  # for the checks and the layers
     speculative = one is not None and k > 0 and mode != "plain"
     for p, n in zip(prompts, budgets):  # 0. guards, as spec's, before any work
         _check_inputs(target, one if speculative else None, len(p), n, k, sampling, tree)
     if speculative and mode == "budgeted":
-        planner = _budget_planner(target, one, k, tree, planner, cost, cache_dir)
+        planner = batch_planner(target, one, k, tree, planner, cost, cache_dir)
     gens = list(generators) if generators is not None else [
         torch.Generator(device=dev).manual_seed(seed + i) for i in range(len(prompts))]
     eos = torch.tensor(sorted(target.eos_token_ids), dtype=torch.long, device=dev)  # (E,)
     stop = _StopChecker(target.tokenizer, stop_strings) if any(stop_strings) else None
     layers = tuple(one.feature_layers) if speculative else ()
     batch = _Batch(target, drafter if speculative else None, layers, sampling, k, mode,
-                   min_confidence, stop, eos, dev.type == "cuda", planner, tree, batch_drafts)
+                   min_confidence, stop, eos, dev.type == "cuda", planner, tree, batch_drafts,
+                   exact_verify)
     results: list = [None] * len(prompts)
     latency: list = [0.0] * len(prompts)
     out = BatchResult(results=results, latency=latency)

@@ -23,7 +23,7 @@ def _pairs(cache: Any):
     return [(layer, layer.keys, layer.values) for layer in cache.layers]
 
 
-def _pad_to(x: torch.Tensor, length: int) -> torch.Tensor:
+def pad_columns(x: torch.Tensor, length: int) -> torch.Tensor:
     """x (B, H, L, D) with zero columns appended up to `length`."""
     extra = length - x.shape[-2]
     return x if extra <= 0 else torch.cat([x, x.new_zeros(*x.shape[:2], extra, x.shape[-1])], -2)
@@ -34,8 +34,8 @@ def add_row(cache: Any, row: Any) -> None:
     whichever is shorter with zero columns (hidden by the mask)."""
     for (layer, k, v), (_, rk, rv) in zip(_pairs(cache), _pairs(row)):
         n = max(k.shape[-2], rk.shape[-2])
-        layer.keys = torch.cat([_pad_to(k, n), _pad_to(rk, n)], 0)  # (B+1, H, n, D)
-        layer.values = torch.cat([_pad_to(v, n), _pad_to(rv, n)], 0)  # (B+1, H, n, D)
+        layer.keys = torch.cat([pad_columns(k, n), pad_columns(rk, n)], 0)  # (B+1, H, n, D)
+        layer.values = torch.cat([pad_columns(v, n), pad_columns(rv, n)], 0)  # (B+1, H, n, D)
 
 
 def select_rows(cache: Any, rows: Sequence[int], length: int) -> None:
@@ -59,14 +59,32 @@ def inputs(rows: Sequence[torch.Tensor], lengths: Sequence[int], cache_len: int,
     the last token, see the block causally and are ignored. When every row is a chain that fills
     the cache (L_r = cache_len, e.g. B = 1) and plain_mask, the mask and positions are the
     model's default causal ones: (ids, None, None), the lone decoder's forward."""
-    B, Q, dev = len(rows), max(len(r) for r in rows), rows[0].device
-    trees = list(trees) if trees is not None else [None] * B
-    ids = torch.stack([torch.cat([r, r[-1:].expand(Q - len(r))]) for r in rows])  # (B, Q)
+    trees = list(trees) if trees is not None else [None] * len(rows)
     if plain_mask and min(lengths) == cache_len and all(a is None for a in trees):
-        return ids, None, None
-    L = torch.as_tensor(list(lengths), dtype=torch.long, device=dev)  # (B,)
-    t = torch.arange(Q, device=dev)  # (Q,)
-    cached = torch.arange(cache_len, device=dev)[None, :] < L[:, None]  # (B, cache_len)
+        return padded_ids(rows), None, None
+    ids, block, offset = block_layout(rows, trees)
+    B, Q = ids.shape
+    L = torch.as_tensor(list(lengths), dtype=torch.long, device=ids.device)  # (B,)
+    cached = torch.arange(cache_len, device=ids.device)[None, :] < L[:, None]  # (B, cache_len)
+    mask = torch.cat([cached[:, None, :].expand(B, Q, cache_len), block], dim=-1)  # (B, Q, K)
+    return ids, mask[:, None], L[:, None] + offset  # (B, Q), (B, 1, Q, K), (B, Q)
+
+
+def padded_ids(rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    """rows[r] (m_r+1,) padded to (B, Q) by repeating each row's last token."""
+    Q = max(len(r) for r in rows)
+    return torch.stack([torch.cat([r, r[-1:].expand(Q - len(r))]) for r in rows])  # (B, Q)
+
+
+def block_layout(rows: Sequence[torch.Tensor], trees: Sequence[torch.Tensor | None]
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The new block of a round, whatever the cache layout: ids (B, Q) (`padded_ids`), which
+    block position each block position sees, block (B, Q, Q) bool (a chain: causal; a tree: the
+    root itself, node i the root, its ancestors and itself), and each position's offset from the
+    row's cached length, offset (B, Q) (a chain: t; a tree node: its depth below the root)."""
+    ids = padded_ids(rows)
+    B, Q = ids.shape
+    t = torch.arange(Q, device=ids.device)  # (Q,)
     block = (t[None, :] <= t[:, None])[None].repeat(B, 1, 1)  # (B, Q, Q) causal
     offset = t[None, :].repeat(B, 1)  # (B, Q) position offsets within the block
     for r, anc in enumerate(trees):
@@ -77,8 +95,7 @@ def inputs(rows: Sequence[torch.Tensor], lengths: Sequence[int], cache_len: int,
             block[r, 1:n + 1, 0] = True  # every node sees the root ...
             block[r, 1:n + 1, 1:n + 1] = anc  # ... its ancestors and itself
             offset[r, 1:n + 1] = anc.sum(-1)  # depth below the root
-    mask = torch.cat([cached[:, None, :].expand(B, Q, cache_len), block], dim=-1)  # (B, Q, K)
-    return ids, mask[:, None], L[:, None] + offset  # (B, Q), (B, 1, Q, K), (B, Q)
+    return ids, block, offset
 
 
 def compact(cache: Any, lengths: Sequence[int], keep: Sequence[int | torch.Tensor],

@@ -18,6 +18,7 @@ import torch
 from data.prompts import load_prompts
 from decode.batch import BatchResult, generate_batch
 from decode.budget import cost_curve, new_planner
+from decode.kernels import parse_exact
 from decode.evaluate import (_budget, _lossless_check, finish_run, is_near_tie, render,
                              results_markdown, setup_run, write_results)
 from decode.metrics import RunMetrics
@@ -37,14 +38,16 @@ def _batch_metrics(results: list, batches: list[BatchResult]) -> RunMetrics:
     return m
 
 
-def _compare(target, ids, plain, spec, greedy: bool) -> tuple[bool | None, dict | None]:
-    """Greedy: is spec's output plain's, and where it first differs (a near-tie or a bug)."""
+def _compare(target, ids, plain, spec, greedy: bool, bit_exact: bool = False
+             ) -> tuple[bool | None, dict | None]:
+    """Greedy: is spec's output plain's, and where it first differs (a near-tie or a bug;
+    bit_exact: exact chains promise bit-identity, so no tie allowance)."""
     if plain is None or not greedy:
         return None, None
     if torch.equal(plain.tokens, spec.tokens):
         return True, None
     where = target.first_difference(ids, plain.tokens, spec.tokens)
-    where["near_tie"] = is_near_tie(where)
+    where["near_tie"] = is_near_tie(where) and not bit_exact
     return False, where
 
 
@@ -53,11 +56,15 @@ def evaluate_batched(target, drafter: Drafter | None, *, batch_size: int, batch_
                      turns: int = 1, max_new_tokens: int = 256, k: int = 5,
                      sampling: SamplingParams | None = None, min_confidence: float = 0.0,
                      compare_plain: bool = True, seed: int = 0, tree: bool = False,
-                     out_dir: Path | None = None,
+                     exact_verify: bool | str = False, out_dir: Path | None = None,
                      cache_dir: str | None = None) -> dict:
     """Decode every prompt (and turn) batch_size at a time in `batch_mode`; return {"summary",
-    "markdown", "prompts"} and write result.json + result.md into out_dir."""
+    "markdown", "prompts"} and write result.json + result.md into out_dir. exact_verify: both
+    decodes with exact kernels per row (decode/rows_exact.py; greedy outputs then equal unbatched
+    exact decoding bit for bit); auto = off here: batched, the exact rows cost 12-39% of the
+    throughput on a CPU (BENCHMARKS.md "Exact batched greedy"), against ~6% for one sequence."""
     sampling = sampling or SamplingParams()
+    exact_verify = bool(parse_exact(exact_verify))  # auto (None) = off when batched
     prompts = load_prompts(eval_kind, path=path, limit=limit, turns=turns)
     answers: list[list[list[int]]] = [[] for _ in prompts]
     spec_batches, plain_batches, spec_results, rows = [], [], [], []
@@ -69,7 +76,8 @@ def evaluate_batched(target, drafter: Drafter | None, *, batch_size: int, batch_
         ids = [render(target, prompts[i].turns[:turn + 1], answers[i]) for i in todo]
         budgets = [_budget(target, x, max_new_tokens, f"prompt {prompts[i].id} (turn {turn + 1})")
                    for i, x in zip(todo, ids)]
-        kw = dict(max_new_tokens=budgets, batch_size=batch_size, sampling=sampling)
+        kw = dict(max_new_tokens=budgets, batch_size=batch_size, sampling=sampling,
+                  exact_verify=exact_verify)
         plain = generate_batch(target, None, ids, mode="plain", **kw) if compare_plain else None
         spec = generate_batch(target, drafter, ids, k=k, mode=batch_mode,
                               min_confidence=min_confidence, seed=seed + 1000 * turn,
@@ -79,7 +87,7 @@ def evaluate_batched(target, drafter: Drafter | None, *, batch_size: int, batch_
         for j, i in enumerate(todo):
             res, p = spec.results[j], prompts[i]
             same, where = _compare(target, ids[j], plain.results[j] if plain else None, res,
-                                   sampling.greedy)
+                                   sampling.greedy, exact_verify and not tree)
             out = res.tokens.tolist()
             answers[i].append(out)
             spec_results.append(res)
@@ -96,7 +104,7 @@ def evaluate_batched(target, drafter: Drafter | None, *, batch_size: int, batch_
     summary = {**({"planner_probes": planner.probes} if planner else {}), "eval": eval_kind, "prompts": len(prompts), "generations": len(rows),
                "drafter": drafter.name if drafter is not None else "none", "k": k, "tree": tree,
                "temperature": sampling.temperature, "max_new_tokens": max_new_tokens,
-               "batch_size": batch_size, "batch_mode": batch_mode,
+               "batch_size": batch_size, "batch_mode": batch_mode, "exact_verify": exact_verify,
                "latency_mean_s": statistics.mean(latency),
                "latency_p90_s": sorted(latency)[int(0.9 * (len(latency) - 1))],
                "mean_forward_width": statistics.mean(w for b in spec_batches for w in b.widths),
@@ -131,5 +139,6 @@ def run_batched(cfg) -> None:
         eval_kind=cfg.eval.kind, path=cfg.eval.path, limit=cfg.eval.limit, turns=cfg.eval.turns,
         max_new_tokens=cfg.max_new_tokens, k=cfg.k, sampling=sampling,
         min_confidence=cfg.min_confidence, compare_plain=cfg.compare_plain, seed=cfg.seed,
-        tree=cfg.tree, out_dir=run_dir, cache_dir=str(cache_root(cfg.target)))
+        tree=cfg.tree, exact_verify=cfg.exact_verify, out_dir=run_dir,
+        cache_dir=str(cache_root(cfg.target)))
     finish_run(result, run_dir)

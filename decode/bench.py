@@ -266,6 +266,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch-one-by-one", action="store_true",
                     help="--batch: also every speculative mode with the rows drafting one after "
                          "another, interleaved (the A/B of batched drafting)")
+    ap.add_argument("--batch-exact", action="store_true",
+                    help="--batch: also every mode with exact_verify (decode/rows_exact.py), "
+                         "interleaved, its outputs checked against unbatched exact decoding")
     ap.add_argument("--out", default="runs/bench")
     return ap.parse_args(argv)
 
@@ -347,7 +350,7 @@ def batch_main(target, prompts, args, head: list[str]) -> None:
     rows = run_batch_bench(target, drafter, ids, batch_sizes=args.batch_sizes,
                            modes=args.batch_modes, k=args.k, max_new_tokens=args.max_new_tokens,
                            repeats=args.batch_repeats, tree=args.batch_tree,
-                           one_by_one=args.batch_one_by_one)
+                           one_by_one=args.batch_one_by_one, exact=args.batch_exact)
     lines = head + [f"{args.eval}, {len(ids)} prompts cycled to {max(args.batch_sizes)} sequences, "
                     f"greedy, {args.max_new_tokens} new tokens, drafter {drafter.name} "
                     f"{'trees' if args.batch_tree else f'k={args.k}'}, "

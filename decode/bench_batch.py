@@ -8,7 +8,9 @@ cell alike; the table gives medians over repeats. Greedy outputs are checked aga
 decoding at the same B (itself token-identical to decoding alone). tree=True: the speculative
 modes verify the drafter's trees instead of chains. one_by_one=True adds every speculative mode
 with the rows drafting one after another ("verify_all 1by1"), interleaved with the default where
-the rows draft together (Drafter.propose_rows): the A/B of batched drafting.
+the rows draft together (Drafter.propose_rows): the A/B of batched drafting. exact=True adds every
+mode with exact verification ("verify_all exact", decode/rows_exact.py), interleaved: its cost,
+and its outputs against unbatched exact decoding ("outputs differ from unbatched").
 """
 from __future__ import annotations
 
@@ -23,21 +25,25 @@ from decode.budget import CostCurve, cost_curve, new_planner
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 ONE_BY_ONE = "1by1"  # label suffix of a speculative mode whose rows draft one after another
+EXACT = "exact"  # label suffix of a mode run with exact_verify
 
 
 def run_batch_bench(target: Any, drafter: Any, prompts: Sequence[torch.Tensor], *,
                     batch_sizes: Sequence[int] = BATCH_SIZES, modes: Sequence[str] = MODES,
                     k: int = 5, max_new_tokens: int = 128, repeats: int = 1,
                     cost: CostCurve | None = None, cache_dir: str | None = None,
-                    tree: bool = False, one_by_one: bool = False, log=print) -> list[dict]:
+                    tree: bool = False, one_by_one: bool = False, exact: bool = False,
+                    log=print) -> list[dict]:
     """One row per (B, mode): medians over `repeats` interleaved runs of tokens/s over the batch
     and of the mean / p90 per-sequence latency (seconds from the start to its last token), tau,
     the mean forward width, the share of rounds that drafted, and how many outputs differ from
-    plain decoding at that B."""
+    plain decoding at that B and from unbatched plain decoding (B = 1, exact cells: exact)."""
     work = [prompts[i % len(prompts)] for i in range(max(batch_sizes))]
-    cells = [(m, m, True) for m in modes]  # (label, mode, rows draft together)
+    cells = [(m, m, True, False) for m in modes]  # (label, mode, rows draft together, exact)
     if one_by_one:
-        cells += [(f"{m} {ONE_BY_ONE}", m, False) for m in modes if m != "plain"]
+        cells += [(f"{m} {ONE_BY_ONE}", m, False, False) for m in modes if m != "plain"]
+    if exact:
+        cells += [(f"{m} {EXACT}", m, True, True) for m in modes]
     # budgeted keeps one planner across every call, as a serving process would (each call then
     # starts from the acceptance and drafting seconds the earlier ones measured); one per way of
     # drafting, whose drafting seconds differ
@@ -49,21 +55,19 @@ def run_batch_bench(target: Any, drafter: Any, prompts: Sequence[torch.Tensor], 
                                                       for c in cells}
     for r in range(repeats):
         for b in batch_sizes:
-            for label, m, together in cells:
+            for label, m, together, ex in cells:
                 runs[(b, label)].append(generate_batch(
                     target, drafter if m != "plain" else None, work, max_new_tokens=max_new_tokens,
                     batch_size=b, k=k, mode=m, cache_dir=cache_dir, tree=tree,
-                    batch_drafts=together,
+                    batch_drafts=together, exact_verify=ex,
                     **({"planner": planners[together]} if m == "budgeted" else {"cost": cost})))
                 last = runs[(b, label)][-1]
                 log(f"repeat {r + 1}/{repeats} B={b} {label}: {last.tokens_per_s:.1f} tokens/s")
     rows = []
     for (b, m), rs in runs.items():
-        ref = runs.get((b, "plain"))
-        differ = 0
-        if ref:  # greedy: the same tokens as plain batched decoding (the first repeat)
-            differ = sum(not torch.equal(x.tokens, y.tokens)
-                         for x, y in zip(rs[0].results, ref[0].results))
+        plain = f"plain {EXACT}" if m.endswith(EXACT) else "plain"
+        differ = _differ(rs, runs.get((b, plain)))  # greedy: as plain batched decoding at this B
+        alone = _differ(rs, runs.get((1, plain)))  # ... and as unbatched plain decoding
         rounds = [a for x in rs[0].results for a in x.accepted]
         rows.append({
             "batch_size": b, "mode": m,
@@ -76,10 +80,18 @@ def run_batch_bench(target: Any, drafter: Any, prompts: Sequence[torch.Tensor], 
             "mean_width": statistics.mean(rs[0].widths) if rs[0].widths else 0.0,
             "draft_rounds": (sum(d > 0 for x in rs for d in x.depths)
                              / max(1, sum(len(x.depths) for x in rs))),
-            "differ_from_plain": differ,
+            "differ_from_plain": differ, "differ_from_unbatched": alone,
             "draft_ms_round": statistics.median(1e3 * x.time_draft / max(1, x.rounds)
                                                 for x in rs)})
     return rows
+
+
+def _differ(runs: list[BatchResult], ref: list[BatchResult] | None) -> int | None:
+    """How many outputs of the first run differ from the reference's first run (None: no
+    reference)."""
+    if not ref:
+        return None
+    return sum(not torch.equal(x.tokens, y.tokens) for x, y in zip(runs[0].results, ref[0].results))
 
 
 def _order(label: str) -> tuple[int, str]:
@@ -91,16 +103,22 @@ def batch_markdown(rows: list[dict]) -> list[str]:
     """The table: per B and mode, throughput (and vs plain at that B), latency, tau, width."""
     plain = {r["batch_size"]: r["tokens_per_s"] for r in rows if r["mode"] == "plain"}
     lines = ["| B | mode | tokens/s | vs plain | latency mean (s) | latency p90 (s) | tau | "
-             "mean forward width | rounds drafting | draft ms / round | outputs differ from plain |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "mean forward width | rounds drafting | draft ms / round | outputs differ from plain | "
+             "outputs differ from unbatched |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in sorted(rows, key=lambda r: (r["batch_size"], _order(r["mode"]))):
         base = plain.get(r["batch_size"])
         vs = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
         lines.append(f"| {r['batch_size']} | {r['mode']} | {r['tokens_per_s']:.1f} | {vs} | "
                      f"{r['latency_mean_s']:.2f} | {r['latency_p90_s']:.2f} | {r['tau']:.2f} | "
                      f"{r['mean_width']:.2f} | {r.get('draft_rounds', 0.0):.0%} | "
-                     f"{r.get('draft_ms_round', 0.0):.1f} | {r['differ_from_plain']} |")
+                     f"{r.get('draft_ms_round', 0.0):.1f} | {_count(r['differ_from_plain'])} | "
+                     f"{_count(r.get('differ_from_unbatched'))} |")
     return lines
+
+
+def _count(n: int | None) -> str:
+    return "-" if n is None else str(n)
 
 
 def batch_plot(rows: list[dict], path: Path, title: str = "") -> Path:

@@ -309,6 +309,24 @@ def new_planner(cost: CostCurve, k: int, drafter: Any = None, tree: bool = False
     return RoundPlanner(cost, depth, tree_width=float(getattr(cfg, "tree_total_tokens", depth)) + 1)
 
 
+def batch_planner(target: Any, drafter: Any, k: int, tree: bool, planner: RoundPlanner | None,
+                  cost: CostCurve | None, cache_dir: str | None) -> RoundPlanner:
+    """A budgeted `generate_batch`'s planner: the caller's kept planner (checked against this
+    call's settings), else a new one over `cost` (None = the target's measured grid, cached under
+    cache_dir)."""
+    if planner is None:
+        return new_planner(cost if cost is not None else cost_curve(target, cache_dir), k,
+                           drafter, tree)
+    if planner.tree != tree or (not tree and planner.k != k):
+        made = "trees" if planner.tree else f"chains of k={planner.k}"
+        asked = "trees" if tree else f"chains of k={k}"
+        raise ValueError(f"the planner was made for {made}, this call drafts {asked}; keep one "
+                         f"planner per k and tree setting")
+    if cost is not None and cost is not planner.cost:
+        raise ValueError("cost and planner.cost differ; pass the cost only through the planner")
+    return planner
+
+
 def survival(prop: ChainProposal, m: int) -> torch.Tensor:
     """(m,) score of each of the first m drafts: the drafter's probability that the chain survives
     to it, prod_{j<i} q_j(d_j) * max q_i (greedy: prod_{j<=i} q_j(d_j), the drafted tokens being

@@ -27,13 +27,14 @@ counts flips, and `first_difference` still classifies any that remain.
 
 Scope: the target's forwards inside `generate(..., exact_verify=True)` (plain and speculative,
 chain and tree); outside `active()` the hooks and the attention function pass through to the
-target's own attention implementation unchanged. Batched decoding keeps its dynamic cache.
+target's own attention implementation unchanged. Batched decoding: decode/rows_exact.py keeps each
+row as its lone exact decode would, and `active(capacities)` reduces row r over its own capacity.
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -45,6 +46,9 @@ from drafters.attention import grouped_attention
 
 ATTN_NAME = "specdistill_exact"  # + "_<the target's own implementation>", registered at install
 _ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("specdistill_exact", default=False)
+# batched exact decoding (decode/rows_exact.py): each row's own capacity, None = one sequence
+_ROWS: contextvars.ContextVar[tuple[int, ...] | None] = contextvars.ContextVar(
+    "specdistill_exact_rows", default=None)
 
 
 def exact_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -64,7 +68,17 @@ def exact_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
                          f"{None if attention_mask is None else attention_mask.dtype}")
     # 1. scores of every query row of a KV head in one matmul (a single row runs twice, as the
     #    linears do: GEMM, never GEMV), 2. the mask over the whole capacity, an fp32 softmax, 3. p v
-    out = grouped_attention(query, key, value, attention_mask, scaling, two_rows=True)
+    caps = _ROWS.get()
+    if caps is None:
+        out = grouped_attention(query, key, value, attention_mask, scaling, two_rows=True)
+    else:  # a batch: row r reduces over its own capacity, as its lone decode does
+        if len(caps) != query.shape[0]:
+            raise ValueError(f"exact batched attention: {len(caps)} row capacities for "
+                             f"{query.shape[0]} rows")
+        out = torch.cat([grouped_attention(query[r:r + 1], key[r:r + 1, :, :c],
+                                           value[r:r + 1, :, :c], attention_mask[r:r + 1, ..., :c],
+                                           scaling, two_rows=True)
+                         for r, c in enumerate(caps)])  # (B, H, q, d)
     return out.transpose(1, 2).contiguous(), None  # (B, q, H, d)
 
 
@@ -107,12 +121,16 @@ def install(target: Any) -> None:
 
 
 @contextlib.contextmanager
-def active() -> Iterator[None]:
-    """Exact kernels for the target forwards inside the block (this thread / task only)."""
+def active(capacities: Sequence[int] | None = None) -> Iterator[None]:
+    """Exact kernels for the target forwards inside the block (this thread / task only).
+    capacities: a batched forward's row capacities (decode/rows_exact.py); row r's attention then
+    reduces over its first capacities[r] cache columns only."""
     token = _ACTIVE.set(True)
+    rows = _ROWS.set(tuple(int(c) for c in capacities) if capacities is not None else None)
     try:
         yield
     finally:
+        _ROWS.reset(rows)
         _ACTIVE.reset(token)
 
 

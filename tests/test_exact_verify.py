@@ -129,7 +129,7 @@ def test_static_cache_room_is_checked(toy):
     assert widened.shape == (1, 1, 3, ev.capacity) and not widened[..., 12:].any()
 
 
-def test_decode_cli_records_exact_verify_and_refuses_it_batched(tiny_run, tmp_path):
+def test_decode_cli_records_exact_verify_alone_and_batched(tiny_run, tmp_path):
     import subprocess
     import sys
     base = [sys.executable, "-m", "decode", "target=tiny", f"ckpt={tiny_run}", "eval.limit=2",
@@ -139,9 +139,14 @@ def test_decode_cli_records_exact_verify_and_refuses_it_batched(tiny_run, tmp_pa
     res = json.loads((out / "result.json").read_text())
     assert res["summary"]["exact_verify"] is True
     assert all(p["identical_to_plain"] for p in res["prompts"])
-    bad = subprocess.run(base + ["batch_size=2", f"run_dir={tmp_path / 'b'}"], capture_output=True,
-                         text=True)
-    assert bad.returncode != 0 and "exact_verify=true decodes one sequence at a time" in bad.stderr
+    for exact, want in (("true", True), ("auto", False)):  # batched: auto = off (its cost)
+        run = tmp_path / f"b-{exact}"
+        subprocess.run(base[:-1] + [f"exact_verify={exact}", "batch_size=2", f"run_dir={run}"],
+                       check=True, capture_output=True, text=True)
+        res = json.loads((run / "result.json").read_text())
+        assert res["summary"]["exact_verify"] is want and res["summary"]["batch_size"] == 2
+        if want:  # exact rows: every output is plain decoding's, no near-tie allowance
+            assert all(p["identical_to_plain"] for p in res["prompts"])
 
 
 @pytest.mark.slow

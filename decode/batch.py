@@ -354,15 +354,14 @@ def generate_batch(
     budgeted: pass the same `planner` (a `decode.budget.RoundPlanner` for this target, drafter and
     k) to every call, as a server would keep it, so a call starts from the acceptance and drafting
     times the earlier ones measured instead of drafting blind in its first rounds."""
-    t_start = time.perf_counter()
-    sampling = sampling or SamplingParams()
-    dev = target.device
+    t_start, sampling, dev = time.perf_counter(), sampling or SamplingParams(), target.device
     budgets = _check_batch(mode, len(prompts), batch_size, max_new_tokens, generators)
     prompts = [torch.as_tensor(p, dtype=torch.long).reshape(-1).to(dev) for p in prompts]
     one = slot_drafter(drafter) if drafter is not None else None  # for the checks and the layers
     speculative = one is not None and k > 0 and mode != "plain"
     for p, n in zip(prompts, budgets):  # 0. guards, as spec's, before any work
-        _check_inputs(target, one if speculative else None, len(p), n, k, sampling, tree)
+        _check_inputs(target, one if speculative else None, len(p), n, k, sampling, tree,
+                      masks="batched decoding")
     if speculative and mode == "budgeted":
         planner = batch_planner(target, one, k, tree, planner, cost, cache_dir)
     gens = list(generators) if generators is not None else [

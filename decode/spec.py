@@ -130,8 +130,9 @@ class _Loop:
 
 
 def _check_inputs(target: Any, drafter: Drafter | None, P: int, max_new_tokens: int, k: int,
-                  sampling: SamplingParams, tree: bool) -> None:
-    """Step 0 of `generate`: fail before any work, with the numbers and the fix."""
+                  sampling: SamplingParams, tree: bool, masks: str = "") -> None:
+    """Step 0 of `generate`: fail before any work, with the numbers and the fix. masks: why this
+    decode passes its own attention masks ("" = it does not)."""
     if P == 0:
         raise ValueError("prompt_ids is empty; give at least one token (e.g. BOS or a chat template)")
     if max_new_tokens < 0 or k < 0:
@@ -141,6 +142,13 @@ def _check_inputs(target: Any, drafter: Drafter | None, P: int, max_new_tokens: 
             f"prompt of {P} tokens + max_new_tokens={max_new_tokens} = {P + max_new_tokens} exceeds "
             f"the target's max_length {target.max_length}; shorten the prompt or lower "
             f"max_new_tokens to at most {max(target.max_length - P, 0)}")
+    window = getattr(target, "sliding_window", None)
+    if masks and window is not None and P + max_new_tokens > window:
+        raise ValueError(
+            f"the target has sliding-window attention (window {window}) and {masks} passes its own "
+            f"attention masks, which do not apply the window: prompt of {P} tokens + "
+            f"max_new_tokens={max_new_tokens} must stay within {window}; lower max_new_tokens, "
+            f"or decode one sequence at a time with chains and exact_verify=false")
     if drafter is None or k == 0:
         return
     if drafter.vocab_size != target.vocab_size:
@@ -314,8 +322,10 @@ def generate(
     prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1).to(dev)  # (P,)
     P = len(prompt)
     # 0. guards: fail before any work, with the numbers and the fix
-    _check_inputs(target, drafter, P, max_new_tokens, k, sampling, tree)
     speculative = drafter is not None and k > 0
+    masks = ("exact verification" if exact_verify else
+             "tree verification" if tree and speculative else "")
+    _check_inputs(target, drafter, P, max_new_tokens, k, sampling, tree, masks)
     exact = ExactVerify(target, P, max_new_tokens) if exact_verify else None
     res = GenerationResult(tokens=prompt.new_empty(0).cpu(),
                            cache=exact.cache if exact else DynamicCache())

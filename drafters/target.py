@@ -103,6 +103,16 @@ class Target:
         return int(getattr(self.config, "max_position_embeddings", 0) or 2**31)
 
     @property
+    def sliding_window(self) -> int | None:
+        """The window of the target's sliding-window attention layers (None: every layer sees the
+        whole context). Decodes that pass their own attention masks must stay within it."""
+        cfg = self.config.get_text_config(decoder=True)
+        window, types = getattr(cfg, "sliding_window", None), getattr(cfg, "layer_types", None)
+        if not window or (types is not None and "sliding_attention" not in types):
+            return None
+        return int(window)
+
+    @property
     def eos_token_ids(self) -> set[int]:
         """Every token that ends a turn: tokenizer EOS plus generation_config's EOS list."""
         ids: set[int] = set()

@@ -183,3 +183,31 @@ def test_batch_bench_exact_cells_match_unbatched(toy):
     assert all(r["differ_from_unbatched"] is not None for r in rows)  # B = 1 ran
     table = "\n".join(batch_markdown(rows))
     assert "| 4 | verify_all exact |" in table and "outputs differ from unbatched" in table
+
+
+def test_explicit_masks_refuse_contexts_past_a_sliding_window():
+    """Decodes that pass their own 4-D attention masks (batched, exact, trees) would attend past a
+    sliding-window layer's window: they refuse such a length with the numbers; plain chains alone
+    (the model's own masks) and lengths within the window still run."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from decode_toys import StubTokenizer
+    from drafters.target import Target
+
+    cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                      use_sliding_window=True, sliding_window=16, max_window_layers=0)
+    torch.manual_seed(0)
+    target = Target(Qwen2ForCausalLM(cfg).eval(), StubTokenizer(None), "tiny-sliding")
+    assert target.sliding_window == 16 and _toy().sliding_window is None
+    prompt = torch.arange(1, 9)  # 8 tokens
+    ngram = Ngram(NgramConfig(), 64)
+    assert len(generate(target, ngram, prompt, max_new_tokens=20, k=3).tokens) == 20  # chains
+    with pytest.raises(ValueError, match=r"sliding-window attention \(window 16\) and batched "
+                                         r"decoding .* 8 tokens \+ max_new_tokens=20"):
+        generate_batch(target, None, [prompt], max_new_tokens=20, mode="plain")
+    for kw in ({"exact_verify": True}, {"tree": True}):
+        with pytest.raises(ValueError, match="must stay within 16"):
+            generate(target, ngram, prompt, max_new_tokens=20, k=3, **kw)
+    out = generate_batch(target, None, [prompt, prompt[:5]], max_new_tokens=8, mode="plain")
+    assert [len(r.tokens) for r in out.results] == [8, 8]  # within the window: runs

@@ -118,6 +118,8 @@ def build_modes(target, drafters: list, args) -> dict:
         for k in getattr(args, "ks", None) or [args.k]:
             for ex in exacts:
                 modes[f"{label} k={k}{ex}"] = mode(d, k=k, exact_verify=bool(ex))
+            for c in getattr(args, "confidences", None) or []:  # adaptive draft length
+                modes[f"{label} k={k} conf={c:g}"] = mode(d, k=k, min_confidence=c)
         if args.tree and d.supports_tree:
             for ex in exacts:
                 modes[f"{label} tree{ex}"] = mode(d, tree=True, exact_verify=bool(ex))
@@ -248,6 +250,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="also run trained drafters with EAGLE-2 trees of these sizes")
     ap.add_argument("--ks", type=int, nargs="+", default=None,
                     help="chain draft lengths of trained drafters (default: --k)")
+    ap.add_argument("--confidences", type=float, nargs="+", default=[],
+                    help="also every chain of --ks with these min_confidence values (the drafter "
+                         "stops a chain at a draft below it: adaptive draft length)")
     ap.add_argument("--curve-rounds", type=int, default=7, help="verify-cost curve rounds (0 = skip)")
     ap.add_argument("--curve-ns", type=int, nargs="+", default=list(CURVE_NS))
     ap.add_argument("--curve-context", type=int, default=300,

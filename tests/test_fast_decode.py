@@ -230,15 +230,21 @@ def test_bench_runs_a_trained_drafter_at_each_dtype_losslessly(tiny_run, tiny_ta
     # the target's weights the drafter shares (frozen embedding, LM head) stay the target's
     assert all(p.dtype == torch.float32 for p in t.model.parameters())
     modes = bench.build_modes(t, ds, Namespace(max_new_tokens=10, k=3, prompt_lookup=3, tree=True,
-                                               ks=[2, 3], trees=["6/3/2"]))
+                                               ks=[2, 3], trees=["6/3/2"], confidences=[0.3]))
     assert {"eagle (drafter bfloat16) k=3", "eagle (drafter bfloat16) k=2",
-            "eagle (drafter bfloat16) tree", "eagle (drafter bfloat16) tree 6/3/2"} <= set(modes)
+            "eagle (drafter bfloat16) tree", "eagle (drafter bfloat16) tree 6/3/2",
+            "eagle (drafter float32) k=3 conf=0.3"} <= set(modes)
     ids = torch.arange(5, 25)
     ref = modes["plain (ours)"](ids).tokens
     for name in ("eagle (drafter bfloat16) k=3", "eagle (drafter bfloat16) tree",
                  "eagle (drafter float32) k=3", "eagle (drafter float32) k=2",
-                 "eagle (drafter float32) tree 6/3/2"):
+                 "eagle (drafter float32) tree 6/3/2", "eagle (drafter float32) k=3 conf=0.3"):
         assert torch.equal(modes[name](ids).tokens, ref), name
+    # a confidence mode drafts with min_confidence: a threshold of 1 cuts every chain to 1 draft
+    strict = bench.build_modes(t, ds[1:], Namespace(max_new_tokens=10, k=3, prompt_lookup=3,
+                                                    tree=False, ks=[3], confidences=[1.0]))
+    res = strict["eagle (drafter float32) k=3 conf=1"](ids)
+    assert torch.equal(res.tokens, ref) and max(res.drafted) <= 1
     # a sized tree: at most 6 nodes verified per round, and the drafter's own size is back after
     d = ds[1][1]
     calls = []

@@ -363,7 +363,7 @@ def generate_batch(
         _check_inputs(target, one if speculative else None, len(p), n, k, sampling, tree,
                       masks="batched decoding")
     if speculative and mode == "budgeted":
-        planner = batch_planner(target, one, k, tree, planner, cost, cache_dir)
+        planner = batch_planner(target, one, k, tree, planner, cost, cache_dir, exact_verify)
     gens = list(generators) if generators is not None else [
         torch.Generator(device=dev).manual_seed(seed + i) for i in range(len(prompts))]
     eos = torch.tensor(sorted(target.eos_token_ids), dtype=torch.long, device=dev)  # (E,)

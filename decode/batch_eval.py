@@ -61,8 +61,8 @@ def evaluate_batched(target, drafter: Drafter | None, *, batch_size: int, batch_
     """Decode every prompt (and turn) batch_size at a time in `batch_mode`; return {"summary",
     "markdown", "prompts"} and write result.json + result.md into out_dir. exact_verify: both
     decodes with exact kernels per row (decode/rows_exact.py; greedy outputs then equal unbatched
-    exact decoding bit for bit); auto = off here: batched, the exact rows cost 12-39% of the
-    throughput on a CPU (BENCHMARKS.md "Exact batched greedy"), against ~6% for one sequence."""
+    exact decoding bit for bit); auto = off here: batched, the exact rows cost 12-16% of the
+    throughput at B = 2-4 and ~35% at B = 8 on a CPU (BENCHMARKS.md "Exact batched greedy")."""
     sampling = sampling or SamplingParams()
     exact_verify = bool(parse_exact(exact_verify))  # auto (None) = off when batched
     prompts = load_prompts(eval_kind, path=path, limit=limit, turns=turns)
@@ -70,7 +70,7 @@ def evaluate_batched(target, drafter: Drafter | None, *, batch_size: int, batch_
     spec_batches, plain_batches, spec_results, rows = [], [], [], []
     planner = None  # budgeted: one planner for every turn (what turn 1 learnt serves turn 2)
     if batch_mode == "budgeted" and drafter is not None and k > 0:
-        planner = new_planner(cost_curve(target, cache_dir), k, drafter, tree)
+        planner = new_planner(cost_curve(target, cache_dir, exact=exact_verify), k, drafter, tree)
     for turn in range(max(len(p.turns) for p in prompts)):
         todo = [i for i, p in enumerate(prompts) if len(p.turns) > turn]
         ids = [render(target, prompts[i].turns[:turn + 1], answers[i]) for i in todo]

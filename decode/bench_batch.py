@@ -46,11 +46,11 @@ def run_batch_bench(target: Any, drafter: Any, prompts: Sequence[torch.Tensor], 
         cells += [(f"{m} {EXACT}", m, True, True) for m in modes]
     # budgeted keeps one planner across every call, as a serving process would (each call then
     # starts from the acceptance and drafting seconds the earlier ones measured); one per way of
-    # drafting, whose drafting seconds differ
+    # drafting and of verifying (exact or not), whose seconds differ
     planners = {}
     if "budgeted" in modes and drafter is not None:
-        grid = cost if cost is not None else cost_curve(target, cache_dir)
-        planners = {t: new_planner(grid, k, drafter, tree) for t in {c[2] for c in cells}}
+        planners = {(t, ex): new_planner(cost if cost is not None else cost_curve(
+            target, cache_dir, exact=ex), k, drafter, tree) for _, _, t, ex in cells}
     runs: dict[tuple[int, str], list[BatchResult]] = {(b, c[0]): [] for b in batch_sizes
                                                       for c in cells}
     for r in range(repeats):
@@ -60,7 +60,8 @@ def run_batch_bench(target: Any, drafter: Any, prompts: Sequence[torch.Tensor], 
                     target, drafter if m != "plain" else None, work, max_new_tokens=max_new_tokens,
                     batch_size=b, k=k, mode=m, cache_dir=cache_dir, tree=tree,
                     batch_drafts=together, exact_verify=ex,
-                    **({"planner": planners[together]} if m == "budgeted" else {"cost": cost})))
+                    **({"planner": planners[(together, ex)]} if m == "budgeted"
+                       else {"cost": cost})))
                 last = runs[(b, label)][-1]
                 log(f"repeat {r + 1}/{repeats} B={b} {label}: {last.tokens_per_s:.1f} tokens/s")
     rows = []

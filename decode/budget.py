@@ -49,6 +49,7 @@ import torch
 from transformers import DynamicCache
 
 from decode import batch_cache
+from decode.rows_exact import ExactRows
 from drafters.base import ChainProposal
 
 BATCH_NS = (1, 2, 4, 8, 16, 32)  # rows per forward measured
@@ -140,46 +141,70 @@ def machine_key(device: torch.device) -> tuple[str, str]:
 
 @torch.inference_mode()
 def measure_cost(target: Any, bs: Sequence[int] = BATCH_NS, qs: Sequence[int] = WIDTH_NS,
-                 context: int = 96, rounds: int = 3) -> list[list[float]]:
+                 context: int = 96, rounds: int = 3, exact: bool = False) -> list[list[float]]:
     """seconds[i][j]: median seconds of the verification forward of decode/batch.py at bs[i] rows
     x qs[j] tokens (its 4-D mask and positions, logits at every position) over a `context`-token
-    KV cache per row; all (B, Q) interleaved round by round, the first round (warm-up) dropped."""
+    KV cache per row; all (B, Q) interleaved round by round, the first round (warm-up) dropped.
+    exact: the forward of exact batched decoding (decode/rows_exact.py)."""
     gen = torch.Generator().manual_seed(0)
     dev, V = target.device, target.vocab_size
-    caches = {}
-    for b in bs:  # 1. one cache of b rows x context tokens per b
-        caches[b] = DynamicCache()
-        ctx = torch.randint(0, V, (b, context), generator=gen).to(dev)  # (b, context)
-        target.forward(ctx, cache=caches[b], logits_to_keep=1)
+    caches = {b: _context_cache(target, b, context, max(qs), gen, exact) for b in bs}  # 1.
     times: dict[tuple[int, int], list[float]] = {(b, q): [] for b in bs for q in qs}
     for r in range(rounds + 1):  # 2. every (b, q) once per round
         for b in bs:
             for q in qs:
                 rows = list(torch.randint(0, V, (b, q), generator=gen).to(dev))  # b x (q,)
                 t0 = time.perf_counter()
-                ids, mask, pos = batch_cache.inputs(rows, [context] * b, context,
-                                                   plain_mask=b == 1)  # as decode/batch.py
-                out = target.forward(ids, cache=caches[b], attention_mask=mask, position_ids=pos)
+                if exact:  # each row writes its block at its own columns: nothing to crop
+                    ids, mask, pos = caches[b].inputs(rows, [context] * b)
+                    with caches[b].context():
+                        out = target.forward(ids, cache=caches[b].cache, attention_mask=mask,
+                                             position_ids=pos)
+                else:
+                    ids, mask, pos = batch_cache.inputs(rows, [context] * b, context,
+                                                       plain_mask=b == 1)  # as decode/batch.py
+                    out = target.forward(ids, cache=caches[b], attention_mask=mask,
+                                         position_ids=pos)
+                    caches[b].crop(-q)
                 out.logits.argmax(-1).cpu()  # (b, q): waits for the device
                 if r:
                     times[(b, q)].append(time.perf_counter() - t0)
-                caches[b].crop(-q)
     return [[statistics.median(times[(b, q)]) for q in qs] for b in bs]
 
 
+def _context_cache(target: Any, b: int, context: int, width: int, gen: torch.Generator,
+                   exact: bool) -> Any:
+    """A KV cache of b rows x `context` random tokens: a DynamicCache, or exact rows (each
+    prefilled alone, room for a `width`-token block)."""
+    dev, V = target.device, target.vocab_size
+    ctx = torch.randint(0, V, (b, context), generator=gen).to(dev)  # (b, context)
+    if not exact:
+        cache = DynamicCache()
+        target.forward(ctx, cache=cache, logits_to_keep=1)
+        return cache
+    rows = ExactRows(target)
+    for i in range(b):
+        lone = rows.new_row(target, context, width)
+        target.forward(ctx[i:i + 1], cache=lone.cache, logits_to_keep=1,
+                       **lone.chain(0, context, dev))
+        rows.add_row(lone, context)
+    return rows
+
+
 def cost_curve(target: Any, cache_dir: str | Path | None = None, bs: Sequence[int] = BATCH_NS,
-               qs: Sequence[int] = WIDTH_NS) -> CostCurve:
+               qs: Sequence[int] = WIDTH_NS, exact: bool = False) -> CostCurve:
     """The target's verify-cost grid on this machine: read from `cache_dir/cost_curves/<key>.json`
-    (cache_dir: env SPECDISTILL_CACHE, else ~/.cache/specdistill), else measured and written."""
+    (cache_dir: env SPECDISTILL_CACHE, else ~/.cache/specdistill), else measured and written.
+    exact: the grid of exact batched decoding's forward (its own key)."""
     root = Path(cache_dir or os.environ.get("SPECDISTILL_CACHE") or "~/.cache/specdistill")
     m_hash, m_desc = machine_key(target.device)
-    key = f"{target_hash(target)}-{m_hash}"
+    key = f"{target_hash(target)}-{m_hash}" + ("-exact" if exact else "")
     path = root.expanduser() / "cost_curves" / f"{key}.json"
     if path.is_file():
         saved = json.loads(path.read_text())
         if saved.get("bs") == list(bs) and saved.get("qs") == list(qs):  # else an older layout
             return CostCurve(saved["bs"], saved["qs"], saved["seconds"], key)
-    seconds = measure_cost(target, bs, qs)
+    seconds = measure_cost(target, bs, qs, exact=exact)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps({"target": target.source, "machine": m_desc, "bs": list(bs),
@@ -310,13 +335,14 @@ def new_planner(cost: CostCurve, k: int, drafter: Any = None, tree: bool = False
 
 
 def batch_planner(target: Any, drafter: Any, k: int, tree: bool, planner: RoundPlanner | None,
-                  cost: CostCurve | None, cache_dir: str | None) -> RoundPlanner:
+                  cost: CostCurve | None, cache_dir: str | None, exact: bool = False
+                  ) -> RoundPlanner:
     """A budgeted `generate_batch`'s planner: the caller's kept planner (checked against this
     call's settings), else a new one over `cost` (None = the target's measured grid, cached under
-    cache_dir)."""
+    cache_dir; exact: the grid of exact batched decoding)."""
     if planner is None:
-        return new_planner(cost if cost is not None else cost_curve(target, cache_dir), k,
-                           drafter, tree)
+        return new_planner(cost if cost is not None else cost_curve(target, cache_dir, exact=exact),
+                           k, drafter, tree)
     if planner.tree != tree or (not tree and planner.k != k):
         made = "trees" if planner.tree else f"chains of k={planner.k}"
         asked = "trees" if tree else f"chains of k={k}"

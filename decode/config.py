@@ -47,7 +47,7 @@ class DecodeConfig:
     drafter_dtype: str = "target"
     # verify with a one-token step's kernels (decode/kernels.py): greedy chains bit-identical to
     # plain decoding at bf16 too, not only up to near-ties (~6% slower, BENCHMARKS.md). auto = on
-    # for chains at a 16-bit target dtype, off when batch_size > 1 (exact rows cost 12-39% of the
+    # for chains at a 16-bit target dtype, off when batch_size > 1 (exact rows cost 12-35% of the
     # batch's throughput there, decode/rows_exact.py); true | false
     exact_verify: str = "auto"
     batch_size: int = 1  # sequences decoded together, one target forward per round (1 = one at a time)

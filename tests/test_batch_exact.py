@@ -211,3 +211,28 @@ def test_explicit_masks_refuse_contexts_past_a_sliding_window():
             generate(target, ngram, prompt, max_new_tokens=20, k=3, **kw)
     out = generate_batch(target, None, [prompt, prompt[:5]], max_new_tokens=8, mode="plain")
     assert [len(r.tokens) for r in out.results] == [8, 8]  # within the window: runs
+
+
+def test_exact_cost_grid_is_measured_through_exact_rows_and_cached_apart(toy, tmp_path,
+                                                                          monkeypatch):
+    """budgeted + exact plans over the grid of the exact batched forward (its own cache key), and
+    measuring that grid runs the exact rows' forward at every size."""
+    import decode.budget as budget
+
+    secs = budget.measure_cost(toy, bs=(1, 3), qs=(1, 4), context=8, rounds=1, exact=True)
+    assert len(secs) == 2 and all(len(r) == 2 and all(0 < x < 10 for x in r) for r in secs)
+    calls = []
+
+    def fake(tgt, bs, qs, *a, exact=False, **kw):
+        calls.append(exact)
+        return [[0.01 * (1 + b * q / 64) for q in qs] for b in bs]
+    monkeypatch.setattr(budget, "measure_cost", fake)
+    plain, exact = budget.cost_curve(toy, tmp_path), budget.cost_curve(toy, tmp_path, exact=True)
+    assert calls == [False, True] and exact.key == plain.key + "-exact"
+    planner = budget.batch_planner(toy, None, 3, False, None, None, str(tmp_path), exact=True)
+    assert planner.cost.key == exact.key and calls == [False, True]  # read back, not re-measured
+    prompts, budgets = _work()
+    out = generate_batch(toy, lambda: NoisyOracle(toy, noise=0.3, seed=1), prompts[:3],
+                         max_new_tokens=budgets[:3], batch_size=3, k=3, mode="budgeted",
+                         exact_verify=True, cache_dir=str(tmp_path / "fresh"))
+    assert calls == [False, True, True] and all(len(r.tokens) for r in out.results)  # exact grid

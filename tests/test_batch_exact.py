@@ -236,3 +236,22 @@ def test_exact_cost_grid_is_measured_through_exact_rows_and_cached_apart(toy, tm
                          max_new_tokens=budgets[:3], batch_size=3, k=3, mode="budgeted",
                          exact_verify=True, cache_dir=str(tmp_path / "fresh"))
     assert calls == [False, True, True] and all(len(r.tokens) for r in out.results)  # exact grid
+
+
+def test_exact_batched_sampling_draws_what_each_prompt_draws_alone(toy):
+    """Sampling (T = 0.8) with exact rows: each row's logits are its lone decode's bit for bit, so
+    with the same generator and a deterministic drafter every sampled output is the one `generate`
+    draws alone with exact_verify (not only the same distribution)."""
+    from drafters.sampling import SamplingParams
+
+    prompts, budgets = _work()
+    sampling = SamplingParams(temperature=0.8)
+
+    def ngram():
+        return Ngram(NgramConfig(), toy.vocab_size)
+    lone = [generate(toy, ngram(), p, max_new_tokens=n, k=3, sampling=sampling, exact_verify=True,
+                     generator=torch.Generator().manual_seed(10 + i)).tokens
+            for i, (p, n) in enumerate(zip(prompts, budgets))]
+    out = generate_batch(toy, ngram, prompts, max_new_tokens=budgets, batch_size=4, k=3,
+                         sampling=sampling, exact_verify=True, seed=10)
+    assert [r.tokens.tolist() for r in out.results] == [t.tolist() for t in lone]

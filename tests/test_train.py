@@ -220,3 +220,31 @@ def test_train_conversations_trains_on_a_prefix_of_one_capture(tmp_path, chat_fi
                         "trainer.train_conversations=999")
     with pytest.raises(ValueError, match="train_conversations=999"):
         DistillRecipe(too_many).setup()
+
+
+def test_final_eval_target_keeps_training_threads_under_its_own_load(tiny_target_cfg, monkeypatch):
+    """The final eval reloads the target at decode's dtype; with target.threads=0 that would lower
+    torch's threads to the cores the 1-minute load average leaves idle, a load that is the job's
+    own training (the fresh-clone main job evaluated on 1 of 2 cores): it keeps training's."""
+    import dataclasses
+    import os
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from drafters.target import load_target
+    from train.recipe import DistillRecipe
+
+    trained = load_target(tiny_target_cfg)  # float32, as training loads it
+    cfg = OmegaConf.structured(dataclasses.replace(tiny_target_cfg, dtype="bfloat16", threads=0))
+    monkeypatch.setattr(os, "getloadavg", lambda: (2.0, 2.0, 2.0))  # training kept 2 cores busy
+    monkeypatch.setattr("drafters.precision.available_cores", lambda: 2)
+    n = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        fake = SimpleNamespace(cfg=SimpleNamespace(target=cfg), target=trained)
+        again = DistillRecipe._decode_target(fake)
+        assert again is not trained and again.dtype == torch.bfloat16
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(n)

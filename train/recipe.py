@@ -362,7 +362,10 @@ class DistillRecipe:
         want = resolve_dtype(str(self.cfg.target.dtype), str(self.cfg.target.device)).dtype
         if want == str(self.target.dtype).removeprefix("torch."):
             return self.target
-        return load_target(self.cfg.target)
+        # target.threads=0 would lower the threads to the cores the 1-minute load average leaves
+        # idle, and that load is this job's own training: keep the threads training ran with
+        threads = int(self.cfg.target.get("threads", 0) or 0) or torch.get_num_threads()
+        return load_target(OmegaConf.merge(self.cfg.target, {"threads": threads}))
 
     def cleanup(self) -> None:
         self.loggers.close()

@@ -39,6 +39,7 @@ from transformers import DynamicCache
 from decode import batch_cache
 from decode.accept import accept_chain
 from decode.budget import CostCurve, RoundPlanner, batch_planner, choose_widths, survival
+from decode.kernels import ExactVerify
 from decode.rows_exact import ExactRows
 from decode.spec import (GenerationResult, _accept_tree, _check_inputs, _commit, _draft_tree,
                          _Loop, _prefill, _StopChecker, _timed, _Tree)
@@ -132,7 +133,7 @@ class _Batch:
         """Prefill prompt (P,) alone (spec's step 1, its own cache), commit its first token and,
         unless that already ends it, add it as a new row. Returns (the sequence, added)."""
         t0, P, dev = time.perf_counter(), len(prompt), self.target.device
-        lone = self.exact.new_row(self.target, P, max_new_tokens) if self.exact else None
+        lone = ExactVerify(self.target, P, max_new_tokens) if self.exact else None
         res = GenerationResult(tokens=prompt.new_empty(0).cpu(),
                                cache=lone.cache if lone else DynamicCache())
         loop = _Loop(target=self.target, drafter=slot_drafter(self.drafter) if self.drafter else None,

@@ -118,8 +118,14 @@ def compact(cache: Any, lengths: Sequence[int], keep: Sequence[int | torch.Tenso
                                    torch.tensor(n, device=dev))  # (M,) M = sum n_r
     src = cache_len + torch.cat(cols)  # (M,)
     dst = torch.cat([torch.arange(l, l + len(c), device=dev) for l, c in zip(lengths, cols)])
+    move_columns(cache, rows, src, dst)
     for layer, k, v in _pairs(cache):
-        # the right side is read (copied) first, so overlapping columns are safe
+        layer.keys, layer.values = k[:, :, :new_len], v[:, :, :new_len]  # (B, H, new_len, D)
+
+
+def move_columns(cache: Any, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """In every layer, copy column src[i] of row rows[i] to column dst[i] (all (M,)); the sources
+    are read first, so overlapping columns are safe."""
+    for _, k, v in _pairs(cache):
         k[rows, :, dst] = k[rows, :, src]  # (M, H, D)
         v[rows, :, dst] = v[rows, :, src]
-        layer.keys, layer.values = k[:, :, :new_len], v[:, :, :new_len]  # (B, H, new_len, D)

@@ -13,13 +13,11 @@ import statistics
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
-
 from data.prompts import load_prompts
 from decode.batch import BatchResult, generate_batch
 from decode.budget import cost_curve, new_planner
 from decode.kernels import parse_exact
-from decode.evaluate import (_budget, _lossless_check, finish_run, is_near_tie, render,
+from decode.evaluate import (_budget, _lossless_check, compare_greedy, finish_run, render,
                              results_markdown, setup_run, write_results)
 from decode.metrics import RunMetrics
 from drafters.base import Drafter
@@ -36,19 +34,6 @@ def _batch_metrics(results: list, batches: list[BatchResult]) -> RunMetrics:
     m.time_other = m.time_total - m.time_draft - m.time_verify
     m.tokens_per_s = m.new_tokens / m.time_total if m.time_total else 0.0
     return m
-
-
-def _compare(target, ids, plain, spec, greedy: bool, bit_exact: bool = False
-             ) -> tuple[bool | None, dict | None]:
-    """Greedy: is spec's output plain's, and where it first differs (a near-tie or a bug;
-    bit_exact: exact chains promise bit-identity, so no tie allowance)."""
-    if plain is None or not greedy:
-        return None, None
-    if torch.equal(plain.tokens, spec.tokens):
-        return True, None
-    where = target.first_difference(ids, plain.tokens, spec.tokens)
-    where["near_tie"] = is_near_tie(where) and not bit_exact
-    return False, where
 
 
 def evaluate_batched(target, drafter: Drafter | None, *, batch_size: int, batch_mode: str,
@@ -86,7 +71,7 @@ def evaluate_batched(target, drafter: Drafter | None, *, batch_size: int, batch_
         plain_batches += [plain] if plain is not None else []
         for j, i in enumerate(todo):
             res, p = spec.results[j], prompts[i]
-            same, where = _compare(target, ids[j], plain.results[j] if plain else None, res,
+            same, where = compare_greedy(target, ids[j], plain.results[j] if plain else None, res,
                                    sampling.greedy, exact_verify and not tree)
             out = res.tokens.tolist()
             answers[i].append(out)

@@ -50,7 +50,8 @@ def run_batch_bench(target: Any, drafter: Any, prompts: Sequence[torch.Tensor], 
     planners = {}
     if "budgeted" in modes and drafter is not None:
         planners = {(t, ex): new_planner(cost if cost is not None else cost_curve(
-            target, cache_dir, exact=ex), k, drafter, tree) for _, _, t, ex in cells}
+            target, cache_dir, exact=ex), k, drafter, tree)
+            for t, ex in {(t, ex) for _, m, t, ex in cells if m == "budgeted"}}
     runs: dict[tuple[int, str], list[BatchResult]] = {(b, c[0]): [] for b in batch_sizes
                                                       for c in cells}
     for r in range(repeats):

@@ -49,6 +49,7 @@ import torch
 from transformers import DynamicCache
 
 from decode import batch_cache
+from decode.kernels import ExactVerify
 from decode.rows_exact import ExactRows
 from drafters.base import ChainProposal
 
@@ -184,7 +185,7 @@ def _context_cache(target: Any, b: int, context: int, width: int, gen: torch.Gen
         return cache
     rows = ExactRows(target)
     for i in range(b):
-        lone = rows.new_row(target, context, width)
+        lone = ExactVerify(target, context, width)
         target.forward(ctx[i:i + 1], cache=lone.cache, logits_to_keep=1,
                        **lone.chain(0, context, dev))
         rows.add_row(lone, context)

@@ -83,6 +83,20 @@ def _lossless_check(rows: list[dict]) -> dict:
             "lossless_check": "passed" if mismatches == ties else "failed"}
 
 
+def compare_greedy(target, ids, plain, spec, greedy: bool, bit_exact: bool = False
+                   ) -> tuple[bool | None, dict | None]:
+    """Greedy: is spec's output plain's, and where it first differs (a near-tie of the target's
+    logits, or a bug; bit_exact: the decode promised bit-identity, so no tie allowance). (None,
+    None) without a plain decode or when sampling."""
+    if plain is None or not greedy:
+        return None, None
+    if torch.equal(plain.tokens, spec.tokens):
+        return True, None
+    where = target.first_difference(ids, plain.tokens, spec.tokens)
+    where["near_tie"] = is_near_tie(where) and not bit_exact
+    return False, where
+
+
 def evaluate_drafter(target, drafter: Drafter | None, *, eval_kind: str = "mtbench",
                      path: str | None = None, limit: int | None = None, turns: int = 1,
                      max_new_tokens: int = 256, k: int = 5, tree: bool = False,
@@ -107,14 +121,9 @@ def evaluate_drafter(target, drafter: Drafter | None, *, eval_kind: str = "mtben
             plain = generate(target, None, ids, **kwargs, generator=gen) if compare_plain else None
             spec = generate(target, drafter, ids, k=k, tree=tree, min_confidence=min_confidence,
                             generator=gen, **kwargs)
-            same, where = None, None
-            if plain is not None and sampling.greedy:
-                same = torch.equal(plain.tokens, spec.tokens)
-                where = None
-                if not same:  # a near-tie of the target's logits, or a bug?
-                    where = target.first_difference(ids, plain.tokens, spec.tokens)
-                    # exact chains promise bit-identity: no tie allowance (trees keep it)
-                    where["near_tie"] = is_near_tie(where) and not (exact_verify and not tree)
+            # exact chains promise bit-identity: no tie allowance (trees keep it)
+            same, where = compare_greedy(target, ids, plain, spec, sampling.greedy,
+                                         exact_verify and not tree)
             spec_results.append(spec)
             if plain is not None:
                 plain_results.append(plain)

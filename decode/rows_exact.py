@@ -28,7 +28,7 @@ from typing import Any, Sequence
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from decode.batch_cache import block_layout, pad_columns
+from decode.batch_cache import block_layout, move_columns, pad_columns
 from decode.kernels import ExactVerify, active
 
 
@@ -70,12 +70,9 @@ class ExactRows:
         self.caps: list[int] = []
         self._at: torch.Tensor | None = None  # (B,) where this forward's block starts per row
 
-    def new_row(self, target: Any, prompt_len: int, max_new_tokens: int) -> ExactVerify:
-        """A lone exact decode's static cache and inputs, for prefilling one admitted prompt."""
-        return ExactVerify(target, prompt_len, max_new_tokens)
-
     def add_row(self, row: ExactVerify, cached: int) -> None:
-        """Append a prefilled sequence as the last row: its first `cached` columns, its capacity."""
+        """Append a sequence prefilled alone through its own `ExactVerify` (a lone exact decode's
+        static cache) as the last row: its first `cached` columns, its capacity."""
         width = max([row.capacity] + self.caps)
         for layer, one in zip(self.cache.layers, row.cache.layers):
             for name in ("keys", "values"):
@@ -132,11 +129,8 @@ class ExactRows:
             return
         dev = self.cache.layers[0].keys.device
         rows = torch.cat([torch.full((len(s),), r) for r, s, _ in moves]).to(dev)  # (M,)
-        src = torch.cat([s.to(dev) for _, s, _ in moves])
-        dst = torch.cat([d.to(dev) for _, _, d in moves])
-        for layer in self.cache.layers:
-            layer.keys[rows, :, dst] = layer.keys[rows, :, src]  # the right side is read first
-            layer.values[rows, :, dst] = layer.values[rows, :, src]
+        move_columns(self.cache, rows, torch.cat([s.to(dev) for _, s, _ in moves]),
+                     torch.cat([d.to(dev) for _, _, d in moves]))
 
     def write_index(self, q: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, columns) (B, q) each where a forward's block goes."""

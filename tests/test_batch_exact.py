@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from decode.batch import generate_batch
-from decode.kernels import VERIFY_ROOM
+from decode.kernels import VERIFY_ROOM, ExactVerify
 from decode.rows_exact import ExactRows
 from decode.spec import generate
 from decode_toys import NoisyOracle
@@ -77,7 +77,7 @@ def test_exact_rows_mask_positions_and_writes(toy):
     """The layout: row r's block goes to its own columns [L_r, L_r + Q); its mask sees its cached
     columns and its block (chain: causally; tree: ancestors), nothing of the other rows' columns."""
     rows = ExactRows(toy)
-    ev = [rows.new_row(toy, 4, 8), rows.new_row(toy, 2, 3)]
+    ev = [ExactVerify(toy, 4, 8), ExactVerify(toy, 2, 3)]
     for e, n in zip(ev, (4, 2)):  # a prefill writes each lone cache
         ids = torch.arange(n)[None]
         toy.forward(ids, cache=e.cache, **e.chain(0, n, ids.device))
@@ -112,7 +112,7 @@ def test_exact_rows_mask_positions_and_writes(toy):
 
 def test_exact_rows_room_is_checked(toy):
     rows = ExactRows(toy)
-    ev = rows.new_row(toy, 2, 1)
+    ev = ExactVerify(toy, 2, 1)
     ids = torch.arange(2)[None]
     toy.forward(ids, cache=ev.cache, **ev.chain(0, 2, ids.device))
     rows.add_row(ev, 2)

@@ -54,20 +54,21 @@ loads it with speculators 0.9.0's own PEagleDraftModel.
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import nn
 
+from drafters.anchors import check_anchor_share, draw_anchors
 from drafters.base import (ChainDraw, ChainProposal, DecodeState, DraftPrediction, ExportLayout,
                            TrainBatch, TreeProposal, register)
 from drafters.eagle3 import (Eagle3, Eagle3Config, engine_config, engine_refusal, engine_state,
                              state_from_engine, ttt_attention)
 from drafters.export_formats import WEIGHTS, torch_dtype
+from drafters.proposals import capped_k
 from drafters.sampling import SamplingParams
-from drafters.tree import dynamic_tree, in_target_vocab
+from drafters.tree import in_target_vocab, position_tree
 
 
 @dataclass
@@ -172,13 +173,9 @@ class Peagle(Eagle3):
         if cfg.loss_weights is not None and len(cfg.loss_weights) != cfg.ttt_length:
             raise ValueError(f"peagle: loss_weights needs one weight per draft position "
                              f"(ttt_length={cfg.ttt_length}), got {list(cfg.loss_weights)}")
-        m = cfg.mask_anchors
-        if m is not None and not (0 < m <= 1 or (m > 1 and float(m).is_integer())):
-            raise ValueError(f"peagle: mask_anchors must be a fraction in (0, 1], a whole number "
-                             f"of anchors > 1 or null (every anchor), got {m}")
+        check_anchor_share("peagle", "mask_anchors", cfg.mask_anchors)
         super().__init__(cfg, target)  # EAGLE-3's network, head, device, cache
         self.mask_token_id = mask_id
-        self._warned_k = False  # k > ttt_length is said once per drafter
         g = torch.Generator().manual_seed(0)  # a small fixed start; trained with the rest
         self.mask_hidden = nn.Parameter(  # (3H,) stands in for the aux-layer features; fused by fc
             (0.02 * torch.randn(3 * target.hidden_size, generator=g)).to(self.fc.weight.device))
@@ -197,24 +194,12 @@ class Peagle(Eagle3):
 
     # -- training ---------------------------------------------------------------------------------
     def mask_anchors(self, batch: TrainBatch, J: int) -> Optional[torch.Tensor]:
-        """The anchors (B, A) whose masks train this step (cfg.mask_anchors; None = every anchor),
-        sorted: drawn uniformly without replacement (global torch RNG) among the row's anchors
-        where some mask's token (t+3 .. t+1+J) is counted; spare slots hold T-1, never counted."""
+        """The anchors (B, A) whose masks train this step (cfg.mask_anchors; None = every anchor):
+        draw_anchors among the anchors t where some mask's token (t+3 .. t+1+J) is counted."""
         m = self.cfg.mask_anchors
         if m is None or m == 1 or J < 2:
             return None
-        B, T = batch.input_ids.shape
-        counted = batch.loss_mask.bool() & batch.attention_mask.bool()  # (B, T): scored tokens
-        cand = torch.zeros_like(counted)  # (B, T)
-        for j in range(2, min(J, T - 2) + 1):  # mask j-1 at anchor t predicts token t+1+j
-            cand[:, :T - 1 - j] |= counted[:, 1 + j:]
-        n = cand.sum(1)  # (B,) candidates per row
-        want = (n * m).ceil().long() if m < 1 else n.clamp(max=int(m))  # (B,)
-        A = max(1, int(want.max()))
-        score = torch.rand(B, T, device=cand.device).masked_fill(~cand, 2.0)  # candidates first
-        pick = score.topk(A, dim=1, largest=False).indices  # (B, A): a random draw per row
-        keep = torch.arange(A, device=cand.device)[None] < want[:, None]  # (B, A)
-        return torch.where(keep, pick, T - 1).sort(dim=1).values
+        return draw_anchors(batch, 3, J + 1, m)
 
     def forward_train(self, batch: TrainBatch) -> list[DraftPrediction]:
         """Draft position j = 1..ttt_length: j = 1 at every anchor t reads the real token t+1 and
@@ -275,12 +260,7 @@ class Peagle(Eagle3):
 
     def _trained_k(self, k: int) -> int:
         """k capped at ttt_length, the draft positions trained (said once, not silently)."""
-        if k > self.cfg.ttt_length and not self._warned_k:
-            logging.getLogger(__name__).warning(
-                "peagle: k=%d but only %d draft positions were trained (drafter.ttt_length): "
-                "drafting %d per round", k, self.cfg.ttt_length, self.cfg.ttt_length)
-            self._warned_k = True
-        return min(k, self.cfg.ttt_length)
+        return capped_k(self, k, self.cfg.ttt_length, "drafter.ttt_length")
 
     @torch.no_grad()
     def propose(self, state: DecodeState, k: int, sampling: SamplingParams,
@@ -325,13 +305,7 @@ class Peagle(Eagle3):
         d expands with position d+1's distribution: parallel drafts do not depend on the tokens
         before."""
         depth = min(self.cfg.tree_depth, self.cfg.ttt_length)
-        logp = self.draft_logits(state, depth).log_softmax(-1)  # (D, Vd)
-
-        def expand(tokens: torch.Tensor, parents: torch.Tensor, frontier: torch.Tensor):
-            d = TreeProposal(tokens, parents).depths()[frontier]  # (F,) 1 = child of the root
-            return logp[d]  # (F, Vd): the next position's distribution
-
         sampled = sampling if self.cfg.tree_sampled else None  # None: the top-k tree
-        tree = dynamic_tree(expand, logp[0], self.cfg.tree_top_k, depth, self.cfg.tree_total_tokens,
-                            sampled, generator)
+        tree = position_tree(self.draft_logits(state, depth), self.cfg.tree_top_k,
+                             self.cfg.tree_total_tokens, sampled, generator)
         return in_target_vocab(tree, self.d2t, self.vocab_size)

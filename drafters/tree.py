@@ -218,3 +218,18 @@ def sampled_tree(
         fscore = all_scores[front]
     return TreeProposal(tokens=torch.cat(tokens), parents=torch.cat(parents),
                         probs=torch.cat(probs))
+
+
+def position_tree(logits: torch.Tensor, top_k: int, total_tokens: int,
+                  sampling: SamplingParams | None = None,
+                  generator: torch.Generator | None = None) -> TreeProposal:
+    """EAGLE-2's dynamic tree for a drafter whose draft distributions come out of ONE forward, one
+    per position (P-EAGLE, DFlash): logits (D, Vd), row d the distribution of draft d+1 whatever
+    the drafts before it, so a node at depth d expands with row d. Depth = D."""
+    logp = logits.float().log_softmax(-1)  # (D, Vd)
+
+    def expand(tokens: torch.Tensor, parents: torch.Tensor, frontier: torch.Tensor):
+        d = TreeProposal(tokens, parents).depths()[frontier]  # (F,) 1 = child of the root
+        return logp[d]  # (F, Vd): the next position's distribution
+
+    return dynamic_tree(expand, logp[0], top_k, logp.shape[0], total_tokens, sampling, generator)

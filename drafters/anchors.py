@@ -1,0 +1,39 @@
+"""Training anchors drawn per step, for drafters whose training predictions cost a block of
+queries per anchor (P-EAGLE's mask positions, DFlash's blocks): scoring every anchor would cost
+(anchors x block) queries, so each step trains a random share of them (P-EAGLE's COD sampling,
+flat; DFlash's random anchors). A drafter setting holds the share: null or 1.0 = every anchor, a
+fraction in (0, 1) = that share of a row's candidate anchors, a whole number > 1 = that many.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from drafters.base import TrainBatch
+
+
+def check_anchor_share(drafter: str, setting: str, share: Optional[float]) -> None:
+    """ValueError naming the setting unless share is null, a fraction in (0, 1] or a whole number > 1."""
+    if share is not None and not (0 < share <= 1 or (share > 1 and float(share).is_integer())):
+        raise ValueError(f"{drafter}: {setting} must be a fraction in (0, 1], a whole number of "
+                         f"anchors > 1 or null (every anchor), got {share}")
+
+
+def draw_anchors(batch: TrainBatch, lo: int, hi: int, share: float) -> torch.Tensor:
+    """Anchors (B, A), sorted per row: drawn uniformly without replacement (global torch RNG)
+    among the row's anchors t where some token t+lo .. t+hi is scored (loss_mask and
+    attention_mask), ceil(share x candidates) of them (share < 1) or min(share, candidates); the
+    spare slots of shorter rows hold T-1, whose tokens never exist, so they are never scored."""
+    B, T = batch.input_ids.shape
+    counted = batch.loss_mask.bool() & batch.attention_mask.bool()  # (B, T): scored tokens
+    cand = torch.zeros_like(counted)  # (B, T)
+    for j in range(lo, min(hi, T - 1) + 1):
+        cand[:, :T - j] |= counted[:, j:]
+    n = cand.sum(1)  # (B,) candidates per row
+    want = (n * share).ceil().long() if share < 1 else n.clamp(max=int(share))  # (B,)
+    A = max(1, int(want.max()))
+    score = torch.rand(B, T, device=cand.device).masked_fill(~cand, 2.0)  # candidates first
+    pick = score.topk(A, dim=1, largest=False).indices  # (B, A): a random draw per row
+    keep = torch.arange(A, device=cand.device)[None] < want[:, None]  # (B, A)
+    return torch.where(keep, pick, T - 1).sort(dim=1).values

@@ -2,7 +2,8 @@
 (drafters/eagle3.py names the sources and versions read): SGLang / vLLM llama_eagle3.py (midlayer,
 fused residual-add norms, the prenorm state fed back) and speculators 0.9.0 Eagle3DraftModel
 (layers.0 + HF Llama layers, EAGLE-3.1 norms), and P-EAGLE's single parallel forward (vLLM's
-parallel drafting, speculators 0.9.0 PEagleDraftModel). Used by tests/test_eagle3.py (every engine
+parallel drafting, speculators 0.9.0 PEagleDraftModel), and DFlash's block forward (speculators
+0.9.0 DFlashDraftModel, vLLM's DFlash loader). Used by tests/test_eagle3.py (every engine
 option, training-time-test steps), tests/test_peagle.py and tests/test_export.py (every registered
 eagle3 layout)."""
 from __future__ import annotations
@@ -18,21 +19,23 @@ def _rms(x, w, eps):
     return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
+def _rope(t, pos, c):
+    """Neox RoPE of t (T, n, hd) at positions pos (T,) with the config's rope_theta."""
+    hd = t.shape[-1]
+    inv = 1.0 / c["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd)
+    ang = pos[:, None].float() * inv[None]  # (T, hd/2)
+    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+    rot = torch.cat([-t[..., hd // 2:], t[..., :hd // 2]], -1)
+    return t * cos[:, None] + rot * sin[:, None]
+
+
 def _attention(x, W, pre, c, pos):
     """Causal GQA attention the engines' way: one stacked qkv projection, neox RoPE."""
     nh, nkv, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
     qkv = x @ torch.cat([W[pre + f"self_attn.{n}_proj.weight"] for n in "qkv"]).T  # stacked
     q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-    inv = 1.0 / c["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd)
-    ang = pos[:, None].float() * inv[None]  # (T, hd/2)
-    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
-
-    def rope(t):  # (T, n, hd)
-        rot = torch.cat([-t[..., hd // 2:], t[..., :hd // 2]], -1)
-        return t * cos[:, None] + rot * sin[:, None]
-
     T = x.shape[0]
-    q, k = rope(q.view(T, nh, hd)), rope(k.view(T, nkv, hd))
+    q, k = _rope(q.view(T, nh, hd), pos, c), _rope(k.view(T, nkv, hd), pos, c)
     k, v = k.repeat_interleave(nh // nkv, 1), v.view(T, nkv, hd).repeat_interleave(nh // nkv, 1)
     s = torch.einsum("qhd,khd->hqk", q, k) / hd ** 0.5
     s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
@@ -149,6 +152,58 @@ def first_step_logits(folder: Path, target, ids: torch.Tensor) -> torch.Tensor:
     return full[None]
 
 
+def dflash_block(config, W, target, ids, t):
+    """A DFlash engine at ONE anchor t, from the files only (speculators 0.9.0 DFlashDraftModel, or
+    vLLM's DFlashQwen3ForCausalLM on the z-lab layout: aux ids eagle_aux_hidden_state_layer_ids,
+    else dflash_config.target_layer_ids + 1; embedding and, when absent, head from the target):
+    context = hidden_norm(fc(aux states)) at positions < t, projected to keys / values by each
+    layer (no query there); block = embeddings of [ids[t], mask x (b-1)] at t .. t+b-1; per layer
+    q_norm / k_norm per head, RoPE, attention over [context; block] with no mask (the block is
+    bidirectional, the context all before it) -> logits (b, Vd) of the block's slots."""
+    c = config.get("transformer_layer_config", config)
+    eps, nh, nkv, hd = c["rms_norm_eps"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    zlab = config.get("dflash_config", {})
+    aux = config.get("aux_hidden_state_layer_ids") or config.get("eagle_aux_hidden_state_layer_ids") \
+        or [i + 1 for i in zlab["target_layer_ids"]]
+    mask_id = config.get("mask_token_id", zlab.get("mask_token_id"))
+    head = W["lm_head.weight"] if "lm_head.weight" in W else target.lm_head().weight.float()
+    b = config["block_size"]
+    if t:
+        hs = target.model(ids[None, :t], output_hidden_states=True).hidden_states
+        ctx = _rms(torch.cat([hs[i][0] for i in aux], -1) @ W["fc.weight"].T,
+                   W["hidden_norm.weight"], eps)  # (t, H)
+    else:
+        ctx = W["fc.weight"].new_zeros(0, W["fc.weight"].shape[0])
+    toks = torch.cat([ids[t:t + 1], torch.full((b - 1,), mask_id)])
+    x, pos = target.embed_tokens()(toks).float(), torch.arange(t + b)
+    for i in range(c["num_hidden_layers"]):
+        p = f"layers.{i}.self_attn."
+        h = _rms(x, W[f"layers.{i}.input_layernorm.weight"], eps)
+        q = _rms((h @ W[p + "q_proj.weight"].T).view(b, nh, hd), W[p + "q_norm.weight"], eps)
+        kv = torch.cat([ctx, h])  # (t+b, H)
+        k = _rms((kv @ W[p + "k_proj.weight"].T).view(t + b, nkv, hd), W[p + "k_norm.weight"], eps)
+        v = (kv @ W[p + "v_proj.weight"].T).view(t + b, nkv, hd).repeat_interleave(nh // nkv, 1)
+        q, k = _rope(q, pos[t:], c), _rope(k, pos, c).repeat_interleave(nh // nkv, 1)
+        s = torch.einsum("qhd,khd->hqk", q, k) / hd ** 0.5
+        o = torch.einsum("hqk,khd->qhd", s.softmax(-1), v).reshape(b, nh * hd)
+        x = x + o @ W[p + "o_proj.weight"].T
+        x = x + _mlp(_rms(x, W[f"layers.{i}.post_attention_layernorm.weight"], eps), W, f"layers.{i}.")
+    return _rms(x, W["norm.weight"], eps) @ head.T  # (b, Vd)
+
+
+def dflash_logits(folder: Path, target, ids: torch.Tensor) -> list[torch.Tensor]:
+    """dflash_block at every anchor of ids (T,): one (1, T, V) per draft slot 1..b-1, mapped to
+    the target vocabulary as the engines do (ids i + d2t[i], -inf elsewhere)."""
+    config = json.loads((folder / "config.json").read_text())
+    W = load_file(str(folder / "model.safetensors"))
+    blocks = torch.stack([dflash_block(config, W, target, ids, t) for t in range(len(ids))])
+    V = target.vocab_size
+    cols = torch.arange(len(W["d2t"])) + W["d2t"] if "d2t" in W else torch.arange(V)
+    full = blocks.new_full((*blocks.shape[:2], V), float("-inf"))  # (T, b, V)
+    full[..., cols] = blocks
+    return [full[None, :, i] for i in range(1, config["block_size"])]
+
+
 # -- shared toys of the EAGLE-3-family tests (test_eagle3, test_peagle) -------------------------------
 TOY_V, TOY_H, TOY_L = 128, 32, 8  # an 8-layer target: the engines' default aux layers (2, 4, 5) exist
 
@@ -197,7 +252,7 @@ def perturbed_drafter(target, name: str, seed=1, **cfg):
 
 
 def recipe_cfg(tmp_path, chats, name: str, *overrides):
-    """The train config of a short EAGLE-3-family run (drafter `name`, 3 draft steps, pruned
+    """The train config of a short EAGLE-3-family or DFlash run (drafter `name`, 3 drafts, pruned
     vocab 512) on the tiny target and a chats file."""
     from hydra import compose, initialize_config_dir
 
@@ -209,7 +264,8 @@ def recipe_cfg(tmp_path, chats, name: str, *overrides):
             "target=tiny", "data=jsonl", f"data.path={chats}", "data.max_length=96",
             "data.eval_fraction=0.1", f"data.cache_dir={tmp_path / 'cache'}", "trainer=smoke",
             "trainer.final_eval=null", f"run_dir={tmp_path / 'run'}", "logger=jsonl",
-            f"drafter={name}", "drafter.draft_vocab_size=512", "drafter.ttt_length=3", *overrides])
+            f"drafter={name}", "drafter.draft_vocab_size=512",
+            "drafter.block_size=4" if name == "dflash" else "drafter.ttt_length=3", *overrides])
 
 
 def train_rows(cfg) -> list[dict]:

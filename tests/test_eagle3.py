@@ -463,3 +463,54 @@ def test_speculators_release_loads_our_peagle_export(target, speculators_python,
                                        atol=1e-4, rtol=1e-4)
             seen.add(dep)
     assert seen == {0, 1, 2}  # every depth compared
+
+
+# the same for DFlash: DFlashDraftModel.from_pretrained on our `dflash` speculators export, its own
+# anchored-block forward (eager attention over its dense anchor mask; the anchors it draws recorded)
+SPECULATORS_DFLASH_LOAD = r"""
+import sys, torch
+import speculators.models.dflash.core as core
+from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
+folder, drawn = sys.argv[1], []
+x = torch.load(folder + "/inputs.pt")
+select = core.select_anchors
+core.select_anchors = lambda *a, **k: drawn.append(select(*a, **k)) or drawn[-1]
+conf = DFlashSpeculatorConfig.from_pretrained(folder)
+conf.transformer_layer_config._attn_implementation = "eager"
+m = DFlashDraftModel.from_pretrained(folder, config=conf).float().eval()
+ids = x["input_ids"]
+with torch.no_grad():
+    out = m._backbone_forward(x["features"], ids, torch.ones_like(ids), x["last"],
+                              torch.zeros_like(ids), max_anchors=x["anchors"])
+anchors, valid = drawn[0]
+torch.save({"logits": out[1][0], "anchors": anchors, "valid": valid, "state": m.state_dict()},
+           folder + "/out.pt")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cfg", [{"mask_token_id": 7}, {"draft_vocab_size": 48, "num_layers": 2}],
+                         ids=["full_vocab", "pruned_2layers"])
+def test_speculators_release_loads_our_dflash_export(target, speculators_python, cfg, tmp_path):
+    """Our `dflash` speculators export (drafters/dflash.py) in the release's DFlashDraftModel:
+    every tensor loaded as written and nothing else, and its block logits at every anchor it
+    draws (slot i >= 1) == our training logits of draft i there."""
+    from drafters.dflash import dflash_config, dflash_state
+
+    d = perturbed_drafter(target, "dflash", 1, block_size=4, **cfg)
+    W = dflash_state(d, "speculators")
+    # speculators reads token t and the aux states before t as we do: no shift; the verifier's
+    # last state only feeds its loss, never compared
+    out, batch = _in_speculators(
+        speculators_python, SPECULATORS_DFLASH_LOAD, target, d, W,
+        lambda verifier: dflash_config(d, "speculators", verifier=verifier),
+        lambda ids, batch: {"features": batch.features.float(), "input_ids": ids,
+                            "last": torch.zeros(1, 14, H), "anchors": 10}, tmp_path)
+    with torch.no_grad():
+        ours = d.forward_train(batch)
+    anchors = out["anchors"][out["valid"]].tolist()
+    assert len(anchors) == 10  # 14 tokens, the last block_size never anchors: all 10 drawn
+    for n, a in enumerate(out["anchors"].tolist()):
+        for i in range(1, 4):
+            torch.testing.assert_close(out["logits"][n * 4 + i], ours[i - 1].logits[0, a],
+                                       atol=1e-4, rtol=1e-4)

@@ -31,7 +31,7 @@ from drafters.export_formats import ExportError
 from drafters.hub import PushError, push_to_hub
 from drafters.sampling import SamplingParams
 from drafters.target import Target
-from eagle3_engines import first_step_logits
+from eagle3_engines import dflash_logits, first_step_logits
 from train.export import ExportConfig, run_export
 
 V, H = 128, 32
@@ -197,6 +197,8 @@ def engine_logits(folder: Path, target, b: TrainBatch) -> list[torch.Tensor] | N
             return [eagle1_engine_logits(folder, target, b)]
         if arch in ("LlamaForCausalLMEagle3", "Eagle3Speculator", "PEagleSpeculator"):  # step 1
             return [first_step_logits(folder, target, b.input_ids[0])]
+        if arch in ("DFlashSpeculator", "DFlashDraftModel"):  # (1, T, V) per draft slot, every anchor
+            return dflash_logits(folder, target, b.input_ids[0])
         if arch == "MedusaModel":
             out = medusa_vllm_logits(folder, b.features)
             if (folder / "medusa_lm_head.pt").is_file():

@@ -81,6 +81,12 @@ ARMS: dict[str, tuple[str, list[str]]] = {
         "drafter=peagle", "drafter.mask_anchors=0.25"]),
     "peagle_a10": ("P-EAGLE, masks trained at 1/10 of the anchors", [
         "drafter=peagle", "drafter.mask_anchors=0.1"]),
+    "dflash": ("DFlash (block of 8, blocks at 1/4 of the anchors)", ["drafter=dflash"]),
+    "dflash_a10": ("DFlash, blocks at 1/10 of the anchors", [
+        "drafter=dflash", "drafter.anchors=0.1"]),
+    "dflash_a50": ("DFlash, blocks at 1/2 of the anchors", [
+        "drafter=dflash", "drafter.anchors=0.5"]),
+    "dflash_l2": ("DFlash, 2 draft layers", ["drafter=dflash", "drafter.num_layers=2"]),
 }
 
 

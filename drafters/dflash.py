@@ -1,0 +1,400 @@
+"""DFlash: a block drafter. ONE forward over a block [last committed token; mask x (b-1)] gives
+all b-1 drafts, conditioned on the target's fused features through the attention keys alone.
+
+    ctx_t   = hidden_norm(fc([low_t; mid_t; high_t]))          the target's aux layers at t
+    block   = embed([x_{n-1}, m, m, ..., m]) at positions n-1 .. n-2+b   (m = mask_token_id)
+    layer:  x += o(attn(q = q_norm(q(ln(x))),  keys / values = [k_norm(k(ctx_<n-1)); k_norm(k(ln(x)))]))
+            x += mlp(post_ln(x))        bidirectional inside the block; no query at context positions
+    draft i = lm_head(norm(x_i)), i = 1 .. b-1: the token at position n-1+i
+
+Unlike EAGLE (one query per committed position, drafts one after another) and P-EAGLE (causal
+mask positions after the real ones), the context enters each layer only as keys and values
+projected from the fused features, so a committed token costs the drafter L (k, v) projections,
+and a round costs one forward of b queries whatever k is (k <= b-1; the block is always b wide,
+as trained). Slot 0 holds the last committed token (the target's bonus token, whose features
+are not computed yet); the context is every earlier position.
+
+Training (`forward_train`): at anchor a (slot 0 = token a at position a) the block sees the
+fused features at positions < a and its own b slots; slot i predicts token a+i, compared with
+the target's logits at a+i-1 (DraftPrediction shift i-1 at anchor a), weighted exp(-(i-1)/gamma)
+(DFlash's decay; `loss_weights` overrides). `anchors` draws a share of each row's anchors per
+step (drafters/anchors.py); null trains every position as an anchor.
+
+Sources read (2026-12-01): speculators 0.9.0 (PyPI wheel) models/dflash/ (config.py
+DFlashSpeculatorConfig: block_size, aux_hidden_state_layer_ids, mask_token_id, sample_from_anchor
+false = slot 0 is the bonus token; model_definitions.py Qwen3DFlashAttention: context k/v
+projected from fc's normed output, q_norm / k_norm per head; core.py _backbone_forward: the
+anchored-block mask, targets at anchor + i - 1; metrics.py: exp decay gamma) and the main branch
+@c05b95b3; vLLM model_executor/models/qwen3_dflash.py @036a00d1 (context k/v from
+hidden_norm(fc(aux)), non-causal full-attention layers, d2t offsets, embedding / head shared when
+absent) and eagle3_utils.get_eagle3_aux_layers_from_config (eagle_aux ids first, else z-lab's
+target_layer_ids + 1); the DFlash paper (Chen, Liang, Liu 2026, arXiv 2602.06036). Exports
+`speculators` (loaded by speculators' own DFlashDraftModel in the slow test) and `vllm` (the
+z-lab layout vLLM registers as DFlashDraftModel); both rebuilt from the files in the tests. One
+denoising pass per round, as DFlash and vLLM decode; tree drafts come from the per-position
+top-k (as for P-EAGLE).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding,
+                                                      rotate_half)
+
+from drafters.anchors import check_anchor_share, draw_anchors
+from drafters.attention import few_query, grouped_attention
+from drafters.base import (ChainProposal, DecodeState, Drafter, DrafterConfig, DraftPrediction,
+                           ExportLayout, TrainBatch, TreeProposal, register)
+from drafters.cache import DraftCache
+from drafters.eagle import drafter_llama_config
+from drafters.eagle3 import default_aux_layers
+from drafters.export_formats import (WEIGHTS, ExportError, cast, llama_layer_config,
+                                     speculators_config, torch_dtype)
+from drafters.head import frozen_logits, init_draft_head
+from drafters.proposals import capped_k
+from drafters.sampling import SamplingParams
+from drafters.tree import in_target_vocab, position_tree
+from drafters.vocab import d2t_to_offsets, offsets_to_d2t, t2d_mask
+
+
+@dataclass
+class DFlashConfig(DrafterConfig):
+    """DFlash drafter settings."""
+
+    name: str = "dflash"  # registry key
+    # target hidden_states indices fused as context; None = EAGLE-3's (2, L//2, L-3), so eagle3,
+    # peagle and dflash train on one capture
+    aux_layers: Optional[list[int]] = None
+    num_layers: int = 1  # draft layers (the paper: 5 on 8B targets)
+    block_size: int = 8  # slot 0 = the last committed token: block_size - 1 drafts per forward
+    draft_vocab_size: Optional[int] = None  # pruned LM head size (None = target's head, frozen)
+    mask_token_id: Optional[int] = None  # id whose (frozen) embedding fills the block (None = V - 1)
+    loss_gamma: float = 4.0  # draft i weighs exp(-(i - 1) / gamma) (DFlash: 4 for blocks of 8)
+    loss_weights: Optional[list[float]] = None  # one per draft (block_size - 1); overrides gamma
+    # anchors per row trained each step: null = every position; a fraction in (0, 1) = that share
+    # of the row's anchors with a scored token in the block; a whole number > 1 = that many
+    anchors: Optional[float] = None
+    tree_top_k: int = 8  # dynamic tree over the per-position distributions: children per node
+    tree_depth: int = 6  # levels (capped at block_size - 1)
+    tree_total_tokens: int = 60  # nodes kept for verification
+    tree_sampled: bool = True  # sampling: draw the tree's children from q (else top-k, deterministic)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on x (B, h, Q, d) with cos / sin (B, Q, d)."""
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+
+
+class DFlashAttention(nn.Module):
+    """q/k/v/o + per-head q_norm / k_norm (speculators' Qwen3DFlashAttention names). The keys and
+    values of the context come from `context`; the block's own from `forward`."""
+
+    def __init__(self, lc) -> None:
+        super().__init__()
+        self.head_dim, q, kv = lc.head_dim, lc.num_attention_heads, lc.num_key_value_heads
+        self.q_proj = nn.Linear(lc.hidden_size, q * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(lc.hidden_size, kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(lc.hidden_size, kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(q * self.head_dim, lc.hidden_size, bias=False)
+        self.q_norm = LlamaRMSNorm(self.head_dim, eps=lc.rms_norm_eps)
+        self.k_norm = LlamaRMSNorm(self.head_dim, eps=lc.rms_norm_eps)
+
+    def _heads(self, x: torch.Tensor, proj: nn.Linear) -> torch.Tensor:
+        B, Q, _ = x.shape
+        return proj(x).view(B, Q, -1, self.head_dim).transpose(1, 2)  # (B, h, Q, d)
+
+    def kv(self, x: torch.Tensor, cos_sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (B, Q, H) -> keys (normed, RoPE) and values (B, kv, Q, d)."""
+        return rope(self.k_norm(self._heads(x, self.k_proj)), *cos_sin), self._heads(x, self.v_proj)
+
+    def forward(self, x: torch.Tensor, cos_sin, attend) -> torch.Tensor:
+        """x (B, Q, H) normed block states -> (B, Q, H); attend(q, k, v) adds the context."""
+        B, Q, _ = x.shape
+        q = rope(self.q_norm(self._heads(x, self.q_proj)), *cos_sin)  # (B, h, Q, d)
+        out = attend(q, *self.kv(x, cos_sin))  # (B, h, Q, d)
+        return self.o_proj(out.transpose(1, 2).reshape(B, Q, -1))
+
+
+class DFlashLayer(nn.Module):
+    """A pre-norm decoder layer over the block whose attention also reads the context."""
+
+    def __init__(self, lc) -> None:
+        super().__init__()
+        self.input_layernorm = LlamaRMSNorm(lc.hidden_size, eps=lc.rms_norm_eps)
+        self.self_attn = DFlashAttention(lc)
+        self.post_attention_layernorm = LlamaRMSNorm(lc.hidden_size, eps=lc.rms_norm_eps)
+        self.mlp = LlamaMLP(lc)
+
+    def forward(self, x: torch.Tensor, cos_sin, attend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, attend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def block_attention(q, k, v, ctx_k, ctx_v, seen: torch.Tensor, b: int) -> torch.Tensor:
+    """Training attention of A blocks of b queries per row: q (B, h, A*b, d); the blocks' own keys
+    k, v (B, kv, A*b, d), each block seeing all of its own b (bidirectional) and no other block's;
+    the context ctx_k, ctx_v (B, kv, T, d) where seen (B, A, T) says so. One softmax over both
+    key sets, in fp32 -> (B, h, A*b, d)."""
+    B, h, Q, d = q.shape
+    kv, A = k.shape[1], Q // b
+    g = h // kv
+    qg = q.reshape(B, kv, g, A, b, d)
+    own = torch.einsum("bkgaid,bkajd->bkgaij", qg, k.view(B, kv, A, b, d))  # (B, kv, g, A, b, b)
+    ctx = torch.matmul(q.reshape(B, kv, g * Q, d), ctx_k.transpose(-1, -2))  # (B, kv, g*Q, T)
+    ctx = ctx.view(B, kv, g, A, b, -1).float()
+    low = torch.finfo(torch.float32).min
+    ctx = ctx.masked_fill(~seen[:, None, None, :, None, :], low)
+    p = torch.cat([ctx, own.float()], dim=-1).mul(d ** -0.5).softmax(-1).to(q.dtype)
+    T = ctx_k.shape[2]
+    out = torch.matmul(p[..., :T].reshape(B, kv, g * Q, T), ctx_v).view(B, kv, g, A, b, d)
+    out = out + torch.einsum("bkgaij,bkajd->bkgaid", p[..., T:], v.view(B, kv, A, b, d))
+    return out.reshape(B, h, Q, d)
+
+
+# == Exports. speculators 0.9.0 models/dflash/ (`dflash` type, DFlashDraftModel) and vLLM's DFlash ==
+# == loader (model_executor/models/qwen3_dflash.py @036a00d1, architecture DFlashDraftModel, the   ==
+# == z-lab layout): the layers under our names, a Qwen3 decoder-layer config (q_norm / k_norm).    ==
+def dflash_state(drafter, engine: str, state: Optional[dict] = None,
+                 dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """The tensors `engine` loads: layers.*, fc, hidden_norm, norm, and a pruned head with its d2t
+    offsets / t2d; speculators also the target's embedding and, at full vocabulary, its head
+    (vLLM shares both with the target when the files lack them)."""
+    state = dict(drafter.state_dict() if state is None else state)
+    d2t, _ = state.pop("draft_vocab.d2t", None), state.pop("draft_vocab.t2d", None)
+    out = {n: cast(v, dtype) for n, v in state.items()}
+    if engine == "speculators":
+        out["embed_tokens.weight"] = cast(drafter.target.embed_tokens().weight, dtype)
+        if d2t is None:
+            out["lm_head.weight"] = cast(drafter.target.lm_head().weight, dtype)
+    if d2t is not None:
+        out["d2t"] = d2t_to_offsets(d2t.cpu())  # (Vd,) int64: target id = i + d2t[i]
+        out["t2d"] = t2d_mask(d2t.cpu(), drafter.vocab_size)  # (V,) bool
+    return out
+
+
+def dflash_config(drafter, engine: str, verifier: Optional[str] = None, dtype: str = "float32") -> dict:
+    """config.json for `engine`. Aux layers: speculators and vLLM capture layer inputs (= our
+    hidden_states indices, `eagle_aux_hidden_state_layer_ids`, read first by vLLM); z-lab's
+    `dflash_config.target_layer_ids` name layer outputs (ours - 1). Slot 0 is the bonus token
+    (speculators' sample_from_anchor false): block_size - 1 speculative tokens."""
+    L, ids, b = drafter.target.num_layers, list(drafter.feature_layers), drafter.cfg.block_size
+    lo = 1 if engine == "vllm" else 0
+    if not all(lo <= i <= L - 1 for i in ids):
+        raise ExportError(f"dflash: {engine} captures hidden_states in [{lo}, {L - 1}]; this "
+                          f"drafter reads {ids}: train with aux_layers inside that range")
+    layer = llama_layer_config(drafter.llama_config, drafter.target, dtype)
+    layer.update(model_type="qwen3", layer_types=["full_attention"] * drafter.cfg.num_layers,
+                 use_sliding_window=False)
+    vd = drafter.vocab_size if drafter.d2t is None else len(drafter.d2t)
+    if engine == "vllm":
+        return {**layer, "architectures": ["DFlashDraftModel"], "block_size": b,
+                "draft_vocab_size": vd, "eagle_aux_hidden_state_layer_ids": ids,
+                "dflash_config": {"mask_token_id": drafter.mask_token_id,
+                                  "target_layer_ids": [i - 1 for i in ids]}}
+    for key in ("torch_dtype", "dtype"):
+        layer.pop(key)
+    return {"architectures": ["DFlashSpeculator"], "speculators_model_type": "dflash",
+            "transformer_layer_config": {**layer, "architectures": ["Qwen3ForCausalLM"]},
+            "draft_vocab_size": vd, "block_size": b, "target_hidden_size": None,
+            "aux_hidden_state_layer_ids": ids, "mask_token_id": drafter.mask_token_id,
+            "sliding_window_non_causal": False, "sample_from_anchor": False,
+            "tie_word_embeddings": False,
+            "speculators_config": speculators_config("dflash", b - 1, verifier, drafter.target)}
+
+
+def _layout(engine: str, summary: str, usage: str) -> ExportLayout:
+    def write(drafter, state, ctx):
+        tensors = dflash_state(drafter, engine, state, torch_dtype(ctx.dtype))
+        config = dflash_config(drafter, engine, ctx.meta.get("base_model"), ctx.dtype)
+        return {**config, **ctx.common()}, {WEIGHTS: tensors}
+
+    def read(files, dcfg, vocab_size):
+        t = files[WEIGHTS]
+        state = {n: v for n, v in t.items() if n not in ("d2t", "t2d", "embed_tokens.weight")}
+        if dcfg.get("draft_vocab_size") is None:
+            state.pop("lm_head.weight", None)
+            return state
+        d2t = offsets_to_d2t(t["d2t"].long())
+        return {**state, "draft_vocab.d2t": d2t, "draft_vocab.t2d": t2d_mask(d2t, vocab_size)}
+
+    return ExportLayout(format=engine, summary=summary, usage=usage, write=write, read=read,
+                        tags=(engine, "dflash"))
+
+
+LAYOUTS = (
+    _layout("vllm", "vLLM's DFlash layout (DFlashDraftModel, the z-lab layout: Qwen3 draft layers, "
+            "dflash_config with the mask id and target layers; embedding and full head shared).",
+            "vllm serve {base} --speculative-config '{{\"method\": \"dflash\", \"model\": "
+            "\"{path}\", \"num_speculative_tokens\": {k}}}'"),
+    _layout("speculators", "the speculators library's DFlash format (speculators_model_type "
+            "dflash, DFlashDraftModel).",
+            "vllm serve {path}      # or in Python:\n"
+            "from speculators.models.dflash import DFlashDraftModel\n"
+            "model = DFlashDraftModel.from_pretrained('{path}')"))
+
+
+@register("dflash", config=DFlashConfig, layouts=LAYOUTS)
+class DFlash(Drafter):
+    """DFlash block drafter: fc over the target's aux layers + draft layers over a mask block."""
+
+    tags = ("dflash", "block-drafting", "parallel-drafting")
+
+    def __init__(self, cfg: DFlashConfig, target) -> None:
+        super().__init__(target.vocab_size, cfg, target)
+        L, V, H = target.num_layers, target.vocab_size, target.hidden_size
+        aux = list(cfg.aux_layers) if cfg.aux_layers is not None else default_aux_layers(L)
+        if not aux or not all(0 <= i <= L for i in aux):
+            raise ValueError(f"dflash: aux_layers must be hidden_states indices in [0, {L}] (0 = "
+                             f"embeddings, i = output of layer i), got {aux}; null takes "
+                             f"{default_aux_layers(L)}")
+        mask_id = V - 1 if cfg.mask_token_id is None else cfg.mask_token_id
+        if not 0 <= mask_id < V:
+            raise ValueError(f"dflash: mask_token_id must be a target token id in [0, {V}), got "
+                             f"{mask_id}; null takes {V - 1}")
+        if cfg.num_layers < 1 or cfg.block_size < 2 or cfg.loss_gamma <= 0:
+            raise ValueError(f"dflash: num_layers >= 1, block_size >= 2 and loss_gamma > 0 "
+                             f"needed, got {cfg.num_layers}, {cfg.block_size}, {cfg.loss_gamma}")
+        if cfg.loss_weights is not None and len(cfg.loss_weights) != cfg.block_size - 1:
+            raise ValueError(f"dflash: loss_weights needs one weight per draft (block_size - 1 = "
+                             f"{cfg.block_size - 1}), got {list(cfg.loss_weights)}")
+        check_anchor_share("dflash", "anchors", cfg.anchors)
+        self.feature_layers, self.mask_token_id = tuple(aux), mask_id
+        self.llama_config = lc = drafter_llama_config(target, cfg.num_layers)
+        self.fc = nn.Linear(len(aux) * H, H, bias=False)
+        self.hidden_norm = LlamaRMSNorm(H, eps=lc.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashLayer(lc) for _ in range(cfg.num_layers))
+        self.rotary_emb = LlamaRotaryEmbedding(lc)
+        self.norm = LlamaRMSNorm(H, eps=lc.rms_norm_eps)
+        with torch.no_grad():  # the head reads what the target's head reads: start from its norm
+            self.norm.weight.copy_(target.model.model.norm.weight.float())
+        init_draft_head(self, target.lm_head(), cfg.draft_vocab_size, V)
+        self.to(target.device)
+        self.reset()
+
+    # -- the network ------------------------------------------------------------------------------
+    def context(self, feats: torch.Tensor) -> torch.Tensor:
+        """Target features (B, T, n*H) of the aux layers -> the context states (B, T, H)."""
+        x = feats.to(self.fc.weight.dtype)
+        if x.is_inference() and torch.is_grad_enabled():  # captured under inference_mode
+            x = x.clone()
+        return self.hidden_norm(self.fc(x))
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Block outputs (..., H) -> logits (..., Vd) over the draft vocabulary."""
+        h = self.norm(h)
+        if self.lm_head is not None:
+            return self.lm_head(h)
+        return frozen_logits(self.target.lm_head(), h)  # gradients flow to h only
+
+    def _block(self, first: torch.Tensor) -> torch.Tensor:
+        """Slot-0 tokens (B, A) -> the blocks' embeddings (B, A*b, H): token, then masks."""
+        b = self.cfg.block_size
+        tok = torch.full((*first.shape, b), self.mask_token_id, device=first.device)  # (B, A, b)
+        tok[..., 0] = first
+        return self.target.embed_tokens()(tok.flatten(1)).to(self.fc.weight.dtype)
+
+    def _weight(self, i: int) -> float:
+        w = self.cfg.loss_weights
+        return float(w[i - 1]) if w is not None else math.exp(-(i - 1) / self.cfg.loss_gamma)
+
+    # -- training ---------------------------------------------------------------------------------
+    def forward_train(self, batch: TrainBatch) -> list[DraftPrediction]:
+        """Draft i = 1 .. b-1 of the block at each anchor a (every position, or `anchors` drawn):
+        DraftPrediction shift i-1 at anchor a, weighted _weight(i)."""
+        ids, feats = batch.input_ids, batch.features  # (B, T), (B, T, n*H)
+        width = len(self.feature_layers) * self.target.hidden_size
+        if feats is None or feats.shape[-1] != width:
+            raise ValueError(f"dflash: the batch needs the features of aux layers "
+                             f"{self.feature_layers} (width {width}); got {getattr(feats, 'shape', None)}")
+        B, T = ids.shape
+        b, dev = self.cfg.block_size, ids.device
+        m = self.cfg.anchors
+        drawn = None if m is None or m == 1 else draw_anchors(batch, 1, b - 1, m)  # (B, A)
+        at = torch.arange(T, device=dev).expand(B, T) if drawn is None else drawn  # (B, A)
+        A = at.shape[1]
+        pos = torch.arange(T, device=dev)
+        seen = (pos[None, None, :] < at[:, :, None]) & batch.attention_mask[:, None, :].bool()
+        ctx = self.context(feats)  # (B, T, H)
+        ctx_cs = self.rotary_emb(ctx, pos.expand(B, T))
+        x = self._block(ids.gather(1, at))  # (B, A*b, H)
+        cs = self.rotary_emb(x, (at[:, :, None] + torch.arange(b, device=dev)).flatten(1))
+        for layer in self.layers:
+            ck, cv = layer.self_attn.kv(ctx, ctx_cs)  # (B, kv, T, d) each
+            x = layer(x, cs, lambda q, k, v: block_attention(q, k, v, ck, cv, seen, b))
+        logits = self.head(x.view(B, A, b, -1)[:, :, 1:])  # (B, A, b-1, Vd)
+        return [DraftPrediction(logits=logits[:, :, i - 1], shift=i - 1, weight=self._weight(i),
+                                anchors=drawn) for i in range(1, b)]
+
+    # -- decoding ---------------------------------------------------------------------------------
+    def reset(self) -> None:
+        self._cache = DraftCache()  # per layer: context keys / values of the committed positions
+
+    def _sync(self, state: DecodeState) -> None:
+        """Crop the cache to what it shares with the committed tokens, then add the context keys
+        and values of the committed positions it lacks (all but the last token's)."""
+        tokens, feats = state.tokens, state.features  # (T,), (T-1, n*H)
+        T = tokens.shape[0]
+        if feats is None or T < 2 or feats.shape[0] != T - 1:
+            raise ValueError("dflash: propose needs >= 2 tokens and state.features for tokens[:-1]")
+        cache = self._cache
+        keep = max(0, min(cache.committed, cache.shared_prefix(tokens), T - 1))
+        cache.sync_to(tokens, keep, committed=T - 1)
+        if keep == T - 1:
+            return
+        ctx = self.context(feats[keep:][None])  # (1, n, H)
+        cs = self.rotary_emb(ctx, torch.arange(keep, T - 1, device=ctx.device)[None])
+        for i, layer in enumerate(self.layers):
+            cache.kv.update(*layer.self_attn.kv(ctx, cs), i)
+
+    @torch.no_grad()
+    def draft_logits(self, state: DecodeState, k: int) -> torch.Tensor:
+        """The first k draft distributions (k, Vd) of ONE forward over the block after state.tokens."""
+        self._sync(state)
+        T, b = state.tokens.shape[0], self.cfg.block_size
+        x = self._block(state.tokens[-1:][None])  # (1, b, H)
+        cs = self.rotary_emb(x, torch.arange(T - 1, T - 1 + b, device=x.device)[None])
+
+        def attend(i: int):
+            def run(q, k_, v):
+                k_, v = self._cache.kv.update(k_, v, i)  # (1, kv, T-1+b, d): context, then block
+                if few_query(q, k_.shape[2]):  # 16-bit CPU draft step, long cache: plain ops
+                    return grouped_attention(q, k_, v, None, causal=False)
+                return F.scaled_dot_product_attention(q, k_, v, enable_gqa=True)
+            return run
+        try:
+            for i, layer in enumerate(self.layers):
+                x = layer(x, cs, attend(i))
+        finally:
+            self._cache.forget_drafts()  # the block is per round: keep the context only
+        return self.head(x[0, 1:1 + k]).float()  # (k, Vd)
+
+    def _trained_k(self, k: int) -> int:
+        return capped_k(self, k, self.cfg.block_size - 1, "drafter.block_size - 1")
+
+    @torch.no_grad()
+    def propose(self, state: DecodeState, k: int, sampling: SamplingParams,
+                generator: torch.Generator | None = None,
+                min_confidence: float = 0.0) -> ChainProposal:
+        """Up to k drafts (at most block_size - 1) from one forward, each drawn from its own
+        position's distribution, cut where confidence < min_confidence."""
+        if k < 1:
+            return ChainProposal(tokens=state.tokens.new_empty(0))
+        k = self._trained_k(k)
+        logits = self.draft_logits(state, k)  # (k, Vd)
+        return self.draft_chain(logits[0], lambda i, token: logits[i + 1], k, sampling, generator,
+                                min_confidence)
+
+    @torch.no_grad()
+    def propose_tree(self, state: DecodeState, sampling: SamplingParams,
+                     generator: torch.Generator | None = None) -> TreeProposal:
+        """A dynamic tree from the block's per-position distributions (one forward)."""
+        depth = min(self.cfg.tree_depth, self.cfg.block_size - 1)
+        sampled = sampling if self.cfg.tree_sampled else None  # None: the top-k tree
+        tree = position_tree(self.draft_logits(state, depth), self.cfg.tree_top_k,
+                             self.cfg.tree_total_tokens, sampled, generator)
+        return in_target_vocab(tree, self.d2t, self.vocab_size)

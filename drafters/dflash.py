@@ -48,17 +48,15 @@ from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm, Ll
 
 from drafters.anchors import check_anchor_share, draw_anchors
 from drafters.attention import few_query, grouped_attention
-from drafters.base import (ChainProposal, DecodeState, Drafter, DrafterConfig, DraftPrediction,
-                           ExportLayout, TrainBatch, TreeProposal, register)
+from drafters.base import (DecodeState, Drafter, DrafterConfig, DraftPrediction, ExportLayout,
+                           TrainBatch, register)
 from drafters.cache import DraftCache
 from drafters.eagle import drafter_llama_config
 from drafters.eagle3 import default_aux_layers
 from drafters.export_formats import (WEIGHTS, ExportError, cast, llama_layer_config,
                                      speculators_config, torch_dtype)
 from drafters.head import frozen_logits, init_draft_head
-from drafters.proposals import capped_k
-from drafters.sampling import SamplingParams
-from drafters.tree import in_target_vocab, position_tree
+from drafters.parallel import ParallelDrafts
 from drafters.vocab import d2t_to_offsets, offsets_to_d2t, t2d_mask
 
 
@@ -239,10 +237,11 @@ LAYOUTS = (
 
 
 @register("dflash", config=DFlashConfig, layouts=LAYOUTS)
-class DFlash(Drafter):
+class DFlash(ParallelDrafts, Drafter):
     """DFlash block drafter: fc over the target's aux layers + draft layers over a mask block."""
 
     tags = ("dflash", "block-drafting", "parallel-drafting")
+    trained_setting = "drafter.block_size - 1"
 
     def __init__(self, cfg: DFlashConfig, target) -> None:
         super().__init__(target.vocab_size, cfg, target)
@@ -373,28 +372,5 @@ class DFlash(Drafter):
             self._cache.forget_drafts()  # the block is per round: keep the context only
         return self.head(x[0, 1:1 + k]).float()  # (k, Vd)
 
-    def _trained_k(self, k: int) -> int:
-        return capped_k(self, k, self.cfg.block_size - 1, "drafter.block_size - 1")
-
-    @torch.no_grad()
-    def propose(self, state: DecodeState, k: int, sampling: SamplingParams,
-                generator: torch.Generator | None = None,
-                min_confidence: float = 0.0) -> ChainProposal:
-        """Up to k drafts (at most block_size - 1) from one forward, each drawn from its own
-        position's distribution, cut where confidence < min_confidence."""
-        if k < 1:
-            return ChainProposal(tokens=state.tokens.new_empty(0))
-        k = self._trained_k(k)
-        logits = self.draft_logits(state, k)  # (k, Vd)
-        return self.draft_chain(logits[0], lambda i, token: logits[i + 1], k, sampling, generator,
-                                min_confidence)
-
-    @torch.no_grad()
-    def propose_tree(self, state: DecodeState, sampling: SamplingParams,
-                     generator: torch.Generator | None = None) -> TreeProposal:
-        """A dynamic tree from the block's per-position distributions (one forward)."""
-        depth = min(self.cfg.tree_depth, self.cfg.block_size - 1)
-        sampled = sampling if self.cfg.tree_sampled else None  # None: the top-k tree
-        tree = position_tree(self.draft_logits(state, depth), self.cfg.tree_top_k,
-                             self.cfg.tree_total_tokens, sampled, generator)
-        return in_target_vocab(tree, self.d2t, self.vocab_size)
+    def trained_positions(self) -> int:
+        return self.cfg.block_size - 1

@@ -26,12 +26,12 @@ here one share for every mask, so a sampled anchor keeps its whole rollout): the
 over A rows with (A x T) attention to the real keys, and their logits carry the anchors
 (DraftPrediction.anchors) for the loss. Draft position 1 (the real positions) stays at every anchor.
 
-Proposals are per-position argmax / samples (Drafter.draft_chain over the k precomputed logits),
-returning the q each token was sampled from (lossless speculative sampling); the adaptive length
-cuts the chain where a position's confidence falls below min_confidence. Trees (greedy) come
-from the same single forward: EAGLE-2's dynamic tree over the per-position distributions (a node
-at depth d expands with position d's top-k, whatever its ancestors), scored by cumulative
-log-probability.
+Proposals (drafters/parallel.py, shared with DFlash) are per-position argmax / samples over the
+k logits of `draft_logits`, returning the q each token was sampled from (lossless speculative
+sampling); the adaptive length cuts the chain where a position's confidence falls below
+min_confidence. Trees come from the same single forward: EAGLE-2's dynamic tree over the
+per-position distributions (a node at depth d expands with position d's top-k, whatever its
+ancestors), scored by cumulative log-probability.
 
 Sources read (2026-12-01): vLLM model_executor/models/llama_eagle3.py @00bd1493 (with
 speculative_config.parallel_drafting: a `mask_hidden` buffer (1, 3H) loaded from the checkpoint,
@@ -62,13 +62,11 @@ from torch import nn
 
 from drafters.anchors import check_anchor_share, draw_anchors
 from drafters.base import (ChainDraw, ChainProposal, DecodeState, DraftPrediction, ExportLayout,
-                           TrainBatch, TreeProposal, register)
+                           TrainBatch, register)
 from drafters.eagle3 import (Eagle3, Eagle3Config, engine_config, engine_refusal, engine_state,
                              state_from_engine, ttt_attention)
 from drafters.export_formats import WEIGHTS, torch_dtype
-from drafters.proposals import capped_k
-from drafters.sampling import SamplingParams
-from drafters.tree import in_target_vocab, position_tree
+from drafters.parallel import ParallelDrafts
 
 
 @dataclass
@@ -159,10 +157,11 @@ SPECULATORS = ExportLayout(
 
 
 @register("peagle", config=PeagleConfig, layouts=(VLLM, SPECULATORS))
-class Peagle(Eagle3):
+class Peagle(ParallelDrafts, Eagle3):
     """P-EAGLE drafter: EAGLE-3's network + a learnt mask hidden state; k drafts per forward."""
 
     tags = ("peagle", "parallel-drafting")
+    trained_setting = "drafter.ttt_length"
 
     def __init__(self, cfg: PeagleConfig, target) -> None:
         V = target.vocab_size
@@ -258,22 +257,8 @@ class Peagle(Eagle3):
         finally:
             self._cache.forget_drafts()  # masks are per round: drop them, keep the real positions
 
-    def _trained_k(self, k: int) -> int:
-        """k capped at ttt_length, the draft positions trained (said once, not silently)."""
-        return capped_k(self, k, self.cfg.ttt_length, "drafter.ttt_length")
-
-    @torch.no_grad()
-    def propose(self, state: DecodeState, k: int, sampling: SamplingParams,
-                generator: torch.Generator | None = None,
-                min_confidence: float = 0.0) -> ChainProposal:
-        """Up to k drafts (at most ttt_length, the positions trained) from one forward; each drawn
-        from its own position's distribution, cut where confidence < min_confidence."""
-        if k < 1:
-            return ChainProposal(tokens=state.tokens.new_empty(0))
-        k = self._trained_k(k)
-        logits = self.draft_logits(state, k)  # (k, Vd)
-        return self.draft_chain(logits[0], lambda i, token: logits[i + 1], k, sampling, generator,
-                                min_confidence)
+    def trained_positions(self) -> int:
+        return self.cfg.ttt_length
 
     def _propose_together(self, slots, states, ks, sampling, generators, min_confidence
                           ) -> list[ChainProposal]:
@@ -296,16 +281,3 @@ class Peagle(Eagle3):
                 pass
             out.append(chain.proposal())
         return out
-
-    @torch.no_grad()
-    def propose_tree(self, state: DecodeState, sampling: SamplingParams,
-                     generator: torch.Generator | None = None) -> TreeProposal:
-        """A draft tree from ONE forward: EAGLE-2's dynamic tree (tree_top_k, tree_depth capped at
-        ttt_length, tree_total_tokens; sampled children when sampling) where every node at depth
-        d expands with position d+1's distribution: parallel drafts do not depend on the tokens
-        before."""
-        depth = min(self.cfg.tree_depth, self.cfg.ttt_length)
-        sampled = sampling if self.cfg.tree_sampled else None  # None: the top-k tree
-        tree = position_tree(self.draft_logits(state, depth), self.cfg.tree_top_k,
-                             self.cfg.tree_total_tokens, sampled, generator)
-        return in_target_vocab(tree, self.d2t, self.vocab_size)

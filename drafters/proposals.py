@@ -4,7 +4,6 @@ shows a drafter before a round (`DecodeState`), what a drafter proposes (`ChainP
 `Drafter.draft_chain` and by batched `propose_rows`)."""
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,13 +98,3 @@ class ChainDraw:
                                                            self.drafter.vocab_size)
         return ChainProposal(tokens=tokens, probs=q, confidence=conf)  # q: (n, V) | None
 
-
-def capped_k(drafter: Any, k: int, trained: int, setting: str) -> int:
-    """k capped at the `trained` draft positions of a parallel drafter (P-EAGLE, DFlash); a k above
-    them is said once per drafter (a warning naming `setting`), never silently."""
-    if k > trained and not getattr(drafter, "_warned_k", False):
-        logging.getLogger(drafter.__module__).warning(
-            "%s: k=%d but only %d draft positions were trained (%s): drafting %d per round",
-            drafter.name, k, trained, setting, trained)
-        drafter._warned_k = True
-    return min(k, trained)

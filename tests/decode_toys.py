@@ -244,3 +244,48 @@ def jsonl_prompt_ids(target, prompts_file) -> dict:
             [{"role": "user", "content": row["prompt"]}], add_generation_prompt=True,
             return_tensors="pt")["input_ids"][0]
     return out
+
+
+def teach(tgt: Target, cfg: dict, vocab: int = 64, steps: int = 80, n: int = 32) -> Drafter:
+    """The trainable drafter of config cfg trained briefly (forward KL, AdamW 3e-3) on n of the
+    target's own greedy answers (28 tokens after 4 random ones), so that decoding accepts drafts:
+    a random drafter would be trivially lossless."""
+    from decode.spec import generate
+    from drafters.base import TrainBatch, build_drafter
+    from train.losses import distill_loss
+
+    torch.manual_seed(0)
+    d = build_drafter(cfg, tgt)
+    prompts = torch.randint(0, vocab, (n, 4), generator=torch.Generator().manual_seed(1))
+    ids = torch.stack([generate(tgt, None, p, max_new_tokens=28).tokens for p in prompts])
+    ids = torch.cat([prompts, ids], 1)  # (n, 32)
+    out = tgt.forward(ids, layers=d.feature_layers)
+    ones = torch.ones_like(ids)
+    batch = TrainBatch(ids, ones, ones, out.logits.float(), out.features.float())
+    opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=3e-3)
+    for _ in range(steps):
+        loss, _ = distill_loss(d.forward_train(batch), batch, "forward_kl")
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return d
+
+
+def check_sampling_lossless(tgt: Target, drafter, monkeypatch, n: int = 2000, wrong_n: int = 2000,
+                            min_round: int = 50) -> None:
+    """Tokens 2 and 3 after [1, 2, 3, 4], sampled at T=1 / top-k 6 through one round of 2 drafts:
+    their empirical joint matches the exact one from the target's logits (chi-square), every
+    acceptance count of the first round (0, 1, 2) happened at least min_round times, and the same
+    test catches a wrong acceptance rule (resampling from p), far off rather than borderline."""
+    import decode.spec
+    from drafters.sampling import SamplingParams
+
+    prompt, sp = [1, 2, 3, 4], SamplingParams(temperature=1.0, top_k=6)
+    joint = pair_joint(tgt, prompt, sp)  # (V*V,)
+    c, first_round = pair_counts(tgt, drafter, prompt, sp, n)
+    assert bool((first_round > min_round).all()), first_round
+    stat, crit = chi2_stat(c, joint)
+    assert stat < crit, (stat, crit)
+    monkeypatch.setattr(decode.spec, "accept_chain", wrong_rule("resample_from_p"))
+    stat, crit = chi2_stat(pair_counts(tgt, drafter, prompt, sp, wrong_n)[0], joint)
+    assert stat > 3 * crit, (stat, crit)

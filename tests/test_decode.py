@@ -10,8 +10,8 @@ import torch
 
 import decode.spec
 from decode.spec import generate
-from decode_toys import (V, FixedQ, NoisyOracle, StubTokenizer, chi2_stat, make_target,
-                         pair_counts, pair_joint, wrong_rule)
+from decode_toys import (V, FixedQ, NoisyOracle, StubTokenizer, check_sampling_lossless,
+                         make_target)
 from drafters.base import Drafter
 from drafters.ngram import Ngram, NgramConfig
 from drafters.sampling import SamplingParams
@@ -215,18 +215,6 @@ def test_guards():
 def test_sampled_generation_has_the_target_distribution(monkeypatch):
     """Tokens 2 and 3 come from one speculative round (2 drafts from q != p); their empirical joint
     matches the exact one from the target's logits, and the same test catches a wrong rule."""
-    Vs, prompt = 8, [1, 2, 3, 4]
-    tgt = make_target(vocab=Vs, seed=3, init=0.2)
-    sp = SamplingParams(temperature=1.0, top_k=6)
-    joint = pair_joint(tgt, prompt, sp)  # (V*V,) exact joint of (t2, t3)
-
-    def counts(n):
-        return pair_counts(tgt, FixedQ(Vs), prompt, sp, n)
-
-    c, first_round = counts(2000)
-    assert bool((first_round > 100).all())  # 0, 1 and 2 drafts accepted, each often
-    stat, crit = chi2_stat(c, joint)
-    assert stat < crit, (stat, crit)
-    monkeypatch.setattr(decode.spec, "accept_chain", wrong_rule("resample_from_p"))
-    stat, crit = chi2_stat(counts(1000)[0], joint)
-    assert stat > 3 * crit, (stat, crit)  # the wrong rule is far off, not borderline
+    Vs = 8
+    check_sampling_lossless(make_target(vocab=Vs, seed=3, init=0.2), FixedQ(Vs), monkeypatch,
+                            wrong_n=1000, min_round=100)

@@ -15,10 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import decode.spec
-from decode.spec import generate
-from decode_toys import (chi2_stat, greedy_lossless_accepted, make_target, pair_counts,
-                         pair_joint, wrong_rule)
+from decode_toys import check_sampling_lossless, greedy_lossless_accepted, make_target, teach
 from eagle3_engines import (TOY_H, TOY_L, TOY_V, dflash_block, feature_batch, perturbed_drafter,
                             recipe_cfg, tiny8_target, train_rows)
 from drafters.base import DecodeState, TrainBatch, build_drafter
@@ -195,30 +192,10 @@ def test_tree_comes_from_the_per_position_distributions(target):
 
 
 # -- losslessness -----------------------------------------------------------------------------------
-def teach(tgt, vocab, steps=80, n=32, **cfg) -> DFlash:
-    """A dflash drafter trained briefly on the target's own greedy text, so that decoding accepts
-    drafts (a random drafter would be trivially lossless)."""
-    torch.manual_seed(0)
-    d = build_drafter({"name": "dflash", **cfg}, tgt)
-    prompts = torch.randint(0, vocab, (n, 4), generator=torch.Generator().manual_seed(1))
-    ids = torch.stack([generate(tgt, None, p, max_new_tokens=28).tokens for p in prompts])
-    ids = torch.cat([prompts, ids], 1)  # (n, 32)
-    out = tgt.forward(ids, layers=d.feature_layers)
-    ones = torch.ones_like(ids)
-    batch = TrainBatch(ids, ones, ones, out.logits.float(), out.features.float())
-    opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=3e-3)
-    for _ in range(steps):
-        loss, _ = distill_loss(d.forward_train(batch), batch, "forward_kl")
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return d
-
-
 @pytest.fixture(scope="module")
 def taught():
     tgt = make_target(vocab=64, seed=3, init=0.2)
-    return tgt, teach(tgt, 64, block_size=5)
+    return tgt, teach(tgt, {"name": "dflash", "block_size": 5})
 
 
 @pytest.mark.parametrize("tree", [False, True])
@@ -228,21 +205,11 @@ def test_greedy_decoding_is_lossless(taught, tree):
 
 
 def test_sampled_generation_has_the_target_distribution(monkeypatch):
-    """Tokens 2 and 3 come from one round of 2 block drafts; their empirical joint matches the
-    exact one from the target's logits, and the same test catches a wrong acceptance rule."""
-    Vs, prompt = 8, [1, 2, 3, 4]
-    tgt = make_target(vocab=Vs, seed=3, init=0.2)
+    """One round of 2 block drafts at T=1: the target's joint of tokens 2 and 3 (chi-square), and
+    the same test catches a wrong acceptance rule."""
+    tgt = make_target(vocab=8, seed=3, init=0.2)
     torch.manual_seed(0)  # untrained: q far from p, so a wrong rule shows plainly
-    d = build_drafter({"name": "dflash", "block_size": 3}, tgt)
-    sp = SamplingParams(temperature=1.0, top_k=6)
-    joint = pair_joint(tgt, prompt, sp)  # (V*V,)
-    c, first_round = pair_counts(tgt, d, prompt, sp, 2000)
-    assert bool((first_round > 50).all()), first_round  # 0, 1 and 2 drafts accepted, each often
-    stat, crit = chi2_stat(c, joint)
-    assert stat < crit, (stat, crit)
-    monkeypatch.setattr(decode.spec, "accept_chain", wrong_rule("resample_from_p"))
-    stat, crit = chi2_stat(pair_counts(tgt, d, prompt, sp, 2000)[0], joint)
-    assert stat > 3 * crit, (stat, crit)  # the wrong rule is far off, not borderline
+    check_sampling_lossless(tgt, build_drafter({"name": "dflash", "block_size": 3}, tgt), monkeypatch)
 
 
 # -- the real recipe --------------------------------------------------------------------------------

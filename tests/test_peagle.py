@@ -12,13 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import decode.spec
-from decode.spec import generate
-from decode_toys import (chi2_stat, greedy_lossless_accepted, make_target, pair_counts,
-                         pair_joint, wrong_rule)
+from decode_toys import check_sampling_lossless, greedy_lossless_accepted, make_target, teach
 from eagle3_engines import (TOY_H, TOY_L, TOY_V, feature_batch, parallel_draft, perturbed_drafter,
                             recipe_cfg, tiny8_target, train_rows)
-from drafters.base import DecodeState, TrainBatch, build_drafter
+from drafters.base import DecodeState, build_drafter
 from drafters.export import export_drafter, load_export
 from drafters.peagle import Peagle
 from drafters.sampling import SamplingParams, warp
@@ -194,30 +191,10 @@ def test_tree_comes_from_the_per_position_distributions(target):
 
 
 # -- losslessness -----------------------------------------------------------------------------------
-def teach(tgt, vocab, steps=60, n=8, **cfg) -> Peagle:
-    """A peagle drafter trained briefly on the target's own greedy text, so that decoding accepts
-    drafts (a random drafter would be trivially lossless)."""
-    torch.manual_seed(0)
-    d = build_drafter({"name": "peagle", **cfg}, tgt)
-    prompts = torch.randint(0, vocab, (n, 4), generator=torch.Generator().manual_seed(1))
-    ids = torch.stack([generate(tgt, None, p, max_new_tokens=28).tokens for p in prompts])
-    ids = torch.cat([prompts, ids], 1)  # (n, 32)
-    out = tgt.forward(ids, layers=d.feature_layers)
-    ones = torch.ones_like(ids)
-    batch = TrainBatch(ids, ones, ones, out.logits.float(), out.features.float())
-    opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=3e-3)
-    for _ in range(steps):
-        loss, _ = distill_loss(d.forward_train(batch), batch, "forward_kl")
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return d
-
-
 @pytest.fixture(scope="module")
 def taught():
     tgt = make_target(vocab=64, seed=3, init=0.2)
-    return tgt, teach(tgt, 64, steps=100, n=32, ttt_length=4)
+    return tgt, teach(tgt, {"name": "peagle", "ttt_length": 4}, steps=100)
 
 
 @pytest.mark.parametrize("tree", [False, True])
@@ -228,25 +205,11 @@ def test_greedy_decoding_is_lossless(taught, tree):
 
 
 def test_sampled_generation_has_the_target_distribution(monkeypatch):
-    """Tokens 2 and 3 come from one round of 2 parallel drafts; their empirical joint matches the
-    exact one from the target's logits, and the same test catches a wrong acceptance rule."""
-    Vs, prompt = 8, [1, 2, 3, 4]
-    tgt = make_target(vocab=Vs, seed=3, init=0.2)
+    """One round of 2 parallel drafts at T=1: the target's joint of tokens 2 and 3 (chi-square),
+    and the same test catches a wrong acceptance rule."""
+    tgt = make_target(vocab=8, seed=3, init=0.2)
     torch.manual_seed(0)  # untrained: q far from p, so a wrong rule shows plainly
-    d = build_drafter({"name": "peagle", "ttt_length": 2}, tgt)
-    sp = SamplingParams(temperature=1.0, top_k=6)
-    joint = pair_joint(tgt, prompt, sp)  # (V*V,)
-
-    def counts(n):
-        return pair_counts(tgt, d, prompt, sp, n)
-
-    c, first_round = counts(2000)
-    assert bool((first_round > 50).all()), first_round  # 0, 1 and 2 drafts accepted, each often
-    stat, crit = chi2_stat(c, joint)
-    assert stat < crit, (stat, crit)
-    monkeypatch.setattr(decode.spec, "accept_chain", wrong_rule("resample_from_p"))
-    stat, crit = chi2_stat(counts(2000)[0], joint)
-    assert stat > 3 * crit, (stat, crit)  # the wrong rule is far off, not borderline
+    check_sampling_lossless(tgt, build_drafter({"name": "peagle", "ttt_length": 2}, tgt), monkeypatch)
 
 
 # -- the real recipe --------------------------------------------------------------------------------

@@ -86,6 +86,10 @@ ARMS: dict[str, tuple[str, list[str]]] = {
         "drafter=dflash", "drafter.anchors=0.1"]),
     "dflash_a50": ("DFlash, blocks at 1/2 of the anchors", [
         "drafter=dflash", "drafter.anchors=0.5"]),
+    "dflash_a05": ("DFlash, blocks at 1/20 of the anchors", [
+        "drafter=dflash", "drafter.anchors=0.05"]),
+    "dflash_b4": ("DFlash, block of 4 (3 drafts), blocks at 1/10 of the anchors", [
+        "drafter=dflash", "drafter.block_size=4", "drafter.anchors=0.1"]),
     "dflash_l2": ("DFlash, 2 draft layers", ["drafter=dflash", "drafter.num_layers=2"]),
 }
 

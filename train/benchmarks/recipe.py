@@ -81,16 +81,20 @@ ARMS: dict[str, tuple[str, list[str]]] = {
         "drafter=peagle", "drafter.mask_anchors=0.25"]),
     "peagle_a10": ("P-EAGLE, masks trained at 1/10 of the anchors", [
         "drafter=peagle", "drafter.mask_anchors=0.1"]),
-    "dflash": ("DFlash (block of 8, blocks at 1/4 of the anchors)", ["drafter=dflash"]),
-    "dflash_a10": ("DFlash, blocks at 1/10 of the anchors", [
-        "drafter=dflash", "drafter.anchors=0.1"]),
-    "dflash_a50": ("DFlash, blocks at 1/2 of the anchors", [
-        "drafter=dflash", "drafter.anchors=0.5"]),
-    "dflash_a05": ("DFlash, blocks at 1/20 of the anchors", [
-        "drafter=dflash", "drafter.anchors=0.05"]),
+    "dflash": ("DFlash as conf/drafter/dflash.yaml (block of 4, blocks at 1/10 of the anchors)",
+               ["drafter=dflash"]),
     "dflash_b4": ("DFlash, block of 4 (3 drafts), blocks at 1/10 of the anchors", [
         "drafter=dflash", "drafter.block_size=4", "drafter.anchors=0.1"]),
-    "dflash_l2": ("DFlash, 2 draft layers", ["drafter=dflash", "drafter.num_layers=2"]),
+    "dflash_a50": ("DFlash, block of 8, blocks at 1/2 of the anchors", [
+        "drafter=dflash", "drafter.block_size=8", "drafter.anchors=0.5"]),
+    "dflash_a25": ("DFlash, block of 8, blocks at 1/4 of the anchors", [
+        "drafter=dflash", "drafter.block_size=8", "drafter.anchors=0.25"]),
+    "dflash_a10": ("DFlash, block of 8, blocks at 1/10 of the anchors", [
+        "drafter=dflash", "drafter.block_size=8", "drafter.anchors=0.1"]),
+    "dflash_a05": ("DFlash, block of 8, blocks at 1/20 of the anchors", [
+        "drafter=dflash", "drafter.block_size=8", "drafter.anchors=0.05"]),
+    "dflash_l2": ("DFlash, block of 8, blocks at 1/4 of the anchors, 2 draft layers", [
+        "drafter=dflash", "drafter.block_size=8", "drafter.anchors=0.25", "drafter.num_layers=2"]),
 }
 
 

@@ -43,6 +43,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding,
                                                       rotate_half)
 
@@ -133,16 +134,36 @@ class DFlashLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+SCORES_PER_CHUNK = 1 << 26  # attention scores (fp32: 256 MB) one chunk of blocks may hold
+
+
 def block_attention(q, k, v, ctx_k, ctx_v, seen: torch.Tensor, b: int) -> torch.Tensor:
     """Training attention of A blocks of b queries per row: q (B, h, A*b, d); the blocks' own keys
     k, v (B, kv, A*b, d), each block seeing all of its own b (bidirectional) and no other block's;
-    the context ctx_k, ctx_v (B, kv, T, d) where seen (B, A, T) says so. One softmax over both
-    key sets, in fp32 -> (B, h, A*b, d)."""
+    the context ctx_k, ctx_v (B, kv, T, d) where seen (B, A, T) says so -> (B, h, A*b, d). The
+    blocks go in chunks of at most SCORES_PER_CHUNK scores, each recomputed in the backward pass
+    (activation checkpointing), so memory stays bounded at long contexts and many anchors."""
+    B, h, Q, d = q.shape
+    A, T = Q // b, ctx_k.shape[2]
+    step = max(1, SCORES_PER_CHUNK // (B * h * b * (T + b)))  # blocks per chunk
+    if step >= A:
+        return _blocks(q, k, v, ctx_k, ctx_v, seen, b)
+    outs = []
+    for a in range(0, A, step):
+        rows = slice(a * b, min(A, a + step) * b)
+        args = (q[:, :, rows], k[:, :, rows], v[:, :, rows], ctx_k, ctx_v, seen[:, a:a + step], b)
+        outs.append(checkpoint(_blocks, *args, use_reentrant=False) if torch.is_grad_enabled()
+                    else _blocks(*args))
+    return torch.cat(outs, dim=2)
+
+
+def _blocks(q, k, v, ctx_k, ctx_v, seen: torch.Tensor, b: int) -> torch.Tensor:
+    """block_attention for one chunk: one softmax over both key sets, in fp32."""
     B, h, Q, d = q.shape
     kv, A = k.shape[1], Q // b
     g = h // kv
     qg = q.reshape(B, kv, g, A, b, d)
-    own = torch.einsum("bkgaid,bkajd->bkgaij", qg, k.view(B, kv, A, b, d))  # (B, kv, g, A, b, b)
+    own = torch.einsum("bkgaid,bkajd->bkgaij", qg, k.reshape(B, kv, A, b, d))  # (B, kv, g, A, b, b)
     ctx = torch.matmul(q.reshape(B, kv, g * Q, d), ctx_k.transpose(-1, -2))  # (B, kv, g*Q, T)
     ctx = ctx.view(B, kv, g, A, b, -1).float()
     low = torch.finfo(torch.float32).min
@@ -150,7 +171,7 @@ def block_attention(q, k, v, ctx_k, ctx_v, seen: torch.Tensor, b: int) -> torch.
     p = torch.cat([ctx, own.float()], dim=-1).mul(d ** -0.5).softmax(-1).to(q.dtype)
     T = ctx_k.shape[2]
     out = torch.matmul(p[..., :T].reshape(B, kv, g * Q, T), ctx_v).view(B, kv, g, A, b, d)
-    out = out + torch.einsum("bkgaij,bkajd->bkgaid", p[..., T:], v.view(B, kv, A, b, d))
+    out = out + torch.einsum("bkgaij,bkajd->bkgaid", p[..., T:], v.reshape(B, kv, A, b, d))
     return out.reshape(B, h, Q, d)
 
 

@@ -125,6 +125,28 @@ def test_training_logits_equal_the_decode_forward(target, cfg):
                                            atol=1e-4, rtol=1e-4)
 
 
+def test_blocks_in_chunks_give_the_same_logits_and_gradients(target, monkeypatch):
+    """With room for 3 blocks per chunk (checkpointed), the loss and every gradient equal the
+    one-chunk computation's."""
+    import drafters.dflash as dflash_module
+
+    d = make(target, block_size=4, num_layers=2)
+    batch = feature_batch(target, d)
+    results = []
+    for budget in (dflash_module.SCORES_PER_CHUNK, 3 * 2 * 4 * 4 * (14 + 4)):  # B h b (T + b)
+        monkeypatch.setattr(dflash_module, "SCORES_PER_CHUNK", budget)
+        d.zero_grad()
+        loss, _ = distill_loss(d.forward_train(batch), batch)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in d.named_parameters()
+                                        if p.grad is not None}))
+    (one, g1), (chunked, g2) = results
+    torch.testing.assert_close(chunked, one)
+    assert g1.keys() == g2.keys() and len(g1) > 10
+    for n in g1:
+        torch.testing.assert_close(g2[n], g1[n], atol=1e-6, rtol=1e-5)
+
+
 def test_drawn_anchors_match_the_all_anchor_logits_and_train(target):
     """anchors=0.5: ceil(half of each row's candidates) distinct anchors (a scored token in the
     block), spare slots at T-1; their logits are the all-anchor logits there; the loss at more

@@ -1,5 +1,6 @@
-"""Attention for the few-query forwards of decoding on CPUs: decode steps (one token), verify
-blocks (k+1 tokens) and draft steps, in bf16 / fp16.
+"""Attention kernels the drafters share. Mostly: attention for the few-query forwards of decoding
+on CPUs (decode steps of one token, verify blocks of k+1 tokens, draft steps) in bf16 / fp16; at
+the end, `block_attention`, the training attention of block drafters (DFlash).
 
 Why: on CPUs torch's fused SDPA kernel is slow at 16-bit for few queries over many keys, and
 its time grows with the keys ~5x faster than plain ops'. Measured on the 2-core AVX512-BF16 EPYC,
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -104,3 +106,45 @@ def use_few_query_attention(model: nn.Module) -> bool:
         return False
     model.set_attn_implementation(FEW_Q)
     return True
+
+
+# -- training attention of block drafters (DFlash): blocks of b queries over a shared context ----
+SCORES_PER_CHUNK = 1 << 26  # attention scores (fp32: 256 MB) one chunk of blocks may hold
+
+
+def block_attention(q, k, v, ctx_k, ctx_v, seen: torch.Tensor, b: int) -> torch.Tensor:
+    """Training attention of A blocks of b queries per row: q (B, h, A*b, d); the blocks' own keys
+    k, v (B, kv, A*b, d), each block seeing all of its own b (bidirectional) and no other block's;
+    the context ctx_k, ctx_v (B, kv, T, d) where seen (B, A, T) says so -> (B, h, A*b, d). The
+    blocks go in chunks of at most SCORES_PER_CHUNK scores, each recomputed in the backward pass
+    (activation checkpointing), so memory stays bounded at long contexts and many anchors."""
+    B, h, Q, d = q.shape
+    A, T = Q // b, ctx_k.shape[2]
+    step = max(1, SCORES_PER_CHUNK // (B * h * b * (T + b)))  # blocks per chunk
+    if step >= A:
+        return _blocks(q, k, v, ctx_k, ctx_v, seen, b)
+    outs = []
+    for a in range(0, A, step):
+        rows = slice(a * b, min(A, a + step) * b)
+        args = (q[:, :, rows], k[:, :, rows], v[:, :, rows], ctx_k, ctx_v, seen[:, a:a + step], b)
+        outs.append(checkpoint(_blocks, *args, use_reentrant=False) if torch.is_grad_enabled()
+                    else _blocks(*args))
+    return torch.cat(outs, dim=2)
+
+
+def _blocks(q, k, v, ctx_k, ctx_v, seen: torch.Tensor, b: int) -> torch.Tensor:
+    """block_attention for one chunk: one softmax over both key sets, in fp32."""
+    B, h, Q, d = q.shape
+    kv, A = k.shape[1], Q // b
+    g = h // kv
+    qg = q.reshape(B, kv, g, A, b, d)
+    own = torch.einsum("bkgaid,bkajd->bkgaij", qg, k.reshape(B, kv, A, b, d))  # (B, kv, g, A, b, b)
+    ctx = torch.matmul(q.reshape(B, kv, g * Q, d), ctx_k.transpose(-1, -2))  # (B, kv, g*Q, T)
+    ctx = ctx.view(B, kv, g, A, b, -1).float()
+    low = torch.finfo(torch.float32).min
+    ctx = ctx.masked_fill(~seen[:, None, None, :, None, :], low)
+    p = torch.cat([ctx, own.float()], dim=-1).mul(d ** -0.5).softmax(-1).to(q.dtype)
+    T = ctx_k.shape[2]
+    out = torch.matmul(p[..., :T].reshape(B, kv, g * Q, T), ctx_v).view(B, kv, g, A, b, d)
+    out = out + torch.einsum("bkgaij,bkajd->bkgaid", p[..., T:], v.reshape(B, kv, A, b, d))
+    return out.reshape(B, h, Q, d)

@@ -43,15 +43,14 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding,
                                                       rotate_half)
 
 from drafters.anchors import check_anchor_share, draw_anchors
-from drafters.attention import few_query, grouped_attention
-from drafters.base import (DecodeState, Drafter, DrafterConfig, DraftPrediction, ExportLayout,
-                           TrainBatch, register)
-from drafters.cache import DraftCache
+from drafters.attention import block_attention, few_query, grouped_attention
+from drafters.base import (ChainProposal, DecodeState, Drafter, DrafterConfig, DraftPrediction,
+                           ExportLayout, TrainBatch, register)
+from drafters.cache import DraftCache, RowsKV, additive_mask
 from drafters.eagle import drafter_llama_config
 from drafters.eagle3 import default_aux_layers
 from drafters.export_formats import (WEIGHTS, ExportError, cast, llama_layer_config,
@@ -132,47 +131,6 @@ class DFlashLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos_sin, attend) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, attend)
         return x + self.mlp(self.post_attention_layernorm(x))
-
-
-SCORES_PER_CHUNK = 1 << 26  # attention scores (fp32: 256 MB) one chunk of blocks may hold
-
-
-def block_attention(q, k, v, ctx_k, ctx_v, seen: torch.Tensor, b: int) -> torch.Tensor:
-    """Training attention of A blocks of b queries per row: q (B, h, A*b, d); the blocks' own keys
-    k, v (B, kv, A*b, d), each block seeing all of its own b (bidirectional) and no other block's;
-    the context ctx_k, ctx_v (B, kv, T, d) where seen (B, A, T) says so -> (B, h, A*b, d). The
-    blocks go in chunks of at most SCORES_PER_CHUNK scores, each recomputed in the backward pass
-    (activation checkpointing), so memory stays bounded at long contexts and many anchors."""
-    B, h, Q, d = q.shape
-    A, T = Q // b, ctx_k.shape[2]
-    step = max(1, SCORES_PER_CHUNK // (B * h * b * (T + b)))  # blocks per chunk
-    if step >= A:
-        return _blocks(q, k, v, ctx_k, ctx_v, seen, b)
-    outs = []
-    for a in range(0, A, step):
-        rows = slice(a * b, min(A, a + step) * b)
-        args = (q[:, :, rows], k[:, :, rows], v[:, :, rows], ctx_k, ctx_v, seen[:, a:a + step], b)
-        outs.append(checkpoint(_blocks, *args, use_reentrant=False) if torch.is_grad_enabled()
-                    else _blocks(*args))
-    return torch.cat(outs, dim=2)
-
-
-def _blocks(q, k, v, ctx_k, ctx_v, seen: torch.Tensor, b: int) -> torch.Tensor:
-    """block_attention for one chunk: one softmax over both key sets, in fp32."""
-    B, h, Q, d = q.shape
-    kv, A = k.shape[1], Q // b
-    g = h // kv
-    qg = q.reshape(B, kv, g, A, b, d)
-    own = torch.einsum("bkgaid,bkajd->bkgaij", qg, k.reshape(B, kv, A, b, d))  # (B, kv, g, A, b, b)
-    ctx = torch.matmul(q.reshape(B, kv, g * Q, d), ctx_k.transpose(-1, -2))  # (B, kv, g*Q, T)
-    ctx = ctx.view(B, kv, g, A, b, -1).float()
-    low = torch.finfo(torch.float32).min
-    ctx = ctx.masked_fill(~seen[:, None, None, :, None, :], low)
-    p = torch.cat([ctx, own.float()], dim=-1).mul(d ** -0.5).softmax(-1).to(q.dtype)
-    T = ctx_k.shape[2]
-    out = torch.matmul(p[..., :T].reshape(B, kv, g * Q, T), ctx_v).view(B, kv, g, A, b, d)
-    out = out + torch.einsum("bkgaij,bkajd->bkgaid", p[..., T:], v.reshape(B, kv, A, b, d))
-    return out.reshape(B, h, Q, d)
 
 
 # == Exports. speculators 0.9.0 models/dflash/ (`dflash` type, DFlashDraftModel) and vLLM's DFlash ==
@@ -371,27 +329,59 @@ class DFlash(ParallelDrafts, Drafter):
         for i, layer in enumerate(self.layers):
             cache.kv.update(*layer.self_attn.kv(ctx, cs), i)
 
+    def _run_block(self, first: torch.Tensor, pos: torch.Tensor, kv, mask) -> torch.Tensor:
+        """Blocks after the slot-0 tokens first (B,) at positions pos (B, b), attending through
+        kv (context columns, then the block) under the additive mask (B, 1, b, K) or None (= all)
+        -> draft logits (B, b-1, Vd)."""
+        x = self._block(first[:, None])  # (B, b, H)
+        cs = self.rotary_emb(x, pos)
+
+        def attend(i: int):
+            def run(q, k, v):
+                k, v = kv.update(k, v, i)  # (B, kv, K, d): context, then block
+                if mask is None and few_query(q, k.shape[2]):  # 16-bit CPU, long cache: plain ops
+                    return grouped_attention(q, k, v, None, causal=False)
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            return run
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cs, attend(i))
+        return self.head(x[:, 1:]).float()
+
     @torch.no_grad()
     def draft_logits(self, state: DecodeState, k: int) -> torch.Tensor:
         """The first k draft distributions (k, Vd) of ONE forward over the block after state.tokens."""
         self._sync(state)
         T, b = state.tokens.shape[0], self.cfg.block_size
-        x = self._block(state.tokens[-1:][None])  # (1, b, H)
-        cs = self.rotary_emb(x, torch.arange(T - 1, T - 1 + b, device=x.device)[None])
-
-        def attend(i: int):
-            def run(q, k_, v):
-                k_, v = self._cache.kv.update(k_, v, i)  # (1, kv, T-1+b, d): context, then block
-                if few_query(q, k_.shape[2]):  # 16-bit CPU draft step, long cache: plain ops
-                    return grouped_attention(q, k_, v, None, causal=False)
-                return F.scaled_dot_product_attention(q, k_, v, enable_gqa=True)
-            return run
         try:
-            for i, layer in enumerate(self.layers):
-                x = layer(x, cs, attend(i))
+            return self._run_block(state.tokens[-1:], torch.arange(T - 1, T - 1 + b)[None].to(
+                state.tokens.device), self._cache.kv, None)[0, :k]  # (k, Vd)
         finally:
             self._cache.forget_drafts()  # the block is per round: keep the context only
-        return self.head(x[0, 1:1 + k]).float()  # (k, Vd)
+
+    @torch.no_grad()
+    def propose_rows(self, slots, states, ks, sampling, generators, min_confidence=0.0):
+        """Every row's block in ONE padded forward: each row's context (its own cache, synced as
+        propose syncs it) padded into one batch cache (RowsKV), its block seeing its own context
+        columns and itself; each chain is then drawn as propose draws it."""
+        live = [r for r, k in enumerate(ks) if k >= 1]
+        if len(live) < 2:
+            return super().propose_rows(slots, states, ks, sampling, generators, min_confidence)
+        for r in live:
+            slots[r]._sync(states[r])
+        rows = RowsKV([slots[r]._cache for r in live], states[live[0]].tokens.device)
+        b = self.cfg.block_size
+        ends = torch.tensor([len(states[r].tokens) - 1 for r in live], device=rows.allowed.device)
+        pos = ends[:, None] + torch.arange(b, device=ends.device)  # (B, b)
+        allowed = torch.cat([rows.allowed[:, None].expand(-1, b, -1),
+                             rows.allowed.new_ones(len(live), b, b)], dim=-1)  # (B, b, K + b)
+        first = torch.stack([states[r].tokens[-1] for r in live])
+        logits = self._run_block(first, pos, rows.kv, additive_mask(allowed, self.fc.weight.dtype))
+        out = [ChainProposal(tokens=s.tokens.new_empty(0)) for s in states]
+        drawn = self.draw_chains(logits, [ks[r] for r in live], sampling,
+                                 [generators[r] for r in live], min_confidence)
+        for r, p in zip(live, drawn):
+            out[r] = p
+        return out
 
     def trained_positions(self) -> int:
         return self.cfg.block_size - 1

@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from drafters.proposals import ChainProposal, DecodeState, TreeProposal
+from drafters.proposals import ChainDraw, ChainProposal, DecodeState, TreeProposal
 from drafters.sampling import SamplingParams
 from drafters.tree import in_target_vocab, position_tree
 
@@ -38,6 +38,19 @@ class ParallelDrafts:
                 self.name, k, trained, self.trained_setting, trained)
             self._warned_k = True
         return min(k, trained)
+
+    def draw_chains(self, logits, ks, sampling, generators, min_confidence) -> list[ChainProposal]:
+        """Rows' chains from their draft distributions (logits[r][i]: row r's draft i + 1, or one
+        (sum k, Vd) tensor split by ks), each drawn as propose draws it; ks capped here."""
+        ks = [self._trained_k(k) for k in ks]
+        rows = logits.split(ks) if logits.dim() == 2 else logits
+        out = []
+        for k, g, mine in zip(ks, generators, rows):
+            chain = ChainDraw(self, k, sampling, g, min_confidence)
+            while chain.draw(mine[chain.n]):  # draft i from position i + 1's distribution
+                pass
+            out.append(chain.proposal())
+        return out
 
     @torch.no_grad()
     def propose(self, state: DecodeState, k: int, sampling: SamplingParams,

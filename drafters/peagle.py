@@ -61,7 +61,7 @@ import torch
 from torch import nn
 
 from drafters.anchors import check_anchor_share, draw_anchors
-from drafters.base import (ChainDraw, ChainProposal, DecodeState, DraftPrediction, ExportLayout,
+from drafters.base import (ChainProposal, DecodeState, DraftPrediction, ExportLayout,
                            TrainBatch, register)
 from drafters.eagle3 import (Eagle3, Eagle3Config, engine_config, engine_refusal, engine_state,
                              state_from_engine, ttt_attention)
@@ -274,10 +274,4 @@ class Peagle(ParallelDrafts, Eagle3):
         self._rows_keep(slots, rows, n)
         at = [(b, n[b] - 1 + i) for b, k in enumerate(ks) for i in range(k)]  # rows' draft positions
         logits = self.head(h[[b for b, _ in at], [j for _, j in at]]).float()  # (sum k, Vd)
-        out = []
-        for k, g, mine in zip(ks, generators, logits.split(ks)):  # mine (k, Vd): one row's
-            chain = ChainDraw(self, k, sampling, g, min_confidence)
-            while chain.draw(mine[chain.n]):  # draft i from position i + 1's distribution
-                pass
-            out.append(chain.proposal())
-        return out
+        return self.draw_chains(logits, ks, sampling, generators, min_confidence)

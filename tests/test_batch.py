@@ -158,7 +158,7 @@ def target8():
 
 
 @pytest.mark.parametrize("name,B", [(n, b) for n in ("ngram", "eagle", "eagle3") for b in (1, 2, 3, 5)]
-                         + [(n, 3) for n in ("medusa", "peagle", "small_lm")])
+                         + [(n, 3) for n in ("medusa", "peagle", "dflash", "small_lm")])
 def test_registered_drafters_see_what_they_see_alone(target8, name, B, monkeypatch):
     """Greedy outputs equal the lone decoder's, and each slot's drafter proposes exactly what the
     drafter proposes for that prompt alone (so its own cache and the target features it reads
@@ -208,7 +208,7 @@ def _state(target, d, tokens):
     return DecodeState(tokens=tokens, features=feats)
 
 
-@pytest.mark.parametrize("name", ["eagle", "eagle3", "peagle"])
+@pytest.mark.parametrize("name", ["eagle", "eagle3", "peagle", "dflash"])
 @pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=1.0, top_k=6)])
 def test_rows_drafting_together_draft_what_each_drafts_alone(target8, name, sampling):
     """EAGLE's propose_rows (one padded forward per draft step for every row, RowsKV; P-EAGLE: one
@@ -222,7 +222,8 @@ def test_rows_drafting_together_draft_what_each_drafts_alone(target8, name, samp
     seqs = [torch.randint(0, 128, (n,), generator=g) for n in (9, 4, 40, 7, 11)]  # 40: synced
     ks = [3, 0, 4, 1, 3]  # alone first (rows_sync_alone), then with the others
     minc = {"eagle": 0.95, "eagle3": 0.2 if sampling.greedy else 0.28,
-            "peagle": 0.3 if sampling.greedy else 0.4}[name]  # some chains stop early
+            "peagle": 0.3 if sampling.greedy else 0.4,
+            "dflash": 0.3 if sampling.greedy else 0.4}[name]  # some chains stop early
     together, alone_ = [slot_drafter(d) for _ in seqs], [slot_drafter(d) for _ in seqs]
     made = []  # (drafts, k) of every row and round
     for grow in (0, 3):  # round 2: each row committed a few more tokens (its cache is reused)

@@ -128,13 +128,13 @@ def test_training_logits_equal_the_decode_forward(target, cfg):
 def test_blocks_in_chunks_give_the_same_logits_and_gradients(target, monkeypatch):
     """With room for 3 blocks per chunk (checkpointed), the loss and every gradient equal the
     one-chunk computation's."""
-    import drafters.dflash as dflash_module
+    import drafters.attention as attention
 
     d = make(target, block_size=4, num_layers=2)
     batch = feature_batch(target, d)
     results = []
-    for budget in (dflash_module.SCORES_PER_CHUNK, 3 * 2 * 4 * 4 * (14 + 4)):  # B h b (T + b)
-        monkeypatch.setattr(dflash_module, "SCORES_PER_CHUNK", budget)
+    for budget in (attention.SCORES_PER_CHUNK, 3 * 2 * 4 * 4 * (14 + 4)):  # B h b (T + b)
+        monkeypatch.setattr(attention, "SCORES_PER_CHUNK", budget)
         d.zero_grad()
         loss, _ = distill_loss(d.forward_train(batch), batch)
         loss.backward()

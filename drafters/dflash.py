@@ -52,12 +52,13 @@ from drafters.base import (ChainProposal, DecodeState, Drafter, DrafterConfig, D
                            ExportLayout, TrainBatch, register)
 from drafters.cache import DraftCache, RowsKV, additive_mask
 from drafters.eagle import drafter_llama_config
-from drafters.eagle3 import default_aux_layers
+from drafters.eagle3 import default_aux_layers, state_from_engine
 from drafters.export_formats import (WEIGHTS, ExportError, cast, llama_layer_config,
                                      speculators_config, torch_dtype)
-from drafters.head import frozen_logits, init_draft_head
+from drafters.head import head_logits, init_draft_head
 from drafters.parallel import ParallelDrafts
-from drafters.vocab import d2t_to_offsets, offsets_to_d2t, t2d_mask
+from drafters.rows import RowsTogether
+from drafters.vocab import d2t_to_offsets, t2d_mask
 
 
 @dataclass
@@ -190,14 +191,8 @@ def _layout(engine: str, summary: str, usage: str) -> ExportLayout:
         config = dflash_config(drafter, engine, ctx.meta.get("base_model"), ctx.dtype)
         return {**config, **ctx.common()}, {WEIGHTS: tensors}
 
-    def read(files, dcfg, vocab_size):
-        t = files[WEIGHTS]
-        state = {n: v for n, v in t.items() if n not in ("d2t", "t2d", "embed_tokens.weight")}
-        if dcfg.get("draft_vocab_size") is None:
-            state.pop("lm_head.weight", None)
-            return state
-        d2t = offsets_to_d2t(t["d2t"].long())
-        return {**state, "draft_vocab.d2t": d2t, "draft_vocab.t2d": t2d_mask(d2t, vocab_size)}
+    def read(files, dcfg, vocab_size):  # our names throughout: eagle3's reader without renames
+        return state_from_engine(files[WEIGHTS], engine, dcfg.get("draft_vocab_size") is not None)
 
     return ExportLayout(format=engine, summary=summary, usage=usage, write=write, read=read,
                         tags=(engine, "dflash"))
@@ -216,7 +211,7 @@ LAYOUTS = (
 
 
 @register("dflash", config=DFlashConfig, layouts=LAYOUTS)
-class DFlash(ParallelDrafts, Drafter):
+class DFlash(ParallelDrafts, RowsTogether, Drafter):
     """DFlash block drafter: fc over the target's aux layers + draft layers over a mask block."""
 
     tags = ("dflash", "block-drafting", "parallel-drafting")
@@ -264,10 +259,7 @@ class DFlash(ParallelDrafts, Drafter):
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Block outputs (..., H) -> logits (..., Vd) over the draft vocabulary."""
-        h = self.norm(h)
-        if self.lm_head is not None:
-            return self.lm_head(h)
-        return frozen_logits(self.target.lm_head(), h)  # gradients flow to h only
+        return head_logits(self, self.norm(h))
 
     def _block(self, first: torch.Tensor) -> torch.Tensor:
         """Slot-0 tokens (B, A) -> the blocks' embeddings (B, A*b, H): token, then masks."""
@@ -329,10 +321,10 @@ class DFlash(ParallelDrafts, Drafter):
         for i, layer in enumerate(self.layers):
             cache.kv.update(*layer.self_attn.kv(ctx, cs), i)
 
-    def _run_block(self, first: torch.Tensor, pos: torch.Tensor, kv, mask) -> torch.Tensor:
+    def _run_block(self, first: torch.Tensor, pos: torch.Tensor, kv, mask, k: int) -> torch.Tensor:
         """Blocks after the slot-0 tokens first (B,) at positions pos (B, b), attending through
         kv (context columns, then the block) under the additive mask (B, 1, b, K) or None (= all)
-        -> draft logits (B, b-1, Vd)."""
+        -> the first k draft distributions of each (B, k, Vd)."""
         x = self._block(first[:, None])  # (B, b, H)
         cs = self.rotary_emb(x, pos)
 
@@ -345,43 +337,35 @@ class DFlash(ParallelDrafts, Drafter):
             return run
         for i, layer in enumerate(self.layers):
             x = layer(x, cs, attend(i))
-        return self.head(x[:, 1:]).float()
+        return self.head(x[:, 1:1 + k]).float()
 
     @torch.no_grad()
     def draft_logits(self, state: DecodeState, k: int) -> torch.Tensor:
         """The first k draft distributions (k, Vd) of ONE forward over the block after state.tokens."""
         self._sync(state)
         T, b = state.tokens.shape[0], self.cfg.block_size
+        pos = torch.arange(T - 1, T - 1 + b, device=state.tokens.device)[None]  # (1, b)
         try:
-            return self._run_block(state.tokens[-1:], torch.arange(T - 1, T - 1 + b)[None].to(
-                state.tokens.device), self._cache.kv, None)[0, :k]  # (k, Vd)
+            return self._run_block(state.tokens[-1:], pos, self._cache.kv, None, k)[0]  # (k, Vd)
         finally:
             self._cache.forget_drafts()  # the block is per round: keep the context only
 
-    @torch.no_grad()
-    def propose_rows(self, slots, states, ks, sampling, generators, min_confidence=0.0):
-        """Every row's block in ONE padded forward: each row's context (its own cache, synced as
-        propose syncs it) padded into one batch cache (RowsKV), its block seeing its own context
-        columns and itself; each chain is then drawn as propose draws it."""
-        live = [r for r, k in enumerate(ks) if k >= 1]
-        if len(live) < 2:
-            return super().propose_rows(slots, states, ks, sampling, generators, min_confidence)
-        for r in live:
-            slots[r]._sync(states[r])
-        rows = RowsKV([slots[r]._cache for r in live], states[live[0]].tokens.device)
-        b = self.cfg.block_size
-        ends = torch.tensor([len(states[r].tokens) - 1 for r in live], device=rows.allowed.device)
-        pos = ends[:, None] + torch.arange(b, device=ends.device)  # (B, b)
+    def _propose_together(self, slots, states, ks, sampling, generators, min_confidence
+                          ) -> list[ChainProposal]:
+        """RowsTogether.propose_rows' round: every row's block in ONE padded forward. Each row's
+        context (its own cache, synced as propose syncs it) goes into one batch cache (RowsKV);
+        its block sees its own context columns and itself; its cache keeps the context only."""
+        for d, s in zip(slots, states):
+            d._sync(s)
+        rows = RowsKV([d._cache for d in slots], states[0].tokens.device)
+        B, b = len(slots), self.cfg.block_size
+        ends = torch.tensor([len(s.tokens) - 1 for s in states], device=rows.allowed.device)
         allowed = torch.cat([rows.allowed[:, None].expand(-1, b, -1),
-                             rows.allowed.new_ones(len(live), b, b)], dim=-1)  # (B, b, K + b)
-        first = torch.stack([states[r].tokens[-1] for r in live])
-        logits = self._run_block(first, pos, rows.kv, additive_mask(allowed, self.fc.weight.dtype))
-        out = [ChainProposal(tokens=s.tokens.new_empty(0)) for s in states]
-        drawn = self.draw_chains(logits, [ks[r] for r in live], sampling,
-                                 [generators[r] for r in live], min_confidence)
-        for r, p in zip(live, drawn):
-            out[r] = p
-        return out
+                             rows.allowed.new_ones(B, b, b)], dim=-1)  # (B, b, K + b)
+        logits = self._run_block(torch.stack([s.tokens[-1] for s in states]),
+                                 ends[:, None] + torch.arange(b, device=ends.device), rows.kv,
+                                 additive_mask(allowed, self.fc.weight.dtype), max(ks))
+        return self.draw_chains(logits, ks, sampling, generators, min_confidence)
 
     def trained_positions(self) -> int:
         return self.cfg.block_size - 1

@@ -42,7 +42,7 @@ from drafters.base import (ChainProposal, DecodeState, Drafter, DrafterConfig,
                            DraftPrediction, ExportLayout, TrainBatch, TreeProposal, register)
 from drafters.cache import DraftCache, additive_mask
 from drafters.export_formats import WEIGHTS, llama_layer_config, speculators_config
-from drafters.head import frozen_logits, init_draft_head
+from drafters.head import head_logits, init_draft_head
 from drafters.rows import RowsTogether
 from drafters.sampling import SamplingParams
 from drafters.tree import dynamic_tree, in_target_vocab
@@ -250,11 +250,7 @@ class Eagle(RowsTogether, Drafter):
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Predicted features (..., H) -> logits (..., Vd) over the draft vocabulary."""
-        if self.norm is not None:
-            h = self.norm(h)
-        if self.lm_head is not None:
-            return self.lm_head(h)
-        return frozen_logits(self.target.lm_head(), h)  # gradients flow to h only
+        return head_logits(self, h if self.norm is None else self.norm(h))
 
     # -- training ---------------------------------------------------------------------------------
     def forward_train(self, batch: TrainBatch) -> list[DraftPrediction]:

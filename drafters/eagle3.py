@@ -41,7 +41,7 @@ from drafters.base import DrafterConfig, DraftPrediction, ExportLayout, TrainBat
 from drafters.eagle import Eagle, drafter_llama_config
 from drafters.export_formats import (WEIGHTS, ExportError, cast, llama_layer_config,
                                      speculators_config, torch_dtype)
-from drafters.head import frozen_logits
+from drafters.head import head_logits
 from drafters.vocab import d2t_to_offsets, offsets_to_d2t, t2d_mask
 
 
@@ -192,11 +192,7 @@ class Eagle3(Eagle):  # registered at the end of the module, with its export lay
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Recurrent state (..., H) -> logits (..., Vd) over the draft vocabulary."""
-        if not self.cfg.norm_output:
-            h = self.norm(h)
-        if self.lm_head is not None:
-            return self.lm_head(h)
-        return frozen_logits(self.target.lm_head(), h)  # gradients flow to h only
+        return head_logits(self, h if self.cfg.norm_output else self.norm(h))
 
     # -- training ---------------------------------------------------------------------------------
     def forward_train(self, batch: TrainBatch) -> list[DraftPrediction]:
@@ -335,7 +331,7 @@ def state_from_engine(tensors: dict[str, torch.Tensor], engine: str, pruned: boo
         d2t = offsets_to_d2t(tensors["d2t"].long())
         state["draft_vocab.d2t"], state["draft_vocab.t2d"] = d2t, t2d_mask(d2t, len(tensors["t2d"]))
     else:
-        state.pop("lm_head.weight")
+        state.pop("lm_head.weight", None)  # at full vocabulary the target's head (absent: shared)
     return state
 
 

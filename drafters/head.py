@@ -4,6 +4,7 @@ Two kinds, chosen by a drafter config's `draft_vocab_size`:
   * None: the target's LM head, frozen and shared (never a submodule of the drafter, so never
     trained nor saved). `frozen_logits` applies it, casting the small activation to the head's
     dtype rather than the (V x H) head to the activation's (no copy of the head per step).
+`head_logits(drafter, h)` applies whichever of the two the drafter has.
   * Vd: a trainable Linear(H -> Vd) over the Vd most frequent target tokens, started from the full
     head's rows d2t, plus the maps (drafters.vocab.DraftVocab). `init_draft_head` sets both up
     under the drafter's fixed attribute names `draft_vocab` and `lm_head` (the names checkpoints
@@ -25,6 +26,14 @@ def frozen_logits(head: nn.Module, h: torch.Tensor) -> torch.Tensor:
     Gradients flow to h only."""
     w, b = head.weight, getattr(head, "bias", None)
     return F.linear(h.to(w.dtype), w, b).to(h.dtype)
+
+
+def head_logits(drafter: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """A drafter's logits (..., Vd) for its final states h (..., H): its pruned trainable
+    `lm_head`, else the target's full head, frozen (gradients flow to h only)."""
+    if drafter.lm_head is not None:
+        return drafter.lm_head(h)
+    return frozen_logits(drafter.target.lm_head(), h)
 
 
 def head_from_target(lm_head: nn.Module, d2t: torch.Tensor | None, dtype: torch.dtype) -> nn.Linear:

@@ -26,7 +26,7 @@ from torch import nn
 from drafters.base import (ChainProposal, DecodeState, Drafter, DrafterConfig, DraftPrediction,
                            ExportLayout, TrainBatch, TreeProposal, register)
 from drafters.export_formats import WEIGHTS, cast, torch_dtype
-from drafters.head import frozen_logits, init_draft_head
+from drafters.head import head_logits, init_draft_head
 from drafters.sampling import SamplingParams
 from drafters.tree import StaticTree, static_tree
 
@@ -194,9 +194,7 @@ class Medusa(Drafter):
         dtype = next(self.parameters(), torch.empty(0)).dtype
         feats = feats.clone() if feats.is_inference() else feats  # from Target.forward's inference mode
         h = self.heads[k](feats.to(dtype))  # (..., H)
-        if self.lm_head is not None:
-            return self.lm_head(h)
-        return frozen_logits(self.target.lm_head(), h)  # the target's head, shared by every head
+        return head_logits(self, h)  # the target's head (if not pruned), shared by every head
 
     def forward_train(self, batch: TrainBatch) -> list[DraftPrediction]:
         """Head k at position t predicts token t+2+k: shift k+1, weight head_decay**k."""

@@ -39,11 +39,11 @@ class ParallelDrafts:
             self._warned_k = True
         return min(k, trained)
 
-    def draw_chains(self, logits, ks, sampling, generators, min_confidence) -> list[ChainProposal]:
-        """Rows' chains from their draft distributions (logits[r][i]: row r's draft i + 1, or one
-        (sum k, Vd) tensor split by ks), each drawn as propose draws it; ks capped here."""
+    def draw_chains(self, rows, ks, sampling, generators, min_confidence) -> list[ChainProposal]:
+        """Each row's chain of up to ks[r] drafts (capped here), draft i drawn from rows[r][i - 1]
+        (Vd,) with generators[r] and cut where its confidence < min_confidence: what propose
+        draws, for one row or a batch of them."""
         ks = [self._trained_k(k) for k in ks]
-        rows = logits.split(ks) if logits.dim() == 2 else logits
         out = []
         for k, g, mine in zip(ks, generators, rows):
             chain = ChainDraw(self, k, sampling, g, min_confidence)
@@ -60,9 +60,8 @@ class ParallelDrafts:
         if k < 1:
             return ChainProposal(tokens=state.tokens.new_empty(0))
         k = self._trained_k(k)
-        logits = self.draft_logits(state, k)  # (k, Vd)
-        return self.draft_chain(logits[0], lambda i, token: logits[i + 1], k, sampling, generator,
-                                min_confidence)
+        return self.draw_chains([self.draft_logits(state, k)], [k], sampling, [generator],
+                                min_confidence)[0]
 
     @torch.no_grad()
     def propose_tree(self, state: DecodeState, sampling: SamplingParams,

@@ -274,4 +274,4 @@ class Peagle(ParallelDrafts, Eagle3):
         self._rows_keep(slots, rows, n)
         at = [(b, n[b] - 1 + i) for b, k in enumerate(ks) for i in range(k)]  # rows' draft positions
         logits = self.head(h[[b for b, _ in at], [j for _, j in at]]).float()  # (sum k, Vd)
-        return self.draw_chains(logits, ks, sampling, generators, min_confidence)
+        return self.draw_chains(logits.split(ks), ks, sampling, generators, min_confidence)

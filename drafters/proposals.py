@@ -97,4 +97,3 @@ class ChainDraw:
         q = None if self.sampling.greedy else expand_probs(torch.stack(self.qs), self.drafter.d2t,
                                                            self.drafter.vocab_size)
         return ChainProposal(tokens=tokens, probs=q, confidence=conf)  # q: (n, V) | None
-

@@ -1,10 +1,11 @@
-"""Batched chain drafting for EAGLE-family drafters (Eagle, Eagle3, Peagle): the rows of a batch
-(decode/batch.py) draft together, ONE drafter forward per draft step for every row, each row
-attending to its own drafter cache through a padded batch cache (drafters/cache.py RowsKV).
+"""Batched chain drafting for EAGLE-family drafters (Eagle, Eagle3, Peagle) and DFlash: the rows
+of a batch (decode/batch.py) draft together, ONE drafter forward per draft step for every row,
+each row attending to its own drafter cache through a padded batch cache (drafters/cache.py
+RowsKV).
 
-`RowsTogether` is a mixin in front of `Drafter`: it needs the EAGLE-family decode pieces
-(`_sync_inputs`, `_run_causal`, `_inputs`, `_layers`, `head`, `_cache`). A drafter whose round is
-one forward (P-EAGLE) overrides `_propose_together`.
+`RowsTogether` is a mixin in front of `Drafter`. Its default round needs the EAGLE-family decode
+pieces (`_sync_inputs`, `_run_causal`, `_inputs`, `_layers`, `head`, `_cache`). A drafter whose
+round is one forward (P-EAGLE, DFlash) overrides `_propose_together`.
 """
 from __future__ import annotations
 

@@ -251,6 +251,15 @@ def perturbed_drafter(target, name: str, seed=1, **cfg):
     return d
 
 
+def twin(d, **cfg):
+    """A drafter of d's settings plus cfg, with d's weights."""
+    from drafters.base import build_drafter, config_dict
+
+    other = build_drafter({**config_dict(d.cfg), **cfg}, d.target)
+    other.load_state_dict(d.state_dict())
+    return other
+
+
 def recipe_cfg(tmp_path, chats, name: str, *overrides):
     """The train config of a short EAGLE-3-family or DFlash run (drafter `name`, 3 drafts, pruned
     vocab 512) on the tiny target and a chats file."""

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from decode_toys import check_sampling_lossless, greedy_lossless_accepted, make_target, teach
 from eagle3_engines import (TOY_H, TOY_L, TOY_V, dflash_block, feature_batch, perturbed_drafter,
-                            recipe_cfg, tiny8_target, train_rows)
+                            recipe_cfg, tiny8_target, train_rows, twin)
 from drafters.base import DecodeState, TrainBatch, build_drafter
 from drafters.dflash import DFlash
 from drafters.export import export_drafter, load_export
@@ -36,14 +36,6 @@ def target() -> Target:
 
 def make(target, seed=1, **cfg) -> DFlash:
     return perturbed_drafter(target, "dflash", seed, **cfg)
-
-
-def twin(d: DFlash, **cfg) -> DFlash:
-    """A drafter of d's settings plus cfg, with d's weights."""
-    other = build_drafter({"name": "dflash", "block_size": d.cfg.block_size,
-                           "num_layers": d.cfg.num_layers, **cfg}, d.target)
-    other.load_state_dict(d.state_dict())
-    return other
 
 
 def state_at(batch, row: int, t: int) -> DecodeState:

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from drafters.base import DraftPrediction, Drafter, DrafterConfig, ExportLayout, register
-from drafters.head import frozen_logits, init_draft_head
+from drafters.head import head_logits, init_draft_head
 
 
 @dataclass
@@ -65,7 +65,7 @@ class Toy(Drafter):
 
     def _logits(self, ids):  # (..., ) target ids -> (..., Vd)
         h = self.proj(self.target.embed_tokens()(ids).float())
-        return self.lm_head(h) if self.lm_head is not None else frozen_logits(self.target.lm_head(), h)
+        return head_logits(self, h)
 
     def forward_train(self, batch):
         return [DraftPrediction(logits=self._logits(batch.input_ids))]  # shift 0: token t+1 from t

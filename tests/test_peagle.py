@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from decode_toys import check_sampling_lossless, greedy_lossless_accepted, make_target, teach
 from eagle3_engines import (TOY_H, TOY_L, TOY_V, feature_batch, parallel_draft, perturbed_drafter,
-                            recipe_cfg, tiny8_target, train_rows)
+                            recipe_cfg, tiny8_target, train_rows, twin)
 from drafters.base import DecodeState, build_drafter
 from drafters.export import export_drafter, load_export
 from drafters.peagle import Peagle
@@ -36,13 +36,6 @@ def make(target, seed=1, **cfg) -> Peagle:
 
 
 make_batch = feature_batch
-
-
-def twin(d: Peagle, **cfg) -> Peagle:
-    """A drafter of d's settings plus cfg, with d's weights."""
-    other = build_drafter({"name": "peagle", "ttt_length": d.cfg.ttt_length, **cfg}, d.target)
-    other.load_state_dict(d.state_dict())
-    return other
 
 
 # -- the network ----------------------------------------------------------------------------------

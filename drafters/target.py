@@ -67,11 +67,15 @@ class TargetOutput:
 class Target:
     """A frozen causal LM with its tokenizer. All parameters have requires_grad=False."""
 
-    def __init__(self, model, tokenizer, source: str, dtype_choice: DtypeChoice | None = None) -> None:
+    def __init__(self, model, tokenizer, source: str, dtype_choice: DtypeChoice | None = None,
+                 folder: Path | None = None) -> None:
         self.model = model.eval().requires_grad_(False)
         use_few_query_attention(model)  # few-query 16-bit CPU forwards: drafters/attention.py
         self.tokenizer = tokenizer
         self.source = source  # human-readable description of where it came from
+        # an HF folder holding these weights (a local target, the de-quantised GGUF cache) that
+        # other programs (serving engines) can load; None for a hub id or a random init
+        self.folder = folder
         self.config = model.config
         name = str(self.dtype).removeprefix("torch.")
         self.dtype_choice = dtype_choice or DtypeChoice(name, name, "given model")
@@ -221,8 +225,8 @@ def file_sha256(path: Path) -> str:
 
 
 def _load_gguf_cached(gguf: Path, cfg: TargetConfig,
-                      dtype: torch.dtype = torch.float32) -> tuple[Any, Any, str]:
-    """De-quantise a GGUF once; later calls read the cached safetensors folder."""
+                      dtype: torch.dtype = torch.float32) -> tuple[Any, Any, str, Path]:
+    """De-quantise a GGUF once; later calls read the cached safetensors folder (returned last)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not os.access(gguf, os.R_OK):
@@ -255,10 +259,10 @@ def _load_gguf_cached(gguf: Path, cfg: TargetConfig,
             if not (cached / "config.json").is_file():  # not a lost race with another process
                 raise
         log.info("de-quantised in %.1f s", time.perf_counter() - t0)
-        return model.to(dtype), tok, f"{gguf} (de-quantised, cached at {cached})"
+        return model.to(dtype), tok, f"{gguf} (de-quantised, cached at {cached})", cached
     model = AutoModelForCausalLM.from_pretrained(cached, dtype=dtype)
     tok = AutoTokenizer.from_pretrained(cached)
-    return model, tok, f"{gguf} (from cache {cached})"
+    return model, tok, f"{gguf} (from cache {cached})", cached
 
 
 def _load_tokenizer(src: str, cfg: TargetConfig):
@@ -301,17 +305,19 @@ def load_target(cfg: TargetConfig, training: bool = False) -> Target:
                  os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan"))
     path = str(cfg.path)
     t0 = time.perf_counter()
+    folder = None
     if cfg.random_init:
         model, tok, source = _random_init(cfg, dtype)
     elif path.startswith("packaged:"):
-        model, tok, source = _load_gguf_cached(packaged_gguf(path.split(":", 1)[1]), cfg, dtype)
+        model, tok, source, folder = _load_gguf_cached(packaged_gguf(path.split(":", 1)[1]), cfg,
+                                                       dtype)
     elif path.endswith(".gguf") or cfg.gguf_file:
         gguf = Path(path) / cfg.gguf_file if cfg.gguf_file else Path(path)
         if not gguf.is_file():
             raise TargetLoadError(f"GGUF file {gguf} not found (target.path={path!r}, "
                                   f"target.gguf_file={cfg.gguf_file!r}). Give the folder in "
                                   f"target.path and the file name in target.gguf_file.")
-        model, tok, source = _load_gguf_cached(gguf, cfg, dtype)
+        model, tok, source, folder = _load_gguf_cached(gguf, cfg, dtype)
     else:
         kind = "local folder" if Path(path).expanduser().exists() else "Hugging Face model id"
         try:
@@ -326,10 +332,11 @@ def load_target(cfg: TargetConfig, training: bool = False) -> Target:
                 f"folder with config.json + weights, an HF id reachable from this machine (log in or "
                 f"set HF_HOME to a cache that has it), a .gguf file, or packaged:smollm2.") from e
         source = f"{path} ({kind})"
+        folder = Path(path).expanduser() if kind == "local folder" else None
     if not getattr(tok, "chat_template", None):
         raise TargetLoadError(
             f"the tokenizer of {source} has no chat template; specdistill renders chat data with the "
             f"target's template. Use an instruct/chat model or set tokenizer.chat_template.")
     model = model.to(cfg.device)
     log.info("target %s loaded in %.2f s", source, time.perf_counter() - t0)
-    return Target(model, tok, source, choice)
+    return Target(model, tok, source, choice, folder)

@@ -1,0 +1,272 @@
+"""The engine check: does a real serving engine run an export as we trained it?
+
+    result = engine_check(export_dir, target, engine="vllm", eval_kind="mtbench", limit=20,
+                          max_new_tokens=128, k=2, out_dir=Path("runs/engine/x"), cache=cache)
+
+1. Render the prompts with the target's chat template (our decoder's exact prompt ids).
+2. Start the engine in its own environment (decode/engine/envs.py) and decode every prompt
+   greedily, plainly and with the export (interleaved, same k): the engine's own outputs,
+   tokens/s and acceptance counters. An export the engine refuses is a result ("loaded": false,
+   the engine's own error verbatim), not a crash.
+3. Replay our decoder on the engine's speculative text (decode/replay.py): the export read back
+   into our decoder (drafters/export.py load_export), the same k and budget, gives the accepted
+   drafts our decoder commits on exactly that text, round by round. Engine tau / replay tau is the
+   like-for-like measure of whether the engine computes the drafter we trained: a wrong aux layer,
+   a stale d2t, a head tied by mistake or a block read in another layout all show up here as
+   acceptance the engine does not reach, whatever the training metric said.
+4. Compare outputs: engine speculative == engine plain (the engine's own losslessness), engine
+   plain == our plain decoding (first difference with the target's logit margin there, as our
+   lossless check reports it), and, when given, our decoder's own tau on the same prompts.
+
+Bookkeeping, so numbers compare like for like: vLLM counts one draft round per target verify
+forward after the prefill (num_drafts) and k drafts per round; tau = 1 + accepted / rounds, the
+bonus token included, exactly our decoder's definition (decode/metrics.py). Acceptance per
+position i = rounds whose drafts 1..i were all accepted / rounds, vLLM's accepted_per_pos[i] /
+num_drafts, our replay's unconditional rate at position i.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from data.prompts import load_prompts
+from decode.engine.envs import EngineUnavailable, vllm_python
+from decode.engine.vllm_engine import Generation, run_vllm
+from decode.evaluate import is_near_tie, render
+from decode.replay import replay_greedy
+
+log = logging.getLogger(__name__)
+
+ENGINES = ("vllm",)
+TAU_TOLERANCE = 0.02  # |engine tau / replay tau - 1| allowed (the serving issue's goal)
+ACCEPT_TOLERANCE = 0.10  # engine accepted drafts >= (1 - this) x the replay's, when it has >= 20
+MIN_ACCEPTED = 20
+
+
+def _first_difference(target, prompt: torch.Tensor, ref: list[int], got: list[int]) -> dict | None:
+    """None when equal; else where `got` first leaves `ref`, with our target's margin there."""
+    if ref == got:
+        return None
+    where = target.first_difference(prompt, torch.tensor(ref, dtype=torch.long),
+                                    torch.tensor(got, dtype=torch.long))
+    where["near_tie"] = is_near_tie(where)
+    return where
+
+
+def _rates(accepted: list[int], k: int) -> list[Optional[float]]:
+    """Unconditional acceptance per draft position: rounds whose drafts 1..i were accepted / rounds."""
+    rounds = len(accepted)
+    return [sum(n > i for n in accepted) / rounds if rounds else None for i in range(k)]
+
+
+def _tau(accepted: int, rounds: int) -> Optional[float]:
+    return (accepted + rounds) / rounds if rounds else None  # no round: not measured
+
+
+def engine_check(export_dir: Path, target, *, engine: str = "vllm", eval_kind: str = "mtbench",
+                 path: Optional[str] = None, limit: Optional[int] = 20, max_new_tokens: int = 128,
+                 k: int = 2, out_dir: Path, cache: Path, target_dir: Optional[Path] = None,
+                 ours: Optional[list[dict]] = None, threads: Optional[int] = None,
+                 timeout: float = 1800) -> dict[str, Any]:
+    """Run the engine check (module docstring); write engine_check.json + engine_check.md into
+    out_dir and return {"summary", "markdown", "prompts"}. `ours`: our decoder's result rows on
+    the same prompts (result.json "prompts" of evaluate_drafter) for its tau beside the engine's;
+    `target_dir`: the target as an HF folder the engine loads (default: written from `target`)."""
+    from drafters.export import load_export
+
+    if engine not in ENGINES:
+        raise ValueError(f"engine={engine!r}: engines this check runs: {', '.join(ENGINES)}")
+    export_dir, out_dir = Path(export_dir), Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    drafter = load_export(export_dir, target).to(target.device).eval()  # 3. what the engine reads
+    prompts = load_prompts(eval_kind, path=path, limit=limit)
+    ids = [render(target, p.turns[:1], []) for p in prompts]  # 1.
+    budgets = [min(max_new_tokens, target.max_length - len(x)) for x in ids]
+    stop = sorted(target.eos_token_ids)
+    dtype = str(target.dtype).removeprefix("torch.")
+    summary: dict[str, Any] = {"engine": engine, "export": str(export_dir), "k": k, "dtype": dtype,
+                               "eval": eval_kind, "prompts": len(prompts),
+                               "max_new_tokens": max_new_tokens}
+    meta = json.loads((export_dir / "config.json").read_text())["specdistill"]
+    summary.update(drafter=meta["drafter"]["name"], format=meta["format"])
+    try:  # 2.
+        python = vllm_python(cache)
+        folder = target_dir or served_target(target, out_dir / "target")
+        run = run_vllm(python, folder, export_dir, k, [x.tolist() for x in ids], budgets, stop,
+                       dtype, max_model_len=max(len(x) for x in ids) + max_new_tokens + k + 8,
+                       logs=out_dir, threads=threads, timeout=timeout)
+    except EngineUnavailable as e:
+        summary.update(loaded=False, error=str(e), verdict="engine unavailable")
+        return _write(summary, [], out_dir)
+    summary.update(loaded=run["loaded"], error=run["error"], engine_version=run["version"],
+                   speculative_config=run["speculative_config"], load_s=run["load_s"])
+    if not run["loaded"]:
+        summary.update(error_detail=run.get("error_detail"), verdict="refused by the engine")
+        return _write(summary, [], out_dir)
+    mine = {r["id"]: r for r in (ours or []) if r.get("turn", 1) == 1}  # first turns, by prompt
+    rows = [_compare(target, drafter, p, x, n, plain, spec, k, mine.get(p.id))
+            for p, x, n, plain, spec in zip(prompts, ids, budgets, run["plain"], run["spec"])]
+    summary.update(_summarise(rows, k, mine))
+    return _write(summary, rows, out_dir)
+
+
+def _compare(target, drafter, prompt, ids: torch.Tensor, budget: int, plain: Generation,
+             spec: Generation, k: int, mine: Optional[dict]) -> dict:
+    """One prompt: engine outputs against each other, against our decoder's (`mine`: its result
+    row, when given), and the replay of our decoder on the engine's speculative text (3.)."""
+    replay = replay_greedy(target, drafter, ids, torch.tensor(spec.ids, dtype=torch.long), k=k,
+                           max_new_tokens=budget)
+    row = {"id": prompt.id, "prompt_tokens": len(ids), "engine_plain_ids": plain.ids,
+           "engine_spec_ids": spec.ids, "spec_equals_plain": spec.ids == plain.ids,
+           "engine_plain_s": plain.seconds, "engine_spec_s": spec.seconds,
+           "engine": {"rounds": spec.drafts, "draft_tokens": spec.draft_tokens,
+                      "accepted": spec.accepted, "accepted_per_pos": spec.accepted_per_pos},
+           "replay": {"rounds": len(replay.accepted), "accepted": sum(replay.accepted),
+                      "drafted": sum(replay.drafted), "per_round": replay.accepted}}
+    diff = _first_difference(target, ids, plain.ids, spec.ids)
+    if diff:
+        row["spec_vs_plain_difference"] = diff
+    if mine is not None:
+        row["ours_spec_ids_equal_engine_plain"] = mine["generated_ids"] == plain.ids
+        d = _first_difference(target, ids, mine["generated_ids"], plain.ids)
+        if d:
+            row["engine_plain_vs_ours_difference"] = d
+    return row
+
+
+def _summarise(rows: list[dict], k: int, ours: dict[str, dict]) -> dict:
+    """The check's numbers over all prompts, and its verdict."""
+    e_rounds = sum(r["engine"]["rounds"] for r in rows)
+    e_acc = sum(r["engine"]["accepted"] for r in rows)
+    r_rounds = sum(r["replay"]["rounds"] for r in rows)
+    r_acc = sum(r["replay"]["accepted"] for r in rows)
+    pos = [sum(r["engine"]["accepted_per_pos"][i] if i < len(r["engine"]["accepted_per_pos"]) else 0
+               for r in rows) for i in range(k)]
+    replay_rounds = [n for r in rows for n in r["replay"]["per_round"]]
+    plain_s = sum(r["engine_plain_s"] for r in rows)
+    spec_s = sum(r["engine_spec_s"] for r in rows)
+    tokens = sum(len(r["engine_spec_ids"]) for r in rows)
+    plain_tokens = sum(len(r["engine_plain_ids"]) for r in rows)
+    out: dict[str, Any] = {
+        "spec_equals_plain": sum(r["spec_equals_plain"] for r in rows),
+        "spec_differs_at_near_tie": sum(bool(r.get("spec_vs_plain_difference", {}).get("near_tie"))
+                                        for r in rows),
+        "engine_rounds": e_rounds, "engine_accepted": e_acc, "tau_engine": _tau(e_acc, e_rounds),
+        "accept_per_pos_engine": [p / e_rounds if e_rounds else None for p in pos],
+        "replay_rounds": r_rounds, "replay_accepted": r_acc, "tau_replay": _tau(r_acc, r_rounds),
+        "accept_per_pos_replay": _rates(replay_rounds, k),
+        "engine_plain_tokens_per_s": plain_tokens / plain_s if plain_s else None,
+        "engine_spec_tokens_per_s": tokens / spec_s if spec_s else None,
+    }
+    if out["engine_plain_tokens_per_s"] and out["engine_spec_tokens_per_s"]:
+        out["engine_speedup"] = out["engine_spec_tokens_per_s"] / out["engine_plain_tokens_per_s"]
+    if ours:
+        mine = [ours[r["id"]] for r in rows if r["id"] in ours]
+        o_rounds = sum(len(m["accepted"]) for m in mine)
+        out["tau_ours_decoder"] = _tau(sum(sum(m["accepted"]) for m in mine), o_rounds)
+        out["engine_plain_equals_ours"] = sum(bool(r.get("ours_spec_ids_equal_engine_plain"))
+                                              for r in rows)
+    out["tau_ratio"] = (out["tau_engine"] / out["tau_replay"]
+                        if out["tau_engine"] and out["tau_replay"] else None)
+    problems = []
+    if out["tau_ratio"] is None:
+        problems.append("no speculative round was measured")
+    elif abs(out["tau_ratio"] - 1) > TAU_TOLERANCE:
+        problems.append(f"engine tau {out['tau_engine']:.3f} vs {out['tau_replay']:.3f} replayed "
+                        f"(ratio {out['tau_ratio']:.3f}, allowed 1 +- {TAU_TOLERANCE})")
+    if r_acc >= MIN_ACCEPTED and e_acc < (1 - ACCEPT_TOLERANCE) * r_acc:
+        problems.append(f"the engine accepted {e_acc} drafts where our decoder accepts {r_acc} "
+                        f"on the same text: it does not run the drafter we trained")
+    lossy = len(rows) - out["spec_equals_plain"] - out["spec_differs_at_near_tie"]
+    if lossy:
+        problems.append(f"{lossy} engine speculative outputs differ from its plain output beyond "
+                        f"a near-tie")
+    out["problems"] = problems
+    out["verdict"] = "pass" if not problems else "fail"
+    return out
+
+
+def served_target(target, folder: Path) -> Path:
+    """The target as an HF folder an engine loads: its own folder when it came from one (or the
+    de-quantised GGUF cache), else written once to `folder` (a random-init test target)."""
+    own = getattr(target, "folder", None)
+    if own is not None and (Path(own) / "config.json").is_file():
+        return Path(own)
+    if not (folder / "config.json").is_file():
+        tmp = folder.with_name(folder.name + ".tmp")
+        target.model.save_pretrained(tmp)
+        target.tokenizer.save_pretrained(tmp)
+        tmp.rename(folder)
+    return folder
+
+
+def _write(summary: dict, rows: list[dict], out_dir: Path) -> dict:
+    markdown = check_markdown(summary)
+    (out_dir / "engine_check.json").write_text(json.dumps({"summary": summary, "prompts": rows},
+                                                          indent=1))
+    (out_dir / "engine_check.md").write_text(markdown + "\n")
+    return {"summary": summary, "markdown": markdown, "prompts": rows}
+
+
+def _f(x, fmt: str = ".3f") -> str:
+    return "not measured" if x is None else format(x, fmt)
+
+
+def check_markdown(s: dict) -> str:
+    """The check as a table: loaded, losslessness, tau engine vs ours, speed."""
+    head = (f"### {s['engine']} {s.get('engine_version') or ''}: {s.get('drafter')} as "
+            f"format={s.get('format')} (k={s['k']}, {s['dtype']}, {s['prompts']} {s['eval']} prompts "
+            f"x {s['max_new_tokens']} tokens)")
+    if not s.get("loaded"):
+        return f"{head}\n\nnot loaded: {s.get('error')}"
+    rows = [("verdict", s["verdict"] + ("" if not s["problems"] else ": " + "; ".join(s["problems"]))),
+            ("engine speculative == engine plain", f"{s['spec_equals_plain']}/{s['prompts']}"
+             f" ({s['spec_differs_at_near_tie']} more at near-ties)"),
+            ("tau in the engine", _f(s["tau_engine"])),
+            ("tau of our decoder replayed on the engine's text", _f(s["tau_replay"])),
+            ("ratio", _f(s["tau_ratio"])),
+            ("acceptance per position, engine", " / ".join(_f(a) for a in s["accept_per_pos_engine"])),
+            ("acceptance per position, ours", " / ".join(_f(a) for a in s["accept_per_pos_replay"])),
+            ("engine tokens/s plain / speculative", f"{_f(s['engine_plain_tokens_per_s'], '.1f')} / "
+             f"{_f(s['engine_spec_tokens_per_s'], '.1f')} ({_f(s.get('engine_speedup'), '.2f')}x)")]
+    if "tau_ours_decoder" in s:
+        rows.insert(4, ("tau in our decoder (its own run)", _f(s["tau_ours_decoder"])))
+        rows.insert(2, ("engine plain == our decoder's output", f"{s['engine_plain_equals_ours']}/"
+                                                                  f"{s['prompts']}"))
+    return "\n".join([head, "", "| | |", "|---|---|"] + [f"| {a} | {b} |" for a, b in rows])
+
+
+def run(cfg) -> None:
+    """`python -m decode.engine`: load the target, decode the prompts with our decoder (cfg.ours),
+    run the engine check, print its table; a failed check fails the command."""
+    from decode.evaluate import evaluate_drafter
+    from drafters.export import load_export
+    from drafters.target import cache_root, load_target
+
+    export = Path(cfg.export).expanduser()
+    if not (export / "config.json").is_file():
+        raise FileNotFoundError(f"export={cfg.export} holds no config.json: give a folder written "
+                                f"by `python -m train.export`")
+    meta = json.loads((export / "config.json").read_text()).get("specdistill") or {}
+    k = cfg.k or int(meta.get("speculative_tokens") or 2)
+    target = load_target(cfg.target)
+    out = Path(cfg.out)
+    ours = None
+    if cfg.ours:  # our decoder on the same prompts, at the same k and dtype
+        drafter = load_export(export, target).to(target.device).eval()
+        ours = evaluate_drafter(target, drafter, eval_kind=cfg.eval.kind, path=cfg.eval.path,
+                                limit=cfg.eval.limit, max_new_tokens=cfg.max_new_tokens, k=k,
+                                exact_verify=False, out_dir=out / "ours")["prompts"]
+    result = engine_check(export, target, engine=cfg.engine, eval_kind=cfg.eval.kind,
+                          path=cfg.eval.path, limit=cfg.eval.limit,
+                          max_new_tokens=cfg.max_new_tokens, k=k, out_dir=out,
+                          cache=cache_root(cfg.target), ours=ours, threads=cfg.threads,
+                          timeout=cfg.timeout_s)
+    print(result["markdown"], flush=True)
+    print(f"results: {out / 'engine_check.json'}", flush=True)
+    if result["summary"].get("verdict") != "pass":
+        raise SystemExit(1)

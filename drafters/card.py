@@ -23,6 +23,7 @@ class CardFacts:
     # the latest simulated eval during training: {"step": int, "tau": float, "acceptance": [float]}
     simulated: Optional[dict[str, Any]] = None
     training_config: Optional[dict[str, Any]] = None  # the run's resolved config
+    engine_table: Optional[str] = None  # the job's own serving-engine check (decode/engine/)
 
 
 def card_tags(layout, drafter_cls) -> list[str]:
@@ -40,12 +41,16 @@ def _measured(facts: CardFacts) -> list[str]:
                   f"({s.get('generations', '?')} generations, greedy, k={s.get('k', '?')}, "
                   f"{s.get('max_new_tokens', '?')} new tokens). tau = tokens per target forward, "
                   "bonus token included.", "", facts.final_table, ""]
+    if facts.engine_table:
+        lines += ["The same drafter loaded in a real serving engine at the end of training "
+                  "(engine tau against our decoder replayed on the engine's own text):", "",
+                  facts.engine_table, ""]
     sim = facts.simulated
     if sim:
         acc = ", ".join(f"{a:.3f}" for a in sim["acceptance"])
         lines += [f"Simulated acceptance on held-out conversations at step {sim['step']}: tau "
                   f"{sim['tau']:.3f}, per-position acceptance {acc}.", ""]
-    if not facts.final_table and not sim:
+    if not facts.final_table and not sim and not facts.engine_table:
         lines += ["No evaluation was recorded with this drafter.", ""]
     return lines
 

@@ -55,6 +55,11 @@ class TrainerConfig:
     final_eval: Optional[str] = "mtbench"  # real-decoder eval at the end (None = skip)
     final_eval_limit: int = 20  # prompts of the final eval
     final_eval_max_new_tokens: int = 128  # generation budget of the final eval
+    # after the final eval: export the best drafter in a layout this serving engine reads, load it
+    # there (decode/engine/) and compare its acceptance with ours on the same prompts (vllm;
+    # None = off). An engine that cannot be installed here is skipped with the reason logged
+    engine_check: Optional[str] = None
+    engine_check_limit: Optional[int] = None  # prompts of the engine check (None = final_eval_limit)
 
 
 @dataclass
@@ -120,6 +125,7 @@ TRAIN_RULES = {
     "trainer.eval_conversations": (1, None), "trainer.final_eval_limit": (1, None),
     "trainer.train_conversations": (1, None),
     "trainer.final_eval_max_new_tokens": (1, None), "trainer.dist_timeout_s": (1, None),
+    "trainer.engine_check_limit": (1, None),
     "data.max_length": (2, None), "data.eval_fraction": (0, 1), "data.max_conversations": (1, None),
     "data.num_proc": (1, None),
 }
@@ -132,4 +138,5 @@ RESUMABLE_CHANGES = (
     "trainer.save_every", "trainer.keep_last", "trainer.log_every", "trainer.eval_conversations",
     "trainer.eval_k", "trainer.final_eval", "trainer.final_eval_limit",
     "trainer.final_eval_max_new_tokens", "trainer.dist_timeout_s", "data.num_proc", "data.cache_dir",
+    "trainer.engine_check", "trainer.engine_check_limit",
 )

@@ -19,6 +19,7 @@ in train/ because it reads run dirs and needs decode/, which drafters/ never imp
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -51,6 +52,10 @@ class ExportConfig:
     private: bool = True  # create the Hub repo private
     parity: bool = False  # decode MT-bench with the reloaded export before committing it
     parity_limit: Optional[int] = None  # parity prompts (None = all of the run's final eval)
+    # load the export in this serving engine before committing it (decode/engine/: vllm) and
+    # refuse it unless the engine's acceptance equals our decoder's on the same text
+    engine_check: Optional[str] = None
+    engine_check_limit: Optional[int] = None  # prompts (None = the run's final eval's, else 20)
     target: Optional[TargetConfig] = None  # the target (None = the run's config.yaml target)
 
 
@@ -110,6 +115,9 @@ def read_run(path) -> RunInfo:
         info.facts.final, info.final_rows = result["summary"], result["prompts"]
         md = run_dir / "final_eval" / "result.md"
         info.facts.final_table = md.read_text().strip() if md.is_file() else None
+    engine_md = run_dir / "final_eval" / "engine" / "engine_check.md"
+    if engine_md.is_file():  # the job's own engine check (train/recipe.py engine_check)
+        info.facts.engine_table = engine_md.read_text().strip()
     ref = reference_drafter(run_dir)
     info.is_reference = ref is not None and ref.resolve() == drafter_dir.resolve()
     return info
@@ -160,6 +168,44 @@ def measure_parity(folder: Path, target, info: RunInfo, limit: int | None = None
     return result
 
 
+def measure_in_engine(folder: Path, target, info: RunInfo, drafter, cfg) -> dict:
+    """Load the staged export in a real serving engine (decode/engine/check.py) on the run's
+    final-eval prompts and compare with the trained drafter; ExportError (nothing committed)
+    unless the engine serves it as our decoder decodes it. Returns the card's section."""
+    import tempfile
+
+    from decode.engine.check import engine_check
+    from drafters.target import cache_root
+
+    ref = info.facts.final or {}
+    meta = json.loads((folder / "config.json").read_text())["specdistill"]
+    with tempfile.TemporaryDirectory(prefix="engine-check-") as work:
+        res = engine_check(folder, target, drafter, engine=cfg.engine_check,
+                           eval_kind=ref.get("eval", "mtbench"),
+                           limit=cfg.engine_check_limit or ref.get("prompts") or 20,
+                           max_new_tokens=ref.get("max_new_tokens", 128),
+                           k=int(meta.get("speculative_tokens") or 2), out_dir=Path(work),
+                           cache=cache_root(target_config(cfg, info)), ours=info.final_rows)
+        for name in ("engine_check.json", "engine_check.md"):  # shipped with the export
+            shutil.copy(Path(work) / name, folder / name)
+    s = res["summary"]
+    if s.get("verdict") != "pass":
+        raise ExportError(f"the {cfg.engine_check} engine check failed ({s.get('verdict')}: "
+                          f"{s.get('error') or '; '.join(s.get('problems', []))}); the export was "
+                          f"not written. Without engine_check= it would be.")
+    return {"markdown": "Loaded in a real serving engine before it was written "
+                        "(`python -m decode.engine`, decode/engine/check.py):\n\n" + res["markdown"]}
+
+
+def target_config(cfg, info: RunInfo):
+    """The target of an export job: cfg.target, else the run's; a TargetConfig."""
+    tcfg = cfg.target if cfg.target is not None else (info.config or {}).get("target")
+    if tcfg is None:
+        raise ExportError(f"{cfg.run} is not inside a training run (no config.yaml): name the "
+                          f"target, e.g. target=smollm2 or target.path=<id or folder>")
+    return OmegaConf.merge(OmegaConf.structured(TargetConfig), tcfg)
+
+
 def run_export(cfg, check: Callable | None = None) -> dict:
     """The export job: resolve the run, load target and drafter, export (+ parity), optionally push.
     check(folder, target, info) -> parity dict; None = measure_parity when cfg.parity."""
@@ -167,15 +213,15 @@ def run_export(cfg, check: Callable | None = None) -> dict:
     dcfg = json.loads((info.drafter_dir / "drafter.json").read_text())
     layout_for(cfg.format, full_config(dcfg))  # refuse an unsupported format before loading anything
     run_cfg = info.config or {}
-    tcfg = cfg.target if cfg.target is not None else run_cfg.get("target")
-    if tcfg is None:
-        raise ExportError(f"{cfg.run} is not inside a training run (no config.yaml): name the "
-                          f"target, e.g. target=smollm2 or target.path=<id or folder>")
-    tcfg = OmegaConf.merge(OmegaConf.structured(TargetConfig), tcfg)
+    tcfg = target_config(cfg, info)
     target = load_target(tcfg, training=True)  # auto = float32: exports copy target weights exactly
     drafter = load_drafter(info.drafter_dir, target).eval()
-    if check is None and cfg.parity:
-        check = lambda folder, target, info: measure_parity(folder, target, info, cfg.parity_limit)  # noqa: E731
+    if check is None and (cfg.parity or cfg.get("engine_check")):
+        def check(folder, target, info):  # parity, then the engine: one card section each
+            parts = [measure_parity(folder, target, info, cfg.parity_limit)] if cfg.parity else []
+            if cfg.get("engine_check"):
+                parts.append(measure_in_engine(folder, target, info, drafter, cfg))
+            return {"markdown": "\n\n".join(p["markdown"] for p in parts)}
     hook = (lambda folder: check(folder, target, info)) if check is not None else None
     result = export_drafter(drafter, dcfg, target, cfg.format, cfg.out, dtype=cfg.dtype,
                             base_model=cfg.base_model or hub_id(tcfg), license=cfg.license,

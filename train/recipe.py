@@ -351,7 +351,44 @@ class DistillRecipe:
                                   max_new_tokens=self.tcfg.final_eval_max_new_tokens,
                                   k=self.tcfg.eval_k, out_dir=self.run_dir / "final_eval")
         self.loggers.log_decoder_eval(result["summary"], self.step)  # + histogram, bar charts
+        if self.tcfg.get("engine_check"):
+            result["engine"] = self.engine_check(result["prompts"])
         write_report(self.run_dir)
+        return result
+
+    def engine_check(self, ours: list[dict]) -> dict | None:  # {"summary", "markdown", "prompts"}
+        """The best drafter exported in a layout the serving engine reads and loaded there
+        (decode/engine/check.py): its outputs and acceptance against ours on the final eval's
+        prompts, at float32 (the training target). Skipped, with the reason logged, when the
+        drafter has no such layout or the engine cannot be installed here."""
+        from decode.engine.check import engine_check, engine_format
+        from drafters.export import export_drafter
+
+        engine, best = self.tcfg.engine_check, self.run_dir / "best"
+        drafter = load_drafter(best, self.target).eval() if best.is_dir() else self.drafter.eval()
+        fmt, why = engine_format(drafter, engine)
+        if fmt is None:
+            log.warning("engine check skipped: %s", why)
+            return None
+        out = self.run_dir / "final_eval" / "engine"
+        if out.exists():  # a resumed job's earlier check: measured again
+            shutil.rmtree(out)
+        folder = export_drafter(drafter, self.cfg.drafter, self.target, fmt, out / f"export-{fmt}",
+                                speculative_tokens=self.tcfg.eval_k)["path"]
+        result = engine_check(folder, self.target, drafter, engine=engine,
+                              eval_kind=self.tcfg.final_eval,
+                              limit=self.tcfg.engine_check_limit or self.tcfg.final_eval_limit,
+                              max_new_tokens=self.tcfg.final_eval_max_new_tokens,
+                              k=self.tcfg.eval_k, out_dir=out, cache=cache_root(self.cfg.target),
+                              ours=ours)
+        s = result["summary"]
+        if s.get("verdict") == "engine unavailable":
+            log.warning("engine check skipped: %s", s["error"])
+        elif s.get("verdict") != "pass":
+            log.error("engine check FAILED (%s, format %s): %s; see %s", engine, fmt,
+                      s.get("error") or "; ".join(s.get("problems", [])), out / "engine_check.json")
+        self.loggers.log({f"engine/{key}": s[key] for key in ("tau_engine", "tau_replay",
+                          "engine_speedup") if isinstance(s.get(key), (int, float))}, self.step)
         return result
 
     def _decode_target(self):
@@ -393,6 +430,11 @@ def run(cfg: DictConfig) -> None:
         result = recipe.final_eval()
         if result is not None:
             print(result["markdown"], flush=True)
-            (Path(cfg.run_dir) / "summary.json").write_text(json.dumps(result["summary"], indent=2))
+            summary = dict(result["summary"])
+            if result.get("engine"):  # the serving engine's check beside our decoder's table
+                print(result["engine"]["markdown"], flush=True)
+                summary["engine_check"] = {k: v for k, v in result["engine"]["summary"].items()
+                                           if k != "error_detail"}
+            (Path(cfg.run_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
     finally:
         recipe.cleanup()

@@ -20,9 +20,14 @@
 
 Bookkeeping, so numbers compare like for like: vLLM counts one draft round per target verify
 forward after the prefill (num_drafts) and k drafts per round; tau = 1 + accepted / rounds, the
-bonus token included, exactly our decoder's definition (decode/metrics.py). Acceptance per
-position i = rounds whose drafts 1..i were all accepted / rounds, vLLM's accepted_per_pos[i] /
-num_drafts, our replay's unconditional rate at position i.
+bonus token included, exactly our decoder's definition (decode/metrics.py). Two differences at
+an answer's end: vLLM drafts k even when fewer tokens are left to generate, and after an EOS, and
+counts a draft accepted when the target agrees with it there, though it is never emitted; our
+decoder never drafts past its budget. The replay therefore runs with vLLM's bookkeeping
+(replay_greedy past_budget=True: k drafts every round, compared past the end with the target's
+greedy continuation), and our decoder's own tau, with its own bookkeeping, is reported beside it.
+Acceptance per position i = rounds whose drafts 1..i were all accepted / rounds: vLLM's
+accepted_per_pos[i] / num_drafts, our replay's unconditional rate at position i.
 """
 from __future__ import annotations
 
@@ -67,22 +72,29 @@ def _tau(accepted: int, rounds: int) -> Optional[float]:
     return (accepted + rounds) / rounds if rounds else None  # no round: not measured
 
 
-def engine_check(export_dir: Path, target, *, engine: str = "vllm", eval_kind: str = "mtbench",
-                 path: Optional[str] = None, limit: Optional[int] = 20, max_new_tokens: int = 128,
-                 k: int = 2, out_dir: Path, cache: Path, target_dir: Optional[Path] = None,
-                 ours: Optional[list[dict]] = None, threads: Optional[int] = None,
+def engine_check(export_dir: Path, target, drafter=None, *, engine: str = "vllm",
+                 eval_kind: str = "mtbench", path: Optional[str] = None, limit: Optional[int] = 20,
+                 max_new_tokens: int = 128, k: int = 2, out_dir: Path, cache: Path,
+                 target_dir: Optional[Path] = None, ours: Optional[list[dict]] = None,
+                 plain: bool = True, threads: Optional[int] = None,
                  timeout: float = 1800) -> dict[str, Any]:
     """Run the engine check (module docstring); write engine_check.json + engine_check.md into
-    out_dir and return {"summary", "markdown", "prompts"}. `ours`: our decoder's result rows on
-    the same prompts (result.json "prompts" of evaluate_drafter) for its tau beside the engine's;
-    `target_dir`: the target as an HF folder the engine loads (default: written from `target`)."""
+    out_dir and return {"summary", "markdown", "prompts"}.
+
+    drafter: the drafter as trained (a checkpoint's), replayed as our decoder; None = the export
+    read back, which checks the engine's reading of the layout but not the exporter's writing of
+    it. ours: our decoder's result rows on the same prompts (evaluate_drafter's "prompts") for its
+    own tau beside the engine's. plain=False skips the engine's plain decode (no speed, no
+    losslessness; acceptance only). target_dir: the target as an HF folder the engine loads
+    (default: the target's own folder, else written from `target`)."""
     from drafters.export import load_export
 
     if engine not in ENGINES:
         raise ValueError(f"engine={engine!r}: engines this check runs: {', '.join(ENGINES)}")
     export_dir, out_dir = Path(export_dir), Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    drafter = load_export(export_dir, target).to(target.device).eval()  # 3. what the engine reads
+    if drafter is None:  # 3. what the engine reads, read back by our decoder
+        drafter = load_export(export_dir, target).to(target.device).eval()
     prompts = load_prompts(eval_kind, path=path, limit=limit)
     ids = [render(target, p.turns[:1], []) for p in prompts]  # 1.
     budgets = [min(max_new_tokens, target.max_length - len(x)) for x in ids]
@@ -98,7 +110,7 @@ def engine_check(export_dir: Path, target, *, engine: str = "vllm", eval_kind: s
         folder = target_dir or served_target(target, out_dir / "target")
         run = run_vllm(python, folder, export_dir, k, [x.tolist() for x in ids], budgets, stop,
                        dtype, max_model_len=max(len(x) for x in ids) + max_new_tokens + k + 8,
-                       logs=out_dir, threads=threads, timeout=timeout)
+                       logs=out_dir, plain=plain, threads=threads, timeout=timeout)
     except EngineUnavailable as e:
         summary.update(loaded=False, error=str(e), verdict="engine unavailable")
         return _write(summary, [], out_dir)
@@ -108,25 +120,29 @@ def engine_check(export_dir: Path, target, *, engine: str = "vllm", eval_kind: s
         summary.update(error_detail=run.get("error_detail"), verdict="refused by the engine")
         return _write(summary, [], out_dir)
     mine = {r["id"]: r for r in (ours or []) if r.get("turn", 1) == 1}  # first turns, by prompt
-    rows = [_compare(target, drafter, p, x, n, plain, spec, k, mine.get(p.id))
-            for p, x, n, plain, spec in zip(prompts, ids, budgets, run["plain"], run["spec"])]
+    plains = run["plain"] or [None] * len(prompts)
+    rows = [_compare(target, drafter, p, x, n, a, b, k, mine.get(p.id))
+            for p, x, n, a, b in zip(prompts, ids, budgets, plains, run["spec"])]
     summary.update(_summarise(rows, k, mine))
     return _write(summary, rows, out_dir)
 
 
-def _compare(target, drafter, prompt, ids: torch.Tensor, budget: int, plain: Generation,
-             spec: Generation, k: int, mine: Optional[dict]) -> dict:
+def _compare(target, drafter, prompt, ids: torch.Tensor, budget: int,
+             plain: Optional[Generation], spec: Generation, k: int, mine: Optional[dict]) -> dict:
     """One prompt: engine outputs against each other, against our decoder's (`mine`: its result
     row, when given), and the replay of our decoder on the engine's speculative text (3.)."""
     replay = replay_greedy(target, drafter, ids, torch.tensor(spec.ids, dtype=torch.long), k=k,
-                           max_new_tokens=budget)
-    row = {"id": prompt.id, "prompt_tokens": len(ids), "engine_plain_ids": plain.ids,
-           "engine_spec_ids": spec.ids, "spec_equals_plain": spec.ids == plain.ids,
-           "engine_plain_s": plain.seconds, "engine_spec_s": spec.seconds,
+                           max_new_tokens=budget, past_budget=True)  # the engine's bookkeeping
+    row = {"id": prompt.id, "prompt_tokens": len(ids), "engine_spec_ids": spec.ids,
+           "engine_spec_s": spec.seconds,
            "engine": {"rounds": spec.drafts, "draft_tokens": spec.draft_tokens,
                       "accepted": spec.accepted, "accepted_per_pos": spec.accepted_per_pos},
            "replay": {"rounds": len(replay.accepted), "accepted": sum(replay.accepted),
                       "drafted": sum(replay.drafted), "per_round": replay.accepted}}
+    if plain is None:  # acceptance only (plain=False)
+        return row
+    row.update(engine_plain_ids=plain.ids, engine_plain_s=plain.seconds,
+               spec_equals_plain=spec.ids == plain.ids)
     diff = _first_difference(target, ids, plain.ids, spec.ids)
     if diff:
         row["spec_vs_plain_difference"] = diff
@@ -147,14 +163,15 @@ def _summarise(rows: list[dict], k: int, ours: dict[str, dict]) -> dict:
     pos = [sum(r["engine"]["accepted_per_pos"][i] if i < len(r["engine"]["accepted_per_pos"]) else 0
                for r in rows) for i in range(k)]
     replay_rounds = [n for r in rows for n in r["replay"]["per_round"]]
-    plain_s = sum(r["engine_plain_s"] for r in rows)
+    with_plain = all("engine_plain_ids" in r for r in rows)
+    plain_s = sum(r.get("engine_plain_s", 0.0) for r in rows)
     spec_s = sum(r["engine_spec_s"] for r in rows)
     tokens = sum(len(r["engine_spec_ids"]) for r in rows)
-    plain_tokens = sum(len(r["engine_plain_ids"]) for r in rows)
+    plain_tokens = sum(len(r.get("engine_plain_ids", ())) for r in rows)
     out: dict[str, Any] = {
-        "spec_equals_plain": sum(r["spec_equals_plain"] for r in rows),
+        "spec_equals_plain": sum(r["spec_equals_plain"] for r in rows) if with_plain else None,
         "spec_differs_at_near_tie": sum(bool(r.get("spec_vs_plain_difference", {}).get("near_tie"))
-                                        for r in rows),
+                                        for r in rows) if with_plain else None,
         "engine_rounds": e_rounds, "engine_accepted": e_acc, "tau_engine": _tau(e_acc, e_rounds),
         "accept_per_pos_engine": [p / e_rounds if e_rounds else None for p in pos],
         "replay_rounds": r_rounds, "replay_accepted": r_acc, "tau_replay": _tau(r_acc, r_rounds),
@@ -181,7 +198,7 @@ def _summarise(rows: list[dict], k: int, ours: dict[str, dict]) -> dict:
     if r_acc >= MIN_ACCEPTED and e_acc < (1 - ACCEPT_TOLERANCE) * r_acc:
         problems.append(f"the engine accepted {e_acc} drafts where our decoder accepts {r_acc} "
                         f"on the same text: it does not run the drafter we trained")
-    lossy = len(rows) - out["spec_equals_plain"] - out["spec_differs_at_near_tie"]
+    lossy = len(rows) - out["spec_equals_plain"] - out["spec_differs_at_near_tie"] if with_plain else 0
     if lossy:
         problems.append(f"{lossy} engine speculative outputs differ from its plain output beyond "
                         f"a near-tie")
@@ -224,8 +241,9 @@ def check_markdown(s: dict) -> str:
     if not s.get("loaded"):
         return f"{head}\n\nnot loaded: {s.get('error')}"
     rows = [("verdict", s["verdict"] + ("" if not s["problems"] else ": " + "; ".join(s["problems"]))),
-            ("engine speculative == engine plain", f"{s['spec_equals_plain']}/{s['prompts']}"
-             f" ({s['spec_differs_at_near_tie']} more at near-ties)"),
+            ("engine speculative == engine plain", "not measured" if s["spec_equals_plain"] is None
+             else f"{s['spec_equals_plain']}/{s['prompts']} ({s['spec_differs_at_near_tie']} more "
+                  f"at near-ties)"),
             ("tau in the engine", _f(s["tau_engine"])),
             ("tau of our decoder replayed on the engine's text", _f(s["tau_replay"])),
             ("ratio", _f(s["tau_ratio"])),
@@ -270,3 +288,26 @@ def run(cfg) -> None:
     print(f"results: {out / 'engine_check.json'}", flush=True)
     if result["summary"].get("verdict") != "pass":
         raise SystemExit(1)
+
+
+def engine_format(drafter, engine: str = "vllm") -> tuple[Optional[str], str]:
+    """(the export format of this trained drafter that `engine` serves, or None; why not). The
+    first of the drafter's registered layouts the engine reads whose requirements the drafter's
+    config meets (an EAGLE-1 head trained with the pruned vocabulary has none, say why)."""
+    import dataclasses
+
+    from decode.engine.vllm_engine import METHODS
+
+    if engine not in ENGINES:
+        return None, f"engine={engine!r}: engines this check runs: {', '.join(ENGINES)}"
+    dcfg = dataclasses.asdict(drafter.cfg)
+    served = [fmt for (name, fmt) in METHODS if name == drafter.name and fmt in drafter.layouts]
+    reasons = []
+    for fmt in served:
+        why = drafter.layouts[fmt].refusal(dcfg)
+        if why is None:
+            return fmt, ""
+        reasons.append(why)
+    if not served:
+        return None, f"{engine} serves no export layout of drafter {drafter.name!r}"
+    return None, "; ".join(reasons)

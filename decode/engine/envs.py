@@ -100,3 +100,26 @@ def vllm_python(cache_root: Path, timeout: float = 1800) -> Path:
         (venv / COMPLETE).write_text(f"vllm {version}\n{frozen}")
         log.info("vLLM %s installed in %.0f s", version, time.perf_counter() - t0)
     return python
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m decode.engine.envs vllm`: install (or find) the engine's environment, print it."""
+    import argparse
+
+    from drafters.cli import USAGE_EXIT
+    from drafters.target import TargetConfig, cache_root
+
+    p = argparse.ArgumentParser(prog="python -m decode.engine.envs", description=main.__doc__)
+    p.add_argument("engine", choices=["vllm"])
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        print(vllm_python(cache_root(TargetConfig(path="packaged:smollm2"))))
+    except EngineUnavailable as e:
+        print(f"python -m decode.engine.envs: error: {e}", file=sys.stderr)
+        return USAGE_EXIT
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -136,18 +136,22 @@ def worker_env(threads: int | None) -> dict[str, str]:
 
 def run_vllm(python: Path, target_dir: Path, export_dir: Path, k: int, prompts: list[list[int]],
              max_new_tokens: list[int], stop_ids: list[int], dtype: str, max_model_len: int,
-             logs: Path, threads: int | None = None, timeout: float = 1800) -> dict[str, Any]:
-    """Decode `prompts` (token ids) greedily in vLLM, plain and with the export, interleaved
-    prompt by prompt. Returns {"loaded", "error", "version", "load_s", "plain", "spec"}; a failed
-    load is a result ("loaded": False with vLLM's own error), not an exception."""
+             logs: Path, plain: bool = True, threads: int | None = None,
+             timeout: float = 1800) -> dict[str, Any]:
+    """Decode `prompts` (token ids) greedily in vLLM with the export, and plainly (plain=True),
+    interleaved prompt by prompt. Returns {"loaded", "error", "version", "load_s", "plain",
+    "spec"}; a failed load is a result ("loaded": False with vLLM's own error), not an exception."""
     spec_cfg = speculative_config(export_dir, k)
     env = worker_env(threads)
     base = {"model": str(target_dir), "dtype": dtype, "max_model_len": max_model_len, "seed": 0}
-    workers = {"plain": Worker(python, {**base, "speculative_config": None}, logs / "vllm-plain.log", env),
-               "spec": Worker(python, {**base, "speculative_config": spec_cfg}, logs / "vllm-spec.log", env)}
+    settings = {"plain": {**base, "speculative_config": None},
+                "spec": {**base, "speculative_config": spec_cfg}}
     out: dict[str, Any] = {"engine": "vllm", "speculative_config": spec_cfg, "loaded": False,
                            "error": None, "version": None, "load_s": {}, "plain": [], "spec": []}
+    workers: dict[str, Worker] = {}
     try:
+        for name in ("plain", "spec") if plain else ("spec",):  # both load at once
+            workers[name] = Worker(python, settings[name], logs / f"vllm-{name}.log", env)
         for name, w in workers.items():
             r = w.reply(timeout)
             if "error" in r:

@@ -1,0 +1,253 @@
+"""The engine check (decode/engine/): a real vLLM loads our exports and must do what our decoder does.
+
+Fast tests drive the whole worker protocol against a stand-in `vllm` module (tests/fake_vllm/), so
+the bookkeeping, the interleaving and the verdicts are checked without an engine. The slow tests
+install vLLM CPU into its cached virtualenv (decode/engine/envs.py; ~2-3 min the first time) and
+load real exports of a drafter trained on SmolLM2's own answers to three MT-bench prompts (so it
+gets most drafts right and any misreading of the layout shows): the engine's output must equal
+its plain output, its tau the tau of our decoder replayed on its text; and every known way of
+shipping an export that serves at ~0 acceptance (wrong aux layer ids, a missing or stale d2t, a
+head the engine swaps for the target's) must fail the check.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from decode.engine import check as chk
+from decode.engine import vllm_engine as ve
+from decode.engine.envs import EngineUnavailable, vllm_python
+
+FAKE = Path(__file__).with_name("fake_vllm")
+
+
+# -- bookkeeping and verdicts ----------------------------------------------------------------------
+def _row(rounds, accepted, replay_rounds, replay_accepted, same=True):
+    per_round = [1] * replay_accepted + [0] * (replay_rounds - replay_accepted)
+    return {"id": "p", "engine_spec_ids": [1] * 10, "engine_plain_ids": [1] * 10,
+            "engine_spec_s": 1.0, "engine_plain_s": 2.0, "spec_equals_plain": same,
+            "engine": {"rounds": rounds, "accepted": accepted, "draft_tokens": 2 * rounds,
+                       "accepted_per_pos": [accepted, 0]},
+            "replay": {"rounds": replay_rounds, "accepted": replay_accepted,
+                       "drafted": 2 * replay_rounds, "per_round": per_round}}
+
+
+def test_the_verdict_passes_equal_acceptance_and_fails_an_engine_that_accepts_less():
+    same = chk._summarise([_row(40, 30, 40, 30)], k=2, ours={})
+    assert same["verdict"] == "pass" and same["tau_engine"] == same["tau_replay"] == 70 / 40
+    assert same["accept_per_pos_engine"] == [0.75, 0.0] == same["accept_per_pos_replay"]
+    assert same["engine_speedup"] == 2.0  # 10 tokens in 1 s against 2 s
+    low = chk._summarise([_row(60, 10, 40, 30)], k=2, ours={})
+    assert low["verdict"] == "fail" and any("does not run the drafter" in p for p in low["problems"])
+    lossy = chk._summarise([_row(40, 30, 40, 30, same=False)], k=2, ours={})
+    assert lossy["verdict"] == "fail" and any("beyond a near-tie" in p for p in lossy["problems"])
+
+
+def test_nothing_measured_is_not_a_number():
+    s = chk._summarise([_row(0, 0, 0, 0)], k=2, ours={})
+    assert s["tau_engine"] is None and s["tau_replay"] is None and s["verdict"] == "fail"
+    assert "not measured" in chk.check_markdown({**s, "engine": "vllm", "drafter": "eagle3",
+                                                  "format": "vllm", "k": 2, "dtype": "float32",
+                                                  "prompts": 1, "eval": "mtbench",
+                                                  "max_new_tokens": 8, "loaded": True})
+
+
+def _export_config(tmp_path, drafter: str, fmt: str) -> Path:
+    folder = tmp_path / f"{drafter}-{fmt}"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"specdistill": {"drafter": {"name": drafter},
+                                                                    "format": fmt}}))
+    return folder
+
+
+@pytest.mark.parametrize("drafter, fmt, want", [
+    ("eagle3", "vllm", {"method": "eagle3"}), ("eagle3", "speculators", {"method": "eagle3"}),
+    ("peagle", "vllm", {"method": "eagle3", "parallel_drafting": True}),
+    ("dflash", "vllm", {"method": "dflash"}), ("eagle", "vllm", {"method": "eagle"}),
+    ("small_lm", "causal_lm", {"method": "draft_model"})])
+def test_each_export_is_loaded_with_the_method_vllm_reads_it_by(tmp_path, drafter, fmt, want):
+    got = ve.speculative_config(_export_config(tmp_path, drafter, fmt), k=3)
+    assert got == {**want, "model": str((tmp_path / f"{drafter}-{fmt}").resolve()),
+                   "num_speculative_tokens": 3}
+
+
+def test_a_format_vllm_does_not_serve_is_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match="vLLM serves: .*eagle3 as format=vllm"):
+        ve.speculative_config(_export_config(tmp_path, "eagle", "hf"), k=2)
+
+
+def test_a_given_vllm_python_that_does_not_exist_is_a_one_line_reason(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECDISTILL_VLLM_PYTHON", str(tmp_path / "nope"))
+    with pytest.raises(EngineUnavailable, match="SPECDISTILL_VLLM_PYTHON=.* is not a file"):
+        vllm_python(tmp_path)
+
+
+# -- the worker protocol, against a stand-in vllm module -------------------------------------------
+@pytest.fixture
+def fake_env(monkeypatch, tmp_path):
+    real = ve.worker_env
+    monkeypatch.setattr(ve, "worker_env", lambda threads: {
+        **real(threads), "PYTHONPATH": str(FAKE), "FAKE_VLLM_LOGS": str(tmp_path / "logs")})
+
+
+def test_plain_and_speculative_engines_take_the_prompts_in_turn(fake_env, tmp_path):
+    export = _export_config(tmp_path, "eagle3", "vllm")
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    run = ve.run_vllm(Path(sys.executable), tmp_path, export, 2, prompts, [6, 6, 3], [0],
+                      "float32", 64, tmp_path / "logs")
+    assert run["loaded"] and run["version"] == "fake" and len(run["spec"]) == 3
+    for ids, n, plain, spec in zip(prompts, [6, 6, 3], run["plain"], run["spec"]):
+        assert plain.ids == spec.ids == [(ids[-1] + i + 1) % 97 for i in range(n)]
+        assert plain.drafts == 0 and spec.drafts > 0  # the plain engine never drafts
+        assert spec.accepted == sum(spec.accepted_per_pos)  # each request's own counts
+    # the speculative engine saw every prompt right after the plain one (warm-up first)
+    order = [json.loads(x) for x in (tmp_path / "logs" / "order.jsonl").read_text().splitlines()]
+    assert [o["engine"] for o in order] == ["plain", "spec"] + ["plain", "spec"] * 3
+
+
+def test_an_export_the_engine_refuses_is_a_result_with_its_own_words(fake_env, tmp_path):
+    export = _export_config(tmp_path, "eagle3", "vllm")
+    (export / "REFUSE").write_text("fake refusal: unknown weight midlayer.foo")
+    run = ve.run_vllm(Path(sys.executable), tmp_path, export, 2, [[1, 2]], [4], [0], "float32",
+                      64, tmp_path / "logs", plain=False)
+    assert not run["loaded"] and "fake refusal: unknown weight midlayer.foo" in run["error"]
+
+
+# -- the real engine ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def vllm():
+    """The specdistill cache, with vLLM CPU installed in it (or SPECDISTILL_VLLM_PYTHON)."""
+    from drafters.target import TargetConfig, cache_root
+
+    cache = cache_root(TargetConfig(path="packaged:smollm2"))
+    try:
+        vllm_python(cache)
+    except EngineUnavailable as e:  # CI must see it: a missing engine is a failure, not a skip
+        pytest.fail(f"vLLM CPU could not be installed: {e}")
+    return cache
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from drafters.target import TargetConfig, load_target
+
+    return load_target(TargetConfig(path="packaged:smollm2", dtype="float32"))
+
+
+PROMPTS, TOKENS, K = 3, 48, 3
+
+
+def overfit(target, cfg: dict, steps: int = 60):
+    """A drafter trained on the target's own greedy answers to the check's prompts: it gets most
+    drafts right, so a layout the engine reads differently shows as lost acceptance."""
+    from data.capture import target_logits
+    from data.prompts import load_prompts
+    from decode.evaluate import render
+    from decode.spec import generate
+    from drafters.base import TrainBatch, build_drafter, fit_draft_vocab
+    from train.losses import distill_loss
+
+    torch.manual_seed(0)
+    d = build_drafter(cfg, target)
+    prompts = [render(target, p.turns[:1], []) for p in load_prompts("mtbench", limit=PROMPTS)]
+    seqs = [torch.cat([x, generate(target, None, x, max_new_tokens=TOKENS).tokens])[None]
+            for x in prompts]
+    if cfg.get("draft_vocab_size"):
+        counts = torch.bincount(torch.cat([s[0] for s in seqs]), minlength=target.vocab_size)
+        fit_draft_vocab(d, counts.float(), always_include=target.eos_token_ids)
+    batches = []
+    for s in seqs:
+        out = target.forward(s, layers=(*d.feature_layers, -1), logits=False)
+        H = target.hidden_size
+        feats, final = out.features[..., :-H], out.features[..., -H:]
+        ones = torch.ones_like(s)
+        batches.append(TrainBatch(s, ones, ones, target_logits(target, final, d.d2t).clone(),
+                                  feats.clone() if d.feature_layers != (-1,) else final.clone()))
+    opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=3e-3)
+    for step in range(steps):
+        b = batches[step % len(batches)]
+        loss, _ = distill_loss(d.forward_train(b), b)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return d.eval()
+
+
+def export(d, cfg, target, fmt, folder):
+    from drafters.export import export_drafter
+
+    export_drafter(d, cfg, target, fmt, folder, speculative_tokens=K)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def eagle3(smollm2, tmp_path_factory):
+    # aux layers other than the engines' default (2, 15, 27): an export that loses them is read
+    # with the default, which the check must catch
+    cfg = {"name": "eagle3", "draft_vocab_size": 4096, "ttt_length": 2, "aux_layers": [1, 10, 20]}
+    d = overfit(smollm2, cfg)
+    return d, export(d, cfg, smollm2, "vllm", tmp_path_factory.mktemp("e3") / "vllm")
+
+
+def check(folder, target, drafter, cache, out, plain=True):
+    return chk.engine_check(folder, target, drafter, limit=PROMPTS, max_new_tokens=TOKENS, k=K,
+                            out_dir=out, cache=cache, plain=plain, timeout=900)["summary"]
+
+
+@pytest.mark.slow
+def test_vllm_serves_our_eagle3_export_as_our_decoder_decodes_it(smollm2, eagle3, vllm, tmp_path):
+    d, folder = eagle3
+    s = check(folder, smollm2, d, vllm, tmp_path)
+    assert s["loaded"], s.get("error")
+    assert s["verdict"] == "pass", s["problems"]
+    assert s["spec_equals_plain"] == PROMPTS  # fp32: the engine is lossless on every prompt
+    assert s["tau_replay"] > 1.8  # the drafter gets most drafts right: mistakes would show
+    # the same rounds, and the same accepted drafts but for a float tie or two
+    assert s["engine_rounds"] == s["replay_rounds"]
+    assert abs(s["engine_accepted"] - s["replay_accepted"]) <= 2
+    assert (tmp_path / "engine_check.json").is_file() and (tmp_path / "engine_check.md").is_file()
+
+
+def _edit(folder: Path, tmp_path: Path, config=None, tensors=None) -> Path:
+    """A copy of an export with config.json and model.safetensors edited (the mistake)."""
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "bad"
+    shutil.copytree(folder, bad)
+    c = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps(config(c) if config else c))
+    if tensors is not None:
+        w = load_file(str(bad / "model.safetensors"))
+        save_file(tensors(w), str(bad / "model.safetensors"))
+    return bad
+
+
+def _roll_d2t(w):  # the d2t of another vocabulary: the same shape, other target ids
+    ids = torch.arange(len(w["d2t"])) + w["d2t"]
+    other = ids.roll(1)
+    return {**w, "d2t": (other - torch.arange(len(other))).contiguous()}
+
+
+MISTAKES = {
+    # the aux ids lost: vLLM reads its default layers (2, L//2, L-3) instead of the trained ones
+    "aux_ids_missing": dict(config=lambda c: {k: v for k, v in c.items()
+                                              if k != "eagle_aux_hidden_state_layer_ids"}),
+    "d2t_missing": dict(tensors=lambda w: {k: v for k, v in w.items() if k != "d2t"}),
+    "d2t_stale": dict(tensors=_roll_d2t),
+    "head_missing": dict(tensors=lambda w: {k: v for k, v in w.items() if k != "lm_head.weight"}),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mistake", sorted(MISTAKES))
+def test_an_export_that_would_serve_at_low_acceptance_fails_the_check(smollm2, eagle3, vllm,
+                                                                     tmp_path, mistake):
+    d, folder = eagle3
+    bad = _edit(folder, tmp_path, **MISTAKES[mistake])
+    s = check(bad, smollm2, d, vllm, tmp_path / "check", plain=False)
+    assert s["verdict"] != "pass", (mistake, s)

@@ -251,3 +251,38 @@ def test_an_export_that_would_serve_at_low_acceptance_fails_the_check(smollm2, e
     bad = _edit(folder, tmp_path, **MISTAKES[mistake])
     s = check(bad, smollm2, d, vllm, tmp_path / "check", plain=False)
     assert s["verdict"] != "pass", (mistake, s)
+
+
+@pytest.mark.slow
+def test_the_job_checks_its_drafter_in_vllm_and_the_export_card_says_so(vllm, tmp_path):
+    """`python -m train ... trainer.engine_check=vllm`: the final eval exports the best drafter in
+    vLLM's layout, loads it there and writes the check beside our table; `python -m train.export
+    engine_check=vllm` loads the staged export again before writing it, and its card says where
+    it was loaded and what tau the engine measured."""
+    import subprocess
+
+    from conftest import write_chats
+
+    chats = write_chats(tmp_path / "chats.jsonl", 24, 10)
+    run = tmp_path / "run"
+    common = ["target=tiny", "target.model_config.num_hidden_layers=4",
+              "target.model_config.hidden_size=128", f"data.cache_dir={tmp_path / 'cache'}"]
+    job = subprocess.run([sys.executable, "-m", "train", *common, "data=jsonl",
+                          f"data.path={chats}", "data.max_length=96", "data.eval_fraction=0.2",
+                          "trainer=smoke", "trainer.eval_k=2", "trainer.engine_check=vllm",
+                          "drafter=eagle3", "drafter.draft_vocab_size=256", "logger=jsonl",
+                          f"run_dir={run}"], capture_output=True, text=True, timeout=1500)
+    assert job.returncode == 0, job.stderr[-3000:]
+    s = json.loads((run / "final_eval" / "engine" / "engine_check.json").read_text())["summary"]
+    assert s["loaded"] and s["verdict"] == "pass", s
+    assert json.loads((run / "summary.json").read_text())["engine_check"]["verdict"] == "pass"
+    assert "tau in the engine" in job.stdout  # the table beside ours
+    out = tmp_path / "export"
+    exp = subprocess.run([sys.executable, "-m", "train.export", f"run={run}", "format=vllm",
+                          f"out={out}", "engine_check=vllm"], capture_output=True, text=True,
+                         timeout=1500)
+    assert exp.returncode == 0, exp.stderr[-3000:]
+    card = (out / "README.md").read_text()
+    assert "Loaded in a real serving engine before it was written" in card
+    assert f"vllm {s['engine_version']}" in card and "tau in the engine" in card
+    assert json.loads((out / "engine_check.json").read_text())["summary"]["verdict"] == "pass"

@@ -36,6 +36,9 @@ def write_chats(path: Path, n: int, length: int) -> Path:
 
 
 def pytest_configure(config):
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n N: N workers share the cores, one thread
+        os.environ.setdefault("OMP_NUM_THREADS", "1")  # each (subprocesses included), as a
+        torch.set_num_threads(1)  # second spinning OpenMP thread per worker only adds contention
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no test may reach a hub
     os.environ.setdefault("WANDB_MODE", "offline")  # W&B never reaches its servers from tests

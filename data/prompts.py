@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Optional
 
-from data.assets import asset_path
+from specdistill.data.assets import asset_path
 
 KINDS = ("mtbench", "humaneval", "jsonl")
 

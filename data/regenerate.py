@@ -1,6 +1,6 @@
 """Self-distillation data: regenerate the assistant answers of a chat dataset with the target.
 
-    python -m data.regenerate out=runs/regen/sharegpt-smollm2.jsonl limit=2000
+    python -m specdistill.data.regenerate out=runs/regen/sharegpt-smollm2.jsonl limit=2000
     python -m train data=jsonl data.path=runs/regen/sharegpt-smollm2.jsonl
 
 A drafter learns the target's own distribution best from text the target itself would write, so the
@@ -26,10 +26,10 @@ from typing import Any, Optional
 import torch
 from omegaconf import MISSING
 
-from data import quiet
-from data.dataset import DataConfig, RegenerateSettings, cache_root, cached_file_sha256, data_file
-from drafters.target import DTYPES, TargetConfig, resolve_dtype
-from data.sharegpt import Conversation, iter_conversations
+from specdistill.data import quiet
+from specdistill.data.dataset import DataConfig, RegenerateSettings, cache_root, cached_file_sha256, data_file
+from specdistill.drafters.target import DTYPES, TargetConfig, resolve_dtype
+from specdistill.data.sharegpt import Conversation, iter_conversations
 
 log = logging.getLogger(__name__)
 FROM = {"user": "human", "assistant": "gpt", "system": "system"}
@@ -37,7 +37,7 @@ FROM = {"user": "human", "assistant": "gpt", "system": "system"}
 
 @dataclass
 class RegenerateConfig(RegenerateSettings):
-    """`python -m data.regenerate`: answers of the target for the conversations of `data`."""
+    """`python -m specdistill.data.regenerate`: answers of the target for the conversations of `data`."""
 
     target: Any = MISSING  # the target (conf/target/*.yaml)
     data: Any = MISSING  # the source chat data (conf/data/*.yaml)
@@ -198,11 +198,13 @@ def main() -> None:
     import hydra
     from hydra.core.config_store import ConfigStore
 
-    from drafters.target import load_target
+    from specdistill.drafters.cli import CONF_DIR
+
+    from specdistill.drafters.target import load_target
 
     ConfigStore.instance().store(name="regenerate_schema", node=CLISchema)
 
-    @hydra.main(config_path="../conf", config_name="regenerate", version_base="1.3")
+    @hydra.main(config_path=CONF_DIR, config_name="regenerate", version_base="1.3")
     def _run(cfg) -> None:
         target = load_target(cfg.target)
         convs = list(iter_conversations(data_file(cfg.data), limit=cfg.limit))

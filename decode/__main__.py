@@ -2,30 +2,36 @@
 import hydra
 from omegaconf import DictConfig
 
-from decode.config import DecodeConfig, store_schemas
+from specdistill.drafters.cli import CONF_DIR
+from specdistill.decode.config import DecodeConfig, store_schemas
 
 store_schemas("decode_schema", DecodeConfig)
 
 
-@hydra.main(config_path="../conf", config_name="decode", version_base="1.3")
+@hydra.main(config_path=CONF_DIR, config_name="decode", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    from drafters.cli import user_errors
+    from specdistill.drafters.cli import user_errors
 
     with user_errors("python -m decode"):
         if cfg.batch_size > 1:  # B sequences per target forward (batch_size=1: today's path)
-            from decode.batch_eval import run_batched
+            from specdistill.decode.batch_eval import run_batched
 
             run_batched(cfg)
         else:
-            from decode.evaluate import run
+            from specdistill.decode.evaluate import run
 
             run(cfg)
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The command line (also the `specdistill-*` console script): argument checks, then main."""
     import sys
 
-    from drafters.cli import check_out_dir_arg
+    from specdistill.drafters.cli import check_out_dir_arg
 
     check_out_dir_arg("python -m decode", sys.argv[1:])
     main()
+
+
+if __name__ == "__main__":
+    cli()

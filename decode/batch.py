@@ -36,15 +36,15 @@ from typing import Any, Callable, Sequence
 import torch
 from transformers import DynamicCache
 
-from decode import batch_cache
-from decode.accept import accept_chain
-from decode.budget import CostCurve, RoundPlanner, batch_planner, choose_widths, survival
-from decode.kernels import ExactVerify
-from decode.rows_exact import ExactRows
-from decode.spec import (GenerationResult, _accept_tree, _check_inputs, _commit, _draft_tree,
+from specdistill.decode import batch_cache
+from specdistill.decode.accept import accept_chain
+from specdistill.decode.budget import CostCurve, RoundPlanner, batch_planner, choose_widths, survival
+from specdistill.decode.kernels import ExactVerify
+from specdistill.decode.rows_exact import ExactRows
+from specdistill.decode.spec import (GenerationResult, _accept_tree, _check_inputs, _commit, _draft_tree,
                          _Loop, _prefill, _StopChecker, _timed, _Tree)
-from drafters.base import Drafter
-from drafters.sampling import SamplingParams
+from specdistill.drafters.base import Drafter
+from specdistill.drafters.sampling import SamplingParams
 
 MODES = ("plain", "verify_all", "budgeted")
 

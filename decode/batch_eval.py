@@ -13,15 +13,15 @@ import statistics
 from dataclasses import asdict
 from pathlib import Path
 
-from data.prompts import load_prompts
-from decode.batch import BatchResult, generate_batch
-from decode.budget import cost_curve, new_planner
-from decode.kernels import parse_exact
-from decode.evaluate import (_budget, _lossless_check, compare_greedy, finish_run, render,
+from specdistill.data.prompts import load_prompts
+from specdistill.decode.batch import BatchResult, generate_batch
+from specdistill.decode.budget import cost_curve, new_planner
+from specdistill.decode.kernels import parse_exact
+from specdistill.decode.evaluate import (_budget, _lossless_check, compare_greedy, finish_run, render,
                              results_markdown, setup_run, write_results)
-from decode.metrics import RunMetrics
-from drafters.base import Drafter
-from drafters.sampling import SamplingParams
+from specdistill.decode.metrics import RunMetrics
+from specdistill.drafters.base import Drafter
+from specdistill.drafters.sampling import SamplingParams
 
 
 def _batch_metrics(results: list, batches: list[BatchResult]) -> RunMetrics:
@@ -112,8 +112,8 @@ def evaluate_batched(target, drafter: Drafter | None, *, batch_size: int, batch_
 
 def run_batched(cfg) -> None:
     """`python -m decode batch_size=B batch_mode=...` with B > 1 (decode/__main__.py)."""
-    from decode.batch import MODES
-    from drafters.target import cache_root
+    from specdistill.decode.batch import MODES
+    from specdistill.drafters.target import cache_root
 
     if cfg.batch_mode not in MODES:
         raise ValueError(f"batch_size={cfg.batch_size} needs batch_mode in {MODES} (got "

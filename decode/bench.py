@@ -29,16 +29,16 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from data.prompts import load_prompts
-from decode.batch import MODES
-from decode.bench_batch import BATCH_SIZES, batch_markdown, batch_plot, run_batch_bench
-from decode.evaluate import is_near_tie, render
-from decode.metrics import RunMetrics
-from decode.spec import GenerationResult, generate
-from drafters.base import build_drafter, load_drafter
-from drafters.precision import cast_drafter
-from drafters.ngram import NgramConfig
-from drafters.target import NATIVE_BF16_FLAGS, TargetConfig, cpu_flags, load_target
+from specdistill.data.prompts import load_prompts
+from specdistill.decode.batch import MODES
+from specdistill.decode.bench_batch import BATCH_SIZES, batch_markdown, batch_plot, run_batch_bench
+from specdistill.decode.evaluate import is_near_tie, render
+from specdistill.decode.metrics import RunMetrics
+from specdistill.decode.spec import GenerationResult, generate
+from specdistill.drafters.base import build_drafter, load_drafter
+from specdistill.drafters.precision import cast_drafter
+from specdistill.drafters.ngram import NgramConfig
+from specdistill.drafters.target import NATIVE_BF16_FLAGS, TargetConfig, cpu_flags, load_target
 
 CURVE_NS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 PLAIN_EXACT = "plain (ours) exact"  # plain decoding with exact_verify: what " exact" modes match

@@ -20,8 +20,8 @@ from typing import Any, Sequence
 
 import torch
 
-from decode.batch import MODES, BatchResult, generate_batch
-from decode.budget import CostCurve, cost_curve, new_planner
+from specdistill.decode.batch import MODES, BatchResult, generate_batch
+from specdistill.decode.budget import CostCurve, cost_curve, new_planner
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 ONE_BY_ONE = "1by1"  # label suffix of a speculative mode whose rows draft one after another

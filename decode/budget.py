@@ -48,10 +48,10 @@ from typing import Any, Sequence
 import torch
 from transformers import DynamicCache
 
-from decode import batch_cache
-from decode.kernels import ExactVerify
-from decode.rows_exact import ExactRows
-from drafters.base import ChainProposal
+from specdistill.decode import batch_cache
+from specdistill.decode.kernels import ExactVerify
+from specdistill.decode.rows_exact import ExactRows
+from specdistill.drafters.base import ChainProposal
 
 BATCH_NS = (1, 2, 4, 8, 16, 32)  # rows per forward measured
 WIDTH_NS = (1, 2, 3, 4, 6, 8, 16, 32, 64)  # tokens per row measured (last token + drafts;

@@ -11,8 +11,8 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from drafters.schemas import store_drafter_schemas
-from drafters.target import TargetConfig
+from specdistill.drafters.schemas import store_drafter_schemas
+from specdistill.drafters.target import TargetConfig
 
 
 @dataclass

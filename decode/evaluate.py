@@ -17,13 +17,13 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from data import quiet
-from data.prompts import load_prompts
-from decode.kernels import resolve_exact
-from decode.metrics import RunMetrics
-from decode.spec import generate
-from drafters.base import Drafter
-from drafters.sampling import SamplingParams
+from specdistill.data import quiet
+from specdistill.data.prompts import load_prompts
+from specdistill.decode.kernels import resolve_exact
+from specdistill.decode.metrics import RunMetrics
+from specdistill.decode.spec import generate
+from specdistill.drafters.base import Drafter
+from specdistill.drafters.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +197,7 @@ def decode_overrides(cfg: DictConfig, saved: Path) -> dict:
     the tree is a decoding choice, not part of the trained weights."""
     import json
 
-    from drafters.base import DECODE_TIME_PREFIX
+    from specdistill.drafters.base import DECODE_TIME_PREFIX
 
     saved_cfg = json.loads(saved.read_text())
     if cfg.drafter.name != saved_cfg.get("name"):
@@ -211,7 +211,7 @@ def decode_overrides(cfg: DictConfig, saved: Path) -> dict:
 
 def load_decode_drafter(cfg: DictConfig, target) -> Drafter | None:
     """The drafter of a decode job: a trained one from `ckpt`, else built from the drafter config."""
-    from drafters.base import build_drafter, load_drafter, trainable_drafters
+    from specdistill.drafters.base import build_drafter, load_drafter, trainable_drafters
 
     if cfg.ckpt:
         folder = Path(cfg.ckpt)
@@ -219,7 +219,7 @@ def load_decode_drafter(cfg: DictConfig, target) -> Drafter | None:
             if (cand / "drafter.json").is_file():
                 return load_drafter(cand, target, decode_overrides(cfg, cand / "drafter.json"))
         if (folder / "config.json").is_file():  # an export folder (any format): drafters/export.py
-            from drafters.export import load_export
+            from specdistill.drafters.export import load_export
 
             return load_export(folder, target)
         raise FileNotFoundError(f"ckpt={cfg.ckpt} holds no drafter.json (nor best/drafter.json); "
@@ -234,7 +234,7 @@ def load_decode_drafter(cfg: DictConfig, target) -> Drafter | None:
 def decode_drafter_dtype(setting: str, target) -> torch.dtype:
     """decode's drafter_dtype: "target" = the target's dtype (bf16 drafting where the target runs
     bf16), else a dtype name."""
-    from drafters.precision import DTYPES
+    from specdistill.drafters.precision import DTYPES
 
     if setting == "target":
         return target.dtype
@@ -246,10 +246,10 @@ def decode_drafter_dtype(setting: str, target) -> torch.dtype:
 def setup_run(cfg: DictConfig) -> tuple[Path, Any, Drafter | None, SamplingParams]:
     """A decode job's start: check the settings, make the run dir (with config.yaml), load the
     target and the drafter (cast to drafter_dtype). Returns (run_dir, target, drafter, sampling)."""
-    from decode.config import DECODE_RULES
-    from drafters.cli import check_ranges
-    from drafters.precision import cast_drafter
-    from drafters.target import load_target
+    from specdistill.decode.config import DECODE_RULES
+    from specdistill.drafters.cli import check_ranges
+    from specdistill.drafters.precision import cast_drafter
+    from specdistill.drafters.target import load_target
 
     check_ranges(cfg, DECODE_RULES)
     run_dir = Path(cfg.run_dir)

@@ -42,7 +42,7 @@ from transformers import AttentionInterface, StaticCache
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from drafters.attention import grouped_attention
+from specdistill.drafters.attention import grouped_attention
 
 ATTN_NAME = "specdistill_exact"  # + "_<the target's own implementation>", registered at install
 _ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("specdistill_exact", default=False)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from decode.spec import GenerationResult
+from specdistill.decode.spec import GenerationResult
 
 
 @dataclass

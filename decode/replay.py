@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from decode.accept import GREEDY
-from drafters.base import DecodeState, Drafter
-from drafters.sampling import SamplingParams, warp
+from specdistill.decode.accept import GREEDY
+from specdistill.drafters.base import DecodeState, Drafter
+from specdistill.drafters.sampling import SamplingParams, warp
 
 
 @dataclass

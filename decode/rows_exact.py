@@ -28,8 +28,8 @@ from typing import Any, Sequence
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from decode.batch_cache import block_layout, move_columns, pad_columns
-from decode.kernels import ExactVerify, active
+from specdistill.decode.batch_cache import block_layout, move_columns, pad_columns
+from specdistill.decode.kernels import ExactVerify, active
 
 
 class _RowsLayer(CacheLayerMixin):

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from decode.accept import GREEDY
-from drafters.base import DecodeState, Drafter
+from specdistill.decode.accept import GREEDY
+from specdistill.drafters.base import DecodeState, Drafter
 
 
 @torch.inference_mode()

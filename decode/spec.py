@@ -22,12 +22,12 @@ from typing import Any, Sequence
 import torch
 from transformers import DynamicCache
 
-from decode.accept import accept_chain
-from decode.kernels import ExactVerify, active
-from decode.tree import (accept_path, ancestors, check_tree, compact_cache, prune_depth,
+from specdistill.decode.accept import accept_chain
+from specdistill.decode.kernels import ExactVerify, active
+from specdistill.decode.tree import (accept_path, ancestors, check_tree, compact_cache, prune_depth,
                          sample_path, tree_inputs)
-from drafters.base import DecodeState, Drafter
-from drafters.sampling import SamplingParams, warp
+from specdistill.drafters.base import DecodeState, Drafter
+from specdistill.drafters.sampling import SamplingParams, warp
 
 
 @dataclass

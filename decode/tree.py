@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from decode.accept import multi_draft
-from drafters.sampling import sample
+from specdistill.decode.accept import multi_draft
+from specdistill.drafters.sampling import sample
 
 
 def check_tree(tokens: torch.Tensor, parents: torch.Tensor) -> None:

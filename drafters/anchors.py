@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from drafters.base import TrainBatch
+from specdistill.drafters.base import TrainBatch
 
 
 def check_anchor_share(drafter: str, setting: str, share: Optional[float]) -> None:

@@ -37,14 +37,14 @@ from typing import Any, Callable, ClassVar, Sequence
 import torch
 from torch import nn
 
-from drafters.folder import (CONFIG_FILE, DECODE_TIME_PREFIX, WEIGHTS_FILE,  # noqa: F401  (re-exported)
+from specdistill.drafters.folder import (CONFIG_FILE, DECODE_TIME_PREFIX, WEIGHTS_FILE,  # noqa: F401  (re-exported)
                              config_dict, parse_config, save_drafter)
-from drafters.head import fit_draft_vocab  # noqa: F401  (re-exported)
-from drafters.head import set_draft_vocab as _set_draft_vocab
-from drafters.proposals import (ChainDraw, ChainProposal, DecodeState,  # noqa: F401  (re-exported)
+from specdistill.drafters.head import fit_draft_vocab  # noqa: F401  (re-exported)
+from specdistill.drafters.head import set_draft_vocab as _set_draft_vocab
+from specdistill.drafters.proposals import (ChainDraw, ChainProposal, DecodeState,  # noqa: F401  (re-exported)
                                 TreeProposal)
-from drafters.sampling import SamplingParams
-from drafters.vocab import d2t_to_offsets, offsets_to_d2t
+from specdistill.drafters.sampling import SamplingParams
+from specdistill.drafters.vocab import d2t_to_offsets, offsets_to_d2t
 
 
 @dataclass

@@ -11,8 +11,13 @@ import contextlib
 import math
 import os
 import sys
+from pathlib import Path
 from typing import Iterator
 
+# conf/ as an absolute path for every @hydra.main: Hydra reads a relative config_path against the
+# calling FILE under `python -m train`, but against the calling PACKAGE (pkg://specdistill/conf,
+# which does not exist) when the same function runs from a console script (specdistill-train)
+CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 DEBUG_ENV = "SPECDISTILL_DEBUG"
 USAGE_EXIT = 2  # a user error (bad setting, missing or damaged file)
 INTERRUPT_EXIT = 130  # Ctrl-C, as shells report SIGINT

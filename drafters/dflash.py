@@ -46,19 +46,19 @@ from torch import nn
 from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding,
                                                       rotate_half)
 
-from drafters.anchors import check_anchor_share, draw_anchors
-from drafters.attention import block_attention, few_query, grouped_attention
-from drafters.base import (ChainProposal, DecodeState, Drafter, DrafterConfig, DraftPrediction,
+from specdistill.drafters.anchors import check_anchor_share, draw_anchors
+from specdistill.drafters.attention import block_attention, few_query, grouped_attention
+from specdistill.drafters.base import (ChainProposal, DecodeState, Drafter, DrafterConfig, DraftPrediction,
                            ExportLayout, TrainBatch, register)
-from drafters.cache import DraftCache, RowsKV, additive_mask
-from drafters.eagle import drafter_llama_config
-from drafters.eagle3 import default_aux_layers, state_from_engine
-from drafters.export_formats import (WEIGHTS, ExportError, cast, llama_layer_config,
+from specdistill.drafters.cache import DraftCache, RowsKV, additive_mask
+from specdistill.drafters.eagle import drafter_llama_config
+from specdistill.drafters.eagle3 import default_aux_layers, state_from_engine
+from specdistill.drafters.export_formats import (WEIGHTS, ExportError, cast, llama_layer_config,
                                      speculators_config, torch_dtype)
-from drafters.head import head_logits, init_draft_head
-from drafters.parallel import ParallelDrafts
-from drafters.rows import RowsTogether
-from drafters.vocab import d2t_to_offsets, t2d_mask
+from specdistill.drafters.head import head_logits, init_draft_head
+from specdistill.drafters.parallel import ParallelDrafts
+from specdistill.drafters.rows import RowsTogether
+from specdistill.drafters.vocab import d2t_to_offsets, t2d_mask
 
 
 @dataclass

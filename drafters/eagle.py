@@ -37,15 +37,15 @@ from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaRMSNorm,
                                                       LlamaRotaryEmbedding)
 
-from drafters.attention import FEW_Q
-from drafters.base import (ChainProposal, DecodeState, Drafter, DrafterConfig,
+from specdistill.drafters.attention import FEW_Q
+from specdistill.drafters.base import (ChainProposal, DecodeState, Drafter, DrafterConfig,
                            DraftPrediction, ExportLayout, TrainBatch, TreeProposal, register)
-from drafters.cache import DraftCache, additive_mask
-from drafters.export_formats import WEIGHTS, llama_layer_config, speculators_config
-from drafters.head import head_logits, init_draft_head
-from drafters.rows import RowsTogether
-from drafters.sampling import SamplingParams
-from drafters.tree import dynamic_tree, in_target_vocab
+from specdistill.drafters.cache import DraftCache, additive_mask
+from specdistill.drafters.export_formats import WEIGHTS, llama_layer_config, speculators_config
+from specdistill.drafters.head import head_logits, init_draft_head
+from specdistill.drafters.rows import RowsTogether
+from specdistill.drafters.sampling import SamplingParams
+from specdistill.drafters.tree import dynamic_tree, in_target_vocab
 
 
 @dataclass

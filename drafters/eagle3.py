@@ -36,13 +36,13 @@ from torch import nn
 from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding,
                                                       apply_rotary_pos_emb)
 
-from drafters.attention import few_query, grouped_attention
-from drafters.base import DrafterConfig, DraftPrediction, ExportLayout, TrainBatch, register
-from drafters.eagle import Eagle, drafter_llama_config
-from drafters.export_formats import (WEIGHTS, ExportError, cast, llama_layer_config,
+from specdistill.drafters.attention import few_query, grouped_attention
+from specdistill.drafters.base import DrafterConfig, DraftPrediction, ExportLayout, TrainBatch, register
+from specdistill.drafters.eagle import Eagle, drafter_llama_config
+from specdistill.drafters.export_formats import (WEIGHTS, ExportError, cast, llama_layer_config,
                                      speculators_config, torch_dtype)
-from drafters.head import head_logits
-from drafters.vocab import d2t_to_offsets, offsets_to_d2t, t2d_mask
+from specdistill.drafters.head import head_logits
+from specdistill.drafters.vocab import d2t_to_offsets, offsets_to_d2t, t2d_mask
 
 
 @dataclass

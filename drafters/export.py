@@ -22,11 +22,11 @@ from typing import Any, Callable
 
 import torch
 
-from drafters.atomic import write_folder
-from drafters.base import (Drafter, ExportContext, ExportLayout, build_drafter, config_dict,
+from specdistill.drafters.atomic import write_folder
+from specdistill.drafters.base import (Drafter, ExportContext, ExportLayout, build_drafter, config_dict,
                            drafter_class, parse_config)
-from drafters.card import CardFacts, model_card
-from drafters.export_formats import EXPORT_DTYPES, ExportError, cast, torch_dtype
+from specdistill.drafters.card import CardFacts, model_card
+from specdistill.drafters.export_formats import EXPORT_DTYPES, ExportError, cast, torch_dtype
 
 VERSION = "0.1.0"
 

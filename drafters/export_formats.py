@@ -17,7 +17,7 @@ class ExportError(ValueError):
 
 def torch_dtype(name: str) -> torch.dtype:
     """An export dtype name -> the torch dtype (the one dtype map: drafters.target.DTYPES)."""
-    from drafters.target import DTYPES
+    from specdistill.drafters.target import DTYPES
 
     if name not in EXPORT_DTYPES:
         raise ExportError(f"dtype must be one of {list(EXPORT_DTYPES)}, not {name!r}")

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafters.vocab import DraftVocab, select_draft_vocab
+from specdistill.drafters.vocab import DraftVocab, select_draft_vocab
 
 
 def frozen_logits(head: nn.Module, h: torch.Tensor) -> torch.Tensor:

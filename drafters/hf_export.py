@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from drafters.base import ExportLayout, build_drafter
-from drafters.export_formats import ExportError, torch_dtype
+from specdistill.drafters.base import ExportLayout, build_drafter
+from specdistill.drafters.export_formats import ExportError, torch_dtype
 
 
 def _check(folder: Path, drafter, dtype: torch.dtype) -> None:

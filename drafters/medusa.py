@@ -23,12 +23,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafters.base import (ChainProposal, DecodeState, Drafter, DrafterConfig, DraftPrediction,
+from specdistill.drafters.base import (ChainProposal, DecodeState, Drafter, DrafterConfig, DraftPrediction,
                            ExportLayout, TrainBatch, TreeProposal, register)
-from drafters.export_formats import WEIGHTS, cast, torch_dtype
-from drafters.head import head_logits, init_draft_head
-from drafters.sampling import SamplingParams
-from drafters.tree import StaticTree, static_tree
+from specdistill.drafters.export_formats import WEIGHTS, cast, torch_dtype
+from specdistill.drafters.head import head_logits, init_draft_head
+from specdistill.drafters.sampling import SamplingParams
+from specdistill.drafters.tree import StaticTree, static_tree
 
 # A 26-node Medusa tree (paths of per-depth top-k ranks), widest where heads are most accurate:
 # 4 candidates at depth 1, 7 at depth 2, 7 at depth 3, 8 at depth 4.

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from drafters.base import (ChainProposal, DecodeState, Drafter, DrafterConfig, TreeProposal,
+from specdistill.drafters.base import (ChainProposal, DecodeState, Drafter, DrafterConfig, TreeProposal,
                            parse_config, register)
-from drafters.sampling import SamplingParams
+from specdistill.drafters.sampling import SamplingParams
 
 
 @dataclass

@@ -12,9 +12,9 @@ import logging
 
 import torch
 
-from drafters.proposals import ChainDraw, ChainProposal, DecodeState, TreeProposal
-from drafters.sampling import SamplingParams
-from drafters.tree import in_target_vocab, position_tree
+from specdistill.drafters.proposals import ChainDraw, ChainProposal, DecodeState, TreeProposal
+from specdistill.drafters.sampling import SamplingParams
+from specdistill.drafters.tree import in_target_vocab, position_tree
 
 
 class ParallelDrafts:

@@ -60,13 +60,13 @@ from typing import Optional
 import torch
 from torch import nn
 
-from drafters.anchors import check_anchor_share, draw_anchors
-from drafters.base import (ChainProposal, DecodeState, DraftPrediction, ExportLayout,
+from specdistill.drafters.anchors import check_anchor_share, draw_anchors
+from specdistill.drafters.base import (ChainProposal, DecodeState, DraftPrediction, ExportLayout,
                            TrainBatch, register)
-from drafters.eagle3 import (Eagle3, Eagle3Config, engine_config, engine_refusal, engine_state,
+from specdistill.drafters.eagle3 import (Eagle3, Eagle3Config, engine_config, engine_refusal, engine_state,
                              state_from_engine, ttt_attention)
-from drafters.export_formats import WEIGHTS, torch_dtype
-from drafters.parallel import ParallelDrafts
+from specdistill.drafters.export_formats import WEIGHTS, torch_dtype
+from specdistill.drafters.parallel import ParallelDrafts
 
 
 @dataclass

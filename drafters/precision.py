@@ -119,7 +119,7 @@ def cast_drafter(drafter, target, dtype: torch.dtype):
     and the compute dtype of the target modules it calls (`Shared`), never the modules it shares
     with the target: `drafter.to(dtype)` would cast the target's embedding / LM head in place and
     change the target being verified against. Lossless at any dtype: the target verifies."""
-    from drafters.head import Shared
+    from specdistill.drafters.head import Shared
 
     shared = {p.data_ptr() for p in target.model.parameters()}
     for mod in drafter.modules():

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from drafters.sampling import SamplingParams, draft_token
-from drafters.vocab import expand_probs
+from specdistill.drafters.sampling import SamplingParams, draft_token
+from specdistill.drafters.vocab import expand_probs
 
 
 @dataclass

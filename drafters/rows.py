@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from drafters.cache import RowsKV, additive_mask
-from drafters.proposals import ChainDraw, ChainProposal
+from specdistill.drafters.cache import RowsKV, additive_mask
+from specdistill.drafters.proposals import ChainDraw, ChainProposal
 
 
 class RowsTogether:

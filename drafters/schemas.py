@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from hydra.core.config_store import ConfigStore
 
-import drafters  # noqa: F401  (importing the package registers every drafter and its schema)
-from drafters.base import CONFIGS
+import specdistill.drafters  # noqa: F401  (importing the package registers every drafter and its schema)
+from specdistill.drafters.base import CONFIGS
 
 
 def store_drafter_schemas() -> list[str]:

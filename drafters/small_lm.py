@@ -35,14 +35,14 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from drafters.attention import use_few_query_attention
-from drafters.base import (ChainProposal, DecodeState, Drafter, DrafterConfig, DraftPrediction,
+from specdistill.drafters.attention import use_few_query_attention
+from specdistill.drafters.base import (ChainProposal, DecodeState, Drafter, DrafterConfig, DraftPrediction,
                            TrainBatch, TreeProposal, register)
-from drafters.cache import DraftCache
-from drafters.head import Shared, init_draft_head
-from drafters.hf_export import CAUSAL_LM
-from drafters.sampling import SamplingParams
-from drafters.tree import dynamic_tree, in_target_vocab
+from specdistill.drafters.cache import DraftCache
+from specdistill.drafters.head import Shared, init_draft_head
+from specdistill.drafters.hf_export import CAUSAL_LM
+from specdistill.drafters.sampling import SamplingParams
+from specdistill.drafters.tree import dynamic_tree, in_target_vocab
 
 SOURCES = ("target_layers", "pretrained", "fresh")
 

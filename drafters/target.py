@@ -22,8 +22,8 @@ from typing import Any, Optional, Sequence
 import torch
 from omegaconf import MISSING
 
-from drafters.attention import use_few_query_attention
-from drafters.precision import (DTYPES, NATIVE_BF16_FLAGS, DtypeChoice, available_cores,  # noqa: F401
+from specdistill.drafters.attention import use_few_query_attention
+from specdistill.drafters.precision import (DTYPES, NATIVE_BF16_FLAGS, DtypeChoice, available_cores,  # noqa: F401
                                 cpu_flags, idle_cores, resolve_dtype, set_threads)
 
 log = logging.getLogger(__name__)

@@ -19,9 +19,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from drafters.base import TreeProposal
-from drafters.sampling import SamplingParams, warp
-from drafters.vocab import expand_probs
+from specdistill.drafters.base import TreeProposal
+from specdistill.drafters.sampling import SamplingParams, warp
+from specdistill.drafters.vocab import expand_probs
 
 
 @dataclass

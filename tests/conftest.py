@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from drafters.target import TargetConfig
+from specdistill.drafters.target import TargetConfig
 
 TINY_MODEL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096}
@@ -52,8 +52,8 @@ def tiny_run(tmp_path_factory) -> Path:
     Shared by the report and export tests (about 10 s on 2 cores)."""
     from hydra import compose, initialize_config_dir
 
-    import train.__main__  # noqa: F401  (stores the schemas)
-    from train.recipe import DistillRecipe
+    import specdistill.train.__main__  # noqa: F401  (stores the schemas)
+    from specdistill.train.recipe import DistillRecipe
 
     root = tmp_path_factory.mktemp("tiny_run")
     chats = write_chats(root / "chats.jsonl", 24, 10)

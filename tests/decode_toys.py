@@ -7,11 +7,11 @@ forward would pick: greedy outputs can then be compared token for token.
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from decode.accept import accepted_prefix
-from drafters.base import ChainProposal, Drafter, TreeProposal
-from drafters.sampling import sample, warp
-from drafters.tree import draw_children
-from drafters.target import Target
+from specdistill.decode.accept import accepted_prefix
+from specdistill.drafters.base import ChainProposal, Drafter, TreeProposal
+from specdistill.drafters.sampling import sample, warp
+from specdistill.drafters.tree import draw_children
+from specdistill.drafters.target import Target
 
 V = 64  # vocabulary of the default tiny target
 
@@ -192,7 +192,7 @@ def chi2_stat(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, float]:
 def pair_joint(target: Target, prompt: list[int], sampling) -> torch.Tensor:
     """(V*V,) exact joint of generated tokens 2 and 3 (index t2 * V + t3) after `prompt`:
     sum over t1 of p(t1) p(t2 | t1) p(t3 | t1, t2), with the warped target distributions."""
-    from drafters.sampling import warp
+    from specdistill.drafters.sampling import warp
 
     Vs, P = target.vocab_size, len(prompt)
     seqs = torch.tensor([prompt + [a, b] for a in range(Vs) for b in range(Vs)])  # (V*V, P+2)
@@ -205,7 +205,7 @@ def pair_joint(target: Target, prompt: list[int], sampling) -> torch.Tensor:
 def pair_counts(target: Target, drafter, prompt: list[int], sampling, n: int, tree: bool = False):
     """n seeded speculative generations of 4 tokens with k=2 (or a tree, cut to depth 2 by the
     budget): counts of (t2, t3) (V*V,) and of the drafts accepted in the first round (3,)."""
-    from decode.spec import generate
+    from specdistill.decode.spec import generate
 
     Vs = target.vocab_size
     gen = torch.Generator().manual_seed(0)
@@ -221,7 +221,7 @@ def pair_counts(target: Target, drafter, prompt: list[int], sampling, n: int, tr
 def greedy_lossless_accepted(target: Target, drafter, tree: bool, vocab: int = 64) -> int:
     """Asserts greedy speculative output == plain greedy on 4 seeded prompts (k=4, 30 tokens);
     returns the drafts accepted in all, so a test can check acceptance was exercised."""
-    from decode.spec import generate
+    from specdistill.decode.spec import generate
 
     accepted = 0
     for seed in range(4):
@@ -250,9 +250,9 @@ def teach(tgt: Target, cfg: dict, vocab: int = 64, steps: int = 80, n: int = 32)
     """The trainable drafter of config cfg trained briefly (forward KL, AdamW 3e-3) on n of the
     target's own greedy answers (28 tokens after 4 random ones), so that decoding accepts drafts:
     a random drafter would be trivially lossless."""
-    from decode.spec import generate
-    from drafters.base import TrainBatch, build_drafter
-    from train.losses import distill_loss
+    from specdistill.decode.spec import generate
+    from specdistill.drafters.base import TrainBatch, build_drafter
+    from specdistill.train.losses import distill_loss
 
     torch.manual_seed(0)
     d = build_drafter(cfg, tgt)
@@ -277,8 +277,9 @@ def check_sampling_lossless(tgt: Target, drafter, monkeypatch, n: int = 2000, wr
     their empirical joint matches the exact one from the target's logits (chi-square), every
     acceptance count of the first round (0, 1, 2) happened at least min_round times, and the same
     test catches a wrong acceptance rule (resampling from p), far off rather than borderline."""
-    import decode.spec
-    from drafters.sampling import SamplingParams
+    import specdistill.decode.spec  # noqa: F401  (loads the submodule for decode.<name>)
+    from specdistill import decode
+    from specdistill.drafters.sampling import SamplingParams
 
     prompt, sp = [1, 2, 3, 4], SamplingParams(temperature=1.0, top_k=6)
     joint = pair_joint(tgt, prompt, sp)  # (V*V,)

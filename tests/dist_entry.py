@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from train import checkpoint as ckpt
-from train import recipe as recipe_mod
+from specdistill.train import checkpoint as ckpt
+from specdistill.train import recipe as recipe_mod
 
 RANK = int(os.environ.get("RANK", "0"))
 

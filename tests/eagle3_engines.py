@@ -214,7 +214,7 @@ def tiny8_target():
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from drafters.target import Target
+    from specdistill.drafters.target import Target
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=TOY_V, hidden_size=TOY_H, intermediate_size=64,
@@ -227,7 +227,7 @@ def tiny8_target():
 
 def feature_batch(target, drafter, B=2, T=14, seed=0):
     """A TrainBatch of random ids with the target's features, right padding on the last row."""
-    from drafters.base import TrainBatch
+    from specdistill.drafters.base import TrainBatch
 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, TOY_V, (B, T), generator=g)  # (B, T)
@@ -239,7 +239,7 @@ def feature_batch(target, drafter, B=2, T=14, seed=0):
 
 def perturbed_drafter(target, name: str, seed=1, **cfg):
     """A drafter moved off its init (so every weight matters), with a real pruned map if any."""
-    from drafters.base import build_drafter, fit_draft_vocab
+    from specdistill.drafters.base import build_drafter, fit_draft_vocab
 
     d = build_drafter({"name": name, **cfg}, target)
     g = torch.Generator().manual_seed(seed)
@@ -253,7 +253,7 @@ def perturbed_drafter(target, name: str, seed=1, **cfg):
 
 def twin(d, **cfg):
     """A drafter of d's settings plus cfg, with d's weights."""
-    from drafters.base import build_drafter, config_dict
+    from specdistill.drafters.base import build_drafter, config_dict
 
     other = build_drafter({**config_dict(d.cfg), **cfg}, d.target)
     other.load_state_dict(d.state_dict())
@@ -265,7 +265,7 @@ def recipe_cfg(tmp_path, chats, name: str, *overrides):
     vocab 512) on the tiny target and a chats file."""
     from hydra import compose, initialize_config_dir
 
-    import train.__main__  # noqa: F401  (stores the schemas)
+    import specdistill.train.__main__  # noqa: F401  (stores the schemas)
 
     conf = Path(__file__).resolve().parents[1] / "conf"
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
@@ -279,7 +279,7 @@ def recipe_cfg(tmp_path, chats, name: str, *overrides):
 
 def train_rows(cfg) -> list[dict]:
     """Run the recipe on cfg; its metrics.jsonl rows."""
-    from train.recipe import DistillRecipe
+    from specdistill.train.recipe import DistillRecipe
 
     r = DistillRecipe(cfg)
     r.setup()

@@ -6,9 +6,9 @@ position whatever the draft distribution q is; three plausible wrong rules must 
 import pytest
 import torch
 
-from decode.accept import accept_chain, accepted_prefix
+from specdistill.decode.accept import accept_chain, accepted_prefix
 from decode_toys import chi2_stat, wrong_rule
-from drafters.sampling import SamplingParams, sample, warp
+from specdistill.drafters.sampling import SamplingParams, sample, warp
 
 V, M, B = 8, 2, 200_000  # vocabulary, drafts per round, rounds
 

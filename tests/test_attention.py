@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import drafters.attention as attn
-from drafters.attention import FEW_Q, FEW_Q_MAX, KEYS_PER_QUERY, few_query, grouped_attention
+import specdistill.drafters.attention as attn
+from specdistill.drafters.attention import FEW_Q, FEW_Q_MAX, KEYS_PER_QUERY, few_query, grouped_attention
 
 
 def qkv(q, L, dtype=torch.float64, B=2, H=6, Hkv=2, d=8, seed=0):
@@ -80,8 +80,8 @@ def test_dispatch_is_16_bit_cpu_few_queries_over_many_keys_only(monkeypatch):
 
 
 def test_targets_and_eagle_drafters_use_it(tiny_target_cfg, monkeypatch):
-    from drafters.base import build_drafter
-    from drafters.target import load_target
+    from specdistill.drafters.base import build_drafter
+    from specdistill.drafters.target import load_target
 
     target = load_target(tiny_target_cfg)
     assert target.model.config._attn_implementation == FEW_Q

@@ -12,11 +12,11 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-import train.__main__  # noqa: F401  (stores the schemas, registers the resolvers)
-from train import backends, distributed
-from train.batches import BatchIterator
-from train.deepspeed_backend import deepspeed_config
-from train.recipe import DistillRecipe
+import specdistill.train.__main__  # noqa: F401  (stores the schemas, registers the resolvers)
+from specdistill.train import backends, distributed
+from specdistill.train.batches import BatchIterator
+from specdistill.train.deepspeed_backend import deepspeed_config
+from specdistill.train.recipe import DistillRecipe
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 LAUNCH_VARS = ("RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "GROUP_WORLD_SIZE", "RANK",

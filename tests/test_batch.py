@@ -14,17 +14,18 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-import decode.batch
-import decode.budget
-from decode.batch import generate_batch, slot_drafter
-from decode.budget import (BATCH_NS, WIDTH_NS, CostCurve, RoundPlanner, choose_widths,
+import specdistill.decode.batch  # noqa: F401  (loads the submodule for decode.<name>)
+import specdistill.decode.budget  # noqa: F401  (loads the submodule for decode.<name>)
+from specdistill import decode
+from specdistill.decode.batch import generate_batch, slot_drafter
+from specdistill.decode.budget import (BATCH_NS, WIDTH_NS, CostCurve, RoundPlanner, choose_widths,
                            cost_curve, survival)
-from decode.spec import generate
+from specdistill.decode.spec import generate
 from decode_toys import (V, FixedQ, NoisyOracle, StubTokenizer, chi2_stat, jsonl_prompt_ids,
                          make_target, pair_joint, wrong_rule)
-from drafters.base import ChainProposal, DecodeState, build_drafter
-from drafters.sampling import SamplingParams
-from drafters.target import Target
+from specdistill.drafters.base import ChainProposal, DecodeState, build_drafter
+from specdistill.drafters.sampling import SamplingParams
+from specdistill.drafters.target import Target
 from eagle3_engines import perturbed_drafter, tiny8_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -500,7 +501,7 @@ def test_draft_chain_reports_confidences(target8):
     d = perturbed_drafter(target8, "eagle3")
     tokens = torch.randint(0, 128, (9,), generator=torch.Generator().manual_seed(0))
     feats = target8.forward(tokens[None, :-1], layers=d.feature_layers, logits=False).features[0]
-    from drafters.base import DecodeState
+    from specdistill.drafters.base import DecodeState
     prop = d.propose(DecodeState(tokens, feats), 3, SamplingParams())
     assert prop.confidence is not None and prop.confidence.shape == (3,)
     assert bool(((prop.confidence > 0) & (prop.confidence <= 1)).all())
@@ -554,7 +555,7 @@ def test_decode_cli_batch(tmp_path, tiny_target_cfg, tree):
     import sys
     from pathlib import Path
 
-    from drafters.target import load_target
+    from specdistill.drafters.target import load_target
 
     root = Path(__file__).resolve().parents[1]
     prompts = tmp_path / "prompts.jsonl"
@@ -579,7 +580,7 @@ def test_decode_cli_batch(tmp_path, tiny_target_cfg, tree):
 
 
 def test_measure_cost_times_every_size(target):
-    from decode.budget import measure_cost
+    from specdistill.decode.budget import measure_cost
 
     secs = measure_cost(target, bs=(1, 3), qs=(1, 2, 4), context=8, rounds=1)
     assert len(secs) == 2 and all(len(row) == 3 and all(0 < x < 10 for x in row) for row in secs)
@@ -590,8 +591,8 @@ def test_measure_cost_times_every_size(target):
 def test_batch_bench_table_and_plot(target, tmp_path, tree):
     """Every (B, mode) cell is measured, interleaved; greedy outputs equal plain's at each B; the
     table and the PNG are written; with tree=True the speculative modes verify trees."""
-    from decode.bench_batch import batch_markdown, batch_plot, run_batch_bench
-    from drafters.ngram import Ngram
+    from specdistill.decode.bench_batch import batch_markdown, batch_plot, run_batch_bench
+    from specdistill.drafters.ngram import Ngram
 
     prompts = [torch.tensor(p) for p in PROMPTS[:3]]
     order = []
@@ -616,7 +617,7 @@ def test_batch_bench_table_and_plot(target, tmp_path, tree):
 def test_batch_bench_one_by_one_is_the_drafting_a_b(target8):
     """one_by_one=True adds each speculative mode with its rows drafting one after another,
     interleaved with the together default; both decode what plain decoding does."""
-    from decode.bench_batch import batch_markdown, run_batch_bench
+    from specdistill.decode.bench_batch import batch_markdown, run_batch_bench
 
     prompts = [torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(n))
                for n in (5, 9, 7)]
@@ -639,9 +640,9 @@ def test_bench_batch_cli_writes_files(tiny_target_cfg, tmp_path):
     """`python -m decode.bench --batch` minus the target loading: batch.md / .json / .png."""
     import json
 
-    from data.prompts import load_prompts
-    from decode import bench
-    from drafters.target import load_target
+    from specdistill.data.prompts import load_prompts
+    from specdistill.decode import bench
+    from specdistill.drafters.target import load_target
 
     tgt = load_target(tiny_target_cfg)
     args = bench.parse_args(["--batch", "--batch-sizes", "1", "2", "--batch-modes", "plain",
@@ -703,7 +704,8 @@ def test_batched_sampled_trees_have_the_target_distribution(B, monkeypatch):
     """Sampled trees (siblings drawn without replacement from a q far from p) verified in a
     batch: the joint of tokens 2 and 3 matches the target's; trusting the first sibling fails."""
     from decode_toys import SampledToyTree
-    import decode.tree
+    import specdistill.decode.tree  # noqa: F401  (loads the submodule for decode.<name>)
+    from specdistill import decode
 
     tgt = make_target(vocab=8, seed=3, init=0.2)
     prompt = [1, 2, 3, 4]
@@ -733,8 +735,8 @@ def test_tree_inputs_and_compact_of_a_tree_branch(target):
     """A two-row round, one chain and one tree: the tree row's mask is its ancestors and its
     positions its depths; compacting its kept branch (block columns 0, 2, 3) leaves exactly the
     KV a fresh forward over the committed tokens gives."""
-    from decode import batch_cache
-    from decode.tree import ancestors
+    from specdistill.decode import batch_cache
+    from specdistill.decode.tree import ancestors
     chain = torch.tensor([5, 6, 7])
     tree = torch.tensor([9, 10, 11, 12])  # root 9; nodes 10, 11 (children of the root), 12 (of 11)
     anc = ancestors(torch.tensor([-1, -1, 1]))

@@ -5,12 +5,12 @@ order; not only up to near-ties."""
 import pytest
 import torch
 
-from decode.batch import generate_batch
-from decode.kernels import VERIFY_ROOM, ExactVerify
-from decode.rows_exact import ExactRows
-from decode.spec import generate
+from specdistill.decode.batch import generate_batch
+from specdistill.decode.kernels import VERIFY_ROOM, ExactVerify
+from specdistill.decode.rows_exact import ExactRows
+from specdistill.decode.spec import generate
 from decode_toys import NoisyOracle
-from drafters.ngram import Ngram, NgramConfig
+from specdistill.drafters.ngram import Ngram, NgramConfig
 from test_exact_verify import _toy
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -46,7 +46,7 @@ def test_exact_batched_chains_are_unbatched_plain_bit_for_bit(toy, alone, batch_
     drafter = (lambda: NoisyOracle(toy, noise=0.3, seed=1)) if mode != "plain" else None
     cost = None
     if mode == "budgeted":  # a flat cost grid: verifying is as cheap as a step, so rows draft
-        from decode.budget import CostCurve
+        from specdistill.decode.budget import CostCurve
         cost = CostCurve([1, 2, 4], [1, 2, 3, 4], [[1.0] * 4 for _ in range(3)])
     out = generate_batch(toy, drafter, prompts, max_new_tokens=budgets, batch_size=batch_size,
                          k=max(k, 1), mode=mode, exact_verify=True, cost=cost)
@@ -123,9 +123,9 @@ def test_exact_rows_room_is_checked(toy):
 @pytest.mark.slow
 def test_smollm2_bf16_exact_batch_is_unbatched_bit_for_bit():
     """The real target at bf16 with the n-gram drafter, 3 MT-bench prompts through batches of 2."""
-    from data.prompts import load_prompts
-    from decode.evaluate import render
-    from drafters.target import TargetConfig, load_target
+    from specdistill.data.prompts import load_prompts
+    from specdistill.decode.evaluate import render
+    from specdistill.drafters.target import TargetConfig, load_target
 
     target = load_target(TargetConfig(path="packaged:smollm2", dtype="bfloat16"))
     ids = [render(target, p.turns[:1], []) for p in load_prompts("mtbench", limit=3)]
@@ -142,8 +142,8 @@ def test_exact_attention_reduces_each_row_over_its_own_capacity():
     machine at SmolLM2's head shapes: the softmax and p @ v reduce over the length.)"""
     from torch import nn
 
-    from decode.kernels import active, exact_attention
-    from drafters.attention import grouped_attention
+    from specdistill.decode.kernels import active, exact_attention
+    from specdistill.drafters.attention import grouped_attention
 
     g = torch.Generator().manual_seed(2)  # a draw where the two widths round differently there
     caps, q = [929, 1429], 3
@@ -167,7 +167,7 @@ def test_exact_attention_reduces_each_row_over_its_own_capacity():
 def test_batch_bench_exact_cells_match_unbatched(toy):
     """`decode.bench --batch --batch-exact`: every mode again with exact_verify, interleaved; the
     exact cells' outputs equal unbatched (B = 1) exact plain decoding's, and the table says so."""
-    from decode.bench_batch import batch_markdown, run_batch_bench
+    from specdistill.decode.bench_batch import batch_markdown, run_batch_bench
 
     prompts, _ = _work()
     order = []
@@ -192,7 +192,7 @@ def test_explicit_masks_refuse_contexts_past_a_sliding_window():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from decode_toys import StubTokenizer
-    from drafters.target import Target
+    from specdistill.drafters.target import Target
 
     cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
@@ -217,7 +217,7 @@ def test_exact_cost_grid_is_measured_through_exact_rows_and_cached_apart(toy, tm
                                                                           monkeypatch):
     """budgeted + exact plans over the grid of the exact batched forward (its own cache key), and
     measuring that grid runs the exact rows' forward at every size."""
-    import decode.budget as budget
+    import specdistill.decode.budget as budget
 
     secs = budget.measure_cost(toy, bs=(1, 3), qs=(1, 4), context=8, rounds=1, exact=True)
     assert len(secs) == 2 and all(len(r) == 2 and all(0 < x < 10 for x in r) for r in secs)
@@ -242,7 +242,7 @@ def test_exact_batched_sampling_draws_what_each_prompt_draws_alone(toy):
     """Sampling (T = 0.8) with exact rows: each row's logits are its lone decode's bit for bit, so
     with the same generator and a deterministic drafter every sampled output is the one `generate`
     draws alone with exact_verify (not only the same distribution)."""
-    from drafters.sampling import SamplingParams
+    from specdistill.drafters.sampling import SamplingParams
 
     prompts, budgets = _work()
     sampling = SamplingParams(temperature=0.8)

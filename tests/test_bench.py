@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-import train.__main__  # noqa: F401  (stores the schemas)
-from train.benchmarks import throughput as bench
+import specdistill.train.__main__  # noqa: F401  (stores the schemas)
+from specdistill.train.benchmarks import throughput as bench
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 ARGS = Namespace(device="cpu", conversations=50, max_length=256, global_batch=4, steps=3)

@@ -7,8 +7,8 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-import decode.__main__  # noqa: F401  (stores the decode schemas)
-import train.__main__  # noqa: F401  (stores the train schemas)
+import specdistill.decode.__main__  # noqa: F401  (stores the decode schemas)
+import specdistill.train.__main__  # noqa: F401  (stores the train schemas)
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = {"train": ["target", "data", "drafter", "trainer", "logger", "deepspeed"],

@@ -8,13 +8,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import data.dataset as dataset_mod
-from data import assets
-from data.assets import AssetMissingError, asset_path
-from data.chat import ChatTemplateError, encode_chat, encode_chats, render_chat
-from data.dataset import DataConfig, load_chat_dataset
-from data.prompts import PromptFormatError, load_prompts
-from data.sharegpt import Counts, DataFormatError, iter_conversations, iter_json
+import specdistill.data.dataset as dataset_mod
+from specdistill.data import assets
+from specdistill.data.assets import AssetMissingError, asset_path
+from specdistill.data.chat import ChatTemplateError, encode_chat, encode_chats, render_chat
+from specdistill.data.dataset import DataConfig, load_chat_dataset
+from specdistill.data.prompts import PromptFormatError, load_prompts
+from specdistill.data.sharegpt import Counts, DataFormatError, iter_conversations, iter_json
 
 LLAMA3_TEMPLATE = (
     "{% for message in messages %}"
@@ -37,7 +37,7 @@ def smollm2_tokenizer():
     """The SmolLM2 tokenizer read from the packaged GGUF (~3 s, no model weights)."""
     from transformers import AutoTokenizer
 
-    from drafters.target import packaged_gguf
+    from specdistill.drafters.target import packaged_gguf
 
     gguf = packaged_gguf("smollm2")
     return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -376,7 +376,7 @@ def test_cache_hit_skips_all_work(tmp_path, isolated_cache, monkeypatch, caplog,
 
     for name in ("encode_chats", "iter_conversations", "file_sha256"):
         monkeypatch.setattr(dataset_mod, name, boom)
-    with caplog.at_level(logging.INFO, logger="data.dataset"):
+    with caplog.at_level(logging.INFO, logger="specdistill.data.dataset"):
         second = load_chat_dataset(cfg, smollm2_tokenizer)
     assert "loaded from cache" in caplog.text
     assert second.cache_path == first.cache_path and second.counts == first.counts

@@ -8,14 +8,14 @@ the time, so every branch of the acceptance rules runs.
 import pytest
 import torch
 
-import decode.spec
-from decode.spec import generate
+import specdistill.decode.spec as spec_module
+from specdistill.decode.spec import generate
 from decode_toys import (V, FixedQ, NoisyOracle, StubTokenizer, check_sampling_lossless,
                          make_target)
-from drafters.base import Drafter
-from drafters.ngram import Ngram, NgramConfig
-from drafters.sampling import SamplingParams
-from drafters.target import Target
+from specdistill.drafters.base import Drafter
+from specdistill.drafters.ngram import Ngram, NgramConfig
+from specdistill.drafters.sampling import SamplingParams
+from specdistill.drafters.target import Target
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -141,12 +141,12 @@ def test_adaptive_draft_length_reaches_the_drafter(target):
 def test_cache_and_features_equal_a_fresh_forward_every_round(target, tree, monkeypatch):
     caches = []
 
-    class RecordingCache(decode.spec.DynamicCache):
+    class RecordingCache(spec_module.DynamicCache):
         def __init__(self, *a, **kw):
             super().__init__(*a, **kw)
             caches.append(self)
 
-    monkeypatch.setattr(decode.spec, "DynamicCache", RecordingCache)
+    monkeypatch.setattr(spec_module, "DynamicCache", RecordingCache)
     drafter = NoisyOracle(target, noise=0.5, seed=1, feature_layers=(1, -1))
     res = generate(target, drafter, PROMPTS[2], max_new_tokens=30, k=4, tree=tree)
     assert res.tokens.tolist() == plain(target, PROMPTS[2], 30).tokens.tolist()
@@ -160,7 +160,7 @@ def test_cache_and_features_equal_a_fresh_forward_every_round(target, tree, monk
     # the final cache holds exactly tokens[:-1] and equals a fresh prefill's, position by position
     cache = res.cache
     assert cache is caches[0] and cache.get_seq_length() == len(full) - 1
-    fresh = decode.spec.DynamicCache()
+    fresh = spec_module.DynamicCache()
     target.forward(torch.tensor([full[:-1]]), cache=fresh)
     for got, exp in zip(cache.layers, fresh.layers):
         torch.testing.assert_close(got.keys, exp.keys)
@@ -172,7 +172,7 @@ def test_cache_and_features_equal_a_fresh_forward_every_round(target, tree, monk
 def test_cache_length_is_committed_minus_one_after_each_round(target, monkeypatch):
     caches, lengths = [], []
 
-    class RecordingCache(decode.spec.DynamicCache):
+    class RecordingCache(spec_module.DynamicCache):
         def __init__(self, *a, **kw):
             super().__init__(*a, **kw)
             caches.append(self)
@@ -182,7 +182,7 @@ def test_cache_length_is_committed_minus_one_after_each_round(target, monkeypatc
             lengths.append((caches[-1].get_seq_length(), len(state.tokens)))
             return super().propose(state, k, sampling, generator, min_confidence)
 
-    monkeypatch.setattr(decode.spec, "DynamicCache", RecordingCache)
+    monkeypatch.setattr(spec_module, "DynamicCache", RecordingCache)
     res = generate(target, Checking(target, noise=0.5), PROMPTS[0], max_new_tokens=25, k=3)
     assert any(n < m for n, m in zip(res.accepted, res.drafted))
     # the drafter is asked every round but the last (whose budget leaves room for no draft)

@@ -4,9 +4,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from decode.spec import generate
+from specdistill.decode.spec import generate
 from decode_toys import jsonl_prompt_ids
-from drafters.target import load_target
+from specdistill.drafters.target import load_target
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,9 +47,9 @@ def test_decode_time_tree_settings_override_a_checkpoint(tiny_run, tiny_target_c
     import pytest
     from hydra import compose, initialize_config_dir
 
-    from decode.config import DecodeConfig, store_schemas
-    from decode.evaluate import load_decode_drafter
-    from drafters.base import load_drafter
+    from specdistill.decode.config import DecodeConfig, store_schemas
+    from specdistill.decode.evaluate import load_decode_drafter
+    from specdistill.drafters.base import load_drafter
 
     store_schemas("decode_schema", DecodeConfig)
     target = load_target(tiny_target_cfg)

@@ -5,11 +5,11 @@ tests/test_fast_decode.py's slow test."""
 import pytest
 import torch
 
-from data.prompts import load_prompts
-from decode.evaluate import render
-from decode.spec import generate
-from drafters.base import build_drafter
-from drafters.target import TargetConfig, load_target
+from specdistill.data.prompts import load_prompts
+from specdistill.decode.evaluate import render
+from specdistill.decode.spec import generate
+from specdistill.drafters.base import build_drafter
+from specdistill.drafters.target import TargetConfig, load_target
 
 
 @pytest.mark.slow

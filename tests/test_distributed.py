@@ -25,10 +25,10 @@ import torch
 from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
-import train.__main__  # noqa: F401  (stores the schemas)
-from drafters.base import load_drafter
-from train import checkpoint as ckpt
-from train.recipe import DistillRecipe
+import specdistill.train.__main__  # noqa: F401  (stores the schemas)
+from specdistill.drafters.base import load_drafter
+from specdistill.train import checkpoint as ckpt
+from specdistill.train.recipe import DistillRecipe
 
 pytestmark = pytest.mark.slow
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
@@ -310,7 +310,7 @@ def test_deepspeed_bf16_without_a_launcher(job, tmp_path):
         assert got[step] == pytest.approx(job.losses[step], rel=3e-2)
     saved = load_file(str(ckpt.latest_checkpoint(run) / "drafter.safetensors"))
     assert {v.dtype for k, v in saved.items() if k in job.weights} == {torch.bfloat16}
-    from drafters.target import load_target
+    from specdistill.drafters.target import load_target
     cfg = json.loads((run / "best" / "drafter.json").read_text())
     assert cfg["name"] == "eagle"
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):

@@ -12,14 +12,14 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import drafters  # noqa: F401  (registers every drafter)
-from drafters.base import (CONFIGS, DecodeState, TrainBatch, build_drafter, fit_draft_vocab,
+import specdistill.drafters  # noqa: F401  (registers every drafter)
+from specdistill.drafters.base import (CONFIGS, DecodeState, TrainBatch, build_drafter, fit_draft_vocab,
                            load_drafter, save_drafter, trainable_drafters)
-from drafters.sampling import SamplingParams
-from drafters.target import Target
-from drafters.vocab import (d2t_to_offsets, expand_probs, offsets_to_d2t, select_draft_vocab,
+from specdistill.drafters.sampling import SamplingParams
+from specdistill.drafters.target import Target
+from specdistill.drafters.vocab import (d2t_to_offsets, expand_probs, offsets_to_d2t, select_draft_vocab,
                             t2d_mask)
-from train.losses import distill_loss
+from specdistill.train.losses import distill_loss
 
 V, H = 128, 32
 TRAINABLE = trainable_drafters()
@@ -169,7 +169,7 @@ def test_eagle_training_matches_decoding(target):
 def test_eagle_tree_expands_each_node_correctly(target, monkeypatch):
     """Every expansion's log-probs equal the node's draft distribution recomputed from scratch
     along its path (checks the tree mask and positions); top_k=1 gives the greedy chain."""
-    import drafters.eagle as eagle_module
+    import specdistill.drafters.eagle as eagle_module
 
     calls = []
 
@@ -299,9 +299,9 @@ def test_shipped_yaml_composes_builds_and_holds_only_differences(tiny_target_cfg
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from decode.config import store_schemas
-    from drafters.base import config_dict
-    from drafters.target import load_target
+    from specdistill.decode.config import store_schemas
+    from specdistill.drafters.base import config_dict
+    from specdistill.drafters.target import load_target
 
     store_schemas()
     conf = Path(__file__).resolve().parents[1] / "conf"

@@ -12,18 +12,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from decode.evaluate import is_near_tie
-from decode.spec import generate
+from specdistill.decode.evaluate import is_near_tie
+from specdistill.decode.spec import generate
 from decode_toys import greedy_lossless_accepted, make_target
-from drafters import eagle3 as e3
-from drafters.base import DecodeState, TrainBatch, build_drafter, config_dict, fit_draft_vocab
-from drafters.target import Target
-from drafters.export import export_drafter, load_export
-from drafters.export_formats import ExportError
+from specdistill.drafters import eagle3 as e3
+from specdistill.drafters.base import DecodeState, TrainBatch, build_drafter, config_dict, fit_draft_vocab
+from specdistill.drafters.target import Target
+from specdistill.drafters.export import export_drafter, load_export
+from specdistill.drafters.export_formats import ExportError
 from eagle3_engines import (TOY_H, TOY_L, TOY_V, engine_chain, engine_name, feature_batch,
                             perturbed_drafter, tiny8_target, train_rows)
 from eagle3_engines import recipe_cfg as eagle3_recipe_cfg
-from train.losses import distill_loss
+from specdistill.train.losses import distill_loss
 
 V, H, L = TOY_V, TOY_H, TOY_L  # an 8-layer target: the engines' default aux layers (2, 4, 5) exist
 
@@ -187,8 +187,8 @@ def test_recipe_trains_eagle3_and_loss_goes_down(tmp_path, chats):
 
 
 def test_online_and_offline_capture_of_three_layers(tmp_path, chats):
-    from data.capture import CaptureConfig, OfflineFeatures, capture, capture_dir, capture_split
-    from train.recipe import DistillRecipe
+    from specdistill.data.capture import CaptureConfig, OfflineFeatures, capture, capture_dir, capture_split
+    from specdistill.train.recipe import DistillRecipe
 
     r = DistillRecipe(recipe_cfg(tmp_path, chats, "trainer.max_steps=1"))
     r.setup()
@@ -288,9 +288,9 @@ def test_export_refuses_what_the_engine_cannot_run(target, engine, cfg, match, t
 def test_smollm2_eagle3_greedy_is_lossless_on_mtbench():
     """The real target: aux layers (2, 15, 27), and chain / tree output equal to plain greedy after
     a few steps on the target's own continuations of the prompts (so drafts get accepted)."""
-    from data.prompts import load_prompts
-    from decode.evaluate import render
-    from drafters.target import TargetConfig, load_target
+    from specdistill.data.prompts import load_prompts
+    from specdistill.decode.evaluate import render
+    from specdistill.drafters.target import TargetConfig, load_target
 
     target = load_target(TargetConfig(path="packaged:smollm2", dtype="float32"))  # no near-ties
     d = build_drafter({"name": "eagle3", "draft_vocab_size": 4096, "ttt_length": 2}, target)
@@ -442,7 +442,7 @@ def test_speculators_release_loads_our_peagle_export(target, speculators_python,
     every tensor loaded as written (mask_hidden included: the library would silently keep a
     random one if it were missing) and nothing else, and its logits at every (anchor, depth) its
     training forward draws == our draft positions (depth 0 = the real position, d = mask d)."""
-    from drafters.peagle import peagle_speculators_config, peagle_speculators_state
+    from specdistill.drafters.peagle import peagle_speculators_config, peagle_speculators_state
 
     d = perturbed_drafter(target, "peagle", 1, ttt_length=3, **cfg)
     W = peagle_speculators_state(d)
@@ -495,7 +495,7 @@ def test_speculators_release_loads_our_dflash_export(target, speculators_python,
     """Our `dflash` speculators export (drafters/dflash.py) in the release's DFlashDraftModel:
     every tensor loaded as written and nothing else, and its block logits at every anchor it
     draws (slot i >= 1) == our training logits of draft i there."""
-    from drafters.dflash import dflash_config, dflash_state
+    from specdistill.drafters.dflash import dflash_config, dflash_state
 
     d = perturbed_drafter(target, "dflash", 1, block_size=4, **cfg)
     W = dflash_state(d, "speculators")

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from decode.engine import check as chk
-from decode.engine import vllm_engine as ve
-from decode.engine.envs import EngineUnavailable, vllm_python
+from specdistill.decode.engine import check as chk
+from specdistill.decode.engine import vllm_engine as ve
+from specdistill.decode.engine.envs import EngineUnavailable, vllm_python
 
 FAKE = Path(__file__).with_name("fake_vllm")
 
@@ -122,7 +122,7 @@ def test_an_export_the_engine_refuses_is_a_result_with_its_own_words(fake_env, t
 @pytest.fixture(scope="module")
 def vllm():
     """The specdistill cache, with vLLM CPU installed in it (or SPECDISTILL_VLLM_PYTHON)."""
-    from drafters.target import TargetConfig, cache_root
+    from specdistill.drafters.target import TargetConfig, cache_root
 
     cache = cache_root(TargetConfig(path="packaged:smollm2"))
     try:
@@ -134,7 +134,7 @@ def vllm():
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from drafters.target import TargetConfig, load_target
+    from specdistill.drafters.target import TargetConfig, load_target
 
     return load_target(TargetConfig(path="packaged:smollm2", dtype="float32"))
 
@@ -145,12 +145,12 @@ PROMPTS, TOKENS, K = 3, 48, 3
 def overfit(target, cfg: dict, steps: int = 60):
     """A drafter trained on the target's own greedy answers to the check's prompts: it gets most
     drafts right, so a layout the engine reads differently shows as lost acceptance."""
-    from data.capture import target_logits
-    from data.prompts import load_prompts
-    from decode.evaluate import render
-    from decode.spec import generate
-    from drafters.base import TrainBatch, build_drafter, fit_draft_vocab
-    from train.losses import distill_loss
+    from specdistill.data.capture import target_logits
+    from specdistill.data.prompts import load_prompts
+    from specdistill.decode.evaluate import render
+    from specdistill.decode.spec import generate
+    from specdistill.drafters.base import TrainBatch, build_drafter, fit_draft_vocab
+    from specdistill.train.losses import distill_loss
 
     torch.manual_seed(0)
     d = build_drafter(cfg, target)
@@ -179,7 +179,7 @@ def overfit(target, cfg: dict, steps: int = 60):
 
 
 def export(d, cfg, target, fmt, folder):
-    from drafters.export import export_drafter
+    from specdistill.drafters.export import export_drafter
 
     export_drafter(d, cfg, target, fmt, folder, speculative_tokens=K)
     return folder

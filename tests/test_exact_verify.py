@@ -7,13 +7,13 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from decode import kernels
-from decode.evaluate import is_near_tie
-from decode.kernels import VERIFY_ROOM, ExactVerify, active
-from decode.spec import generate
+from specdistill.decode import kernels
+from specdistill.decode.evaluate import is_near_tie
+from specdistill.decode.kernels import VERIFY_ROOM, ExactVerify, active
+from specdistill.decode.spec import generate
 from decode_toys import NoisyOracle, StubTokenizer
-from drafters.ngram import Ngram, NgramConfig
-from drafters.target import Target, load_target
+from specdistill.drafters.ngram import Ngram, NgramConfig
+from specdistill.drafters.target import Target, load_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -153,9 +153,9 @@ def test_decode_cli_records_exact_verify_alone_and_batched(tiny_run, tmp_path):
 def test_smollm2_bf16_exact_chain_is_plain_bit_for_bit():
     """The real target at bf16, where plain and speculative decoding differ at near-ties without
     exact_verify (BENCHMARKS.md): with it, n-gram chains give plain decoding's tokens exactly."""
-    from data.prompts import load_prompts
-    from decode.evaluate import render
-    from drafters.target import TargetConfig
+    from specdistill.data.prompts import load_prompts
+    from specdistill.decode.evaluate import render
+    from specdistill.drafters.target import TargetConfig
 
     target = load_target(TargetConfig(path="packaged:smollm2", dtype="bfloat16"))
     ngram = Ngram(NgramConfig(), target.vocab_size)
@@ -167,7 +167,7 @@ def test_smollm2_bf16_exact_chain_is_plain_bit_for_bit():
 
 
 def test_exact_verify_auto_is_on_for_16_bit_chains_only():
-    from decode.kernels import resolve_exact
+    from specdistill.decode.kernels import resolve_exact
     assert resolve_exact("auto", torch.bfloat16, tree=False)
     assert resolve_exact("auto", torch.float16, tree=False)
     assert not resolve_exact("auto", torch.float32, tree=False)  # GEMV -> GEMM costs ~1.6x at fp32

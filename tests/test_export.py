@@ -23,16 +23,16 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-import drafters  # noqa: F401  (registers every drafter)
-from decode.spec import generate
-from drafters.base import DRAFTERS, DecodeState, TrainBatch, build_drafter, fit_draft_vocab
-from drafters.export import export_drafter, full_config, load_export, validate_export
-from drafters.export_formats import ExportError
-from drafters.hub import PushError, push_to_hub
-from drafters.sampling import SamplingParams
-from drafters.target import Target
+import specdistill.drafters  # noqa: F401  (registers every drafter)
+from specdistill.decode.spec import generate
+from specdistill.drafters.base import DRAFTERS, DecodeState, TrainBatch, build_drafter, fit_draft_vocab
+from specdistill.drafters.export import export_drafter, full_config, load_export, validate_export
+from specdistill.drafters.export_formats import ExportError
+from specdistill.drafters.hub import PushError, push_to_hub
+from specdistill.drafters.sampling import SamplingParams
+from specdistill.drafters.target import Target
 from eagle3_engines import dflash_logits, first_step_logits
-from train.export import ExportConfig, run_export
+from specdistill.train.export import ExportConfig, run_export
 
 V, H = 128, 32
 GREEDY = SamplingParams()
@@ -408,8 +408,8 @@ def test_push_to_hub_offline_fails_clearly_and_keeps_the_export(tmp_path, target
 
 # -- the CLI on a real (tiny) training run -----------------------------------------------------
 def test_cli_exports_a_run_with_parity_and_a_card(tmp_path, tiny_run):
-    from decode.evaluate import load_decode_drafter
-    from train.export import measure_parity
+    from specdistill.decode.evaluate import load_decode_drafter
+    from specdistill.train.export import measure_parity
 
     cfg = OmegaConf.merge(OmegaConf.structured(ExportConfig), {
         "run": str(tiny_run), "format": "vllm", "out": str(tmp_path / "vllm"),

@@ -5,7 +5,7 @@ The throwaway drafter below lives only in a temporary folder (tmp/drafters/toy.p
 tmp/conf/drafter/toy.yaml). It is built from the shared parts (draft head, chain loop, default
 build) and registers its config schema and one export layout of its own. The test checks that it
 registers, trains a few steps through the real recipe (`python -m train` with the temporary folder
-on PYTHONPATH and on Hydra's search path), decodes losslessly (greedy output == the plain target's),
+in $SPECDISTILL_DRAFTERS and on Hydra's search path), decodes losslessly (greedy output == the plain target's),
 saves / loads, and exports in every layout it registered (its own and `hf`)."""
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from drafters.base import DraftPrediction, Drafter, DrafterConfig, ExportLayout, register
-from drafters.head import head_logits, init_draft_head
+from specdistill.drafters.base import DraftPrediction, Drafter, DrafterConfig, ExportLayout, register
+from specdistill.drafters.head import head_logits, init_draft_head
 
 
 @dataclass
@@ -95,31 +95,31 @@ def toy_folder(tmp_path):
     (tmp_path / "drafters" / "toy.py").write_text(textwrap.dedent(TOY))
     (tmp_path / "conf" / "drafter").mkdir(parents=True)
     (tmp_path / "conf" / "drafter" / "toy.yaml").write_text(YAML)
-    import drafters
-    from drafters import base
+    import specdistill.drafters as drafters
+    from specdistill.drafters import base
 
     path = list(drafters.__path__)
-    sys.path.append(str(tmp_path))
+    os.environ[drafters.PATH_ENV] = str(tmp_path / "drafters")
     try:
         yield tmp_path
     finally:
-        sys.path.remove(str(tmp_path))
+        del os.environ[drafters.PATH_ENV]
         drafters.__path__[:] = path
         base.DRAFTERS.pop("toy", None)
         base.CONFIGS.pop("toy", None)
-        sys.modules.pop("drafters.toy", None)
+        sys.modules.pop("specdistill.drafters.toy", None)
 
 
 def test_a_drafter_in_one_module_and_one_yaml(toy_folder, tiny_target_cfg):
-    from decode.spec import generate
-    from drafters.base import DRAFTERS, load_drafter
-    from drafters.export import export_drafter, load_export
-    from drafters.target import load_target
-    from train.checkpoint import resolve_drafter
+    from specdistill.decode.spec import generate
+    from specdistill.drafters.base import DRAFTERS, load_drafter
+    from specdistill.drafters.export import export_drafter, load_export
+    from specdistill.drafters.target import load_target
+    from specdistill.train.checkpoint import resolve_drafter
 
     # 1. trains through the real recipe: `python -m train drafter=toy`, nothing else edited
     run = toy_folder / "run"
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{toy_folder}", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # SPECDISTILL_DRAFTERS: the fixture's
     cmd = [sys.executable, "-m", "train", f"hydra.searchpath=[file://{toy_folder / 'conf'}]",
            "drafter=toy", "target=tiny", "data=jsonl",
            f"data.path={write_chats(toy_folder / 'c.jsonl', 16, 10)}",
@@ -133,7 +133,7 @@ def test_a_drafter_in_one_module_and_one_yaml(toy_folder, tiny_target_cfg):
     assert json.loads((saved / "drafter.json").read_text())["draft_vocab_size"] == 256  # the YAML's
 
     # 2. registers in this process too: importing the package finds every drafters/ folder
-    import drafters
+    import specdistill.drafters as drafters
 
     importlib.reload(drafters)
     assert "toy" in DRAFTERS and set(DRAFTERS["toy"].layouts) == {"hf", "toy_flat"}

@@ -8,15 +8,15 @@ import logging
 import pytest
 import torch
 
-import drafters.precision as precision
-from decode import bench
-from decode.evaluate import NEAR_TIE_ULPS, evaluate_drafter, is_near_tie
-from decode.spec import generate
+import specdistill.drafters.precision as precision
+from specdistill.decode import bench
+from specdistill.decode.evaluate import NEAR_TIE_ULPS, evaluate_drafter, is_near_tie
+from specdistill.decode.spec import generate
 from decode_toys import FixedQ, NoisyOracle, chi2_stat, make_target
-from drafters.ngram import Ngram, NgramConfig
-from drafters.sampling import SamplingParams, warp
-from drafters.precision import resolve_dtype, set_threads
-from drafters.target import load_target
+from specdistill.drafters.ngram import Ngram, NgramConfig
+from specdistill.drafters.sampling import SamplingParams, warp
+from specdistill.drafters.precision import resolve_dtype, set_threads
+from specdistill.drafters.target import load_target
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -54,7 +54,7 @@ def test_explicit_and_bad_dtypes(monkeypatch):
 def test_load_target_runs_at_the_resolved_dtype(tiny_target_cfg, monkeypatch, caplog):
     _flags(monkeypatch, {"avx512_bf16"})
     tiny_target_cfg.dtype = "auto"
-    with caplog.at_level(logging.INFO, logger="drafters.target"):
+    with caplog.at_level(logging.INFO, logger="specdistill.drafters.target"):
         t = load_target(tiny_target_cfg)
     assert t.dtype == torch.bfloat16 and t.dtype_choice.as_dict()["cpu_bf16_flags"] == ["avx512_bf16"]
     assert "target dtype bfloat16 (target.dtype=auto; /proc/cpuinfo flags" in caplog.text
@@ -185,9 +185,9 @@ def test_smollm2_bf16_greedy_is_plain_greedy_up_to_near_ties():
     """SmolLM2 at bf16 on MT-bench prompts: plain decoding equals HF greedy generate at bf16
     (the same one-token kernel shapes), and n-gram speculative decoding equals plain decoding,
     except where a bf16 near-tie flips (margin within two bf16 spacings of the top logit)."""
-    from data.prompts import load_prompts
-    from decode.evaluate import render
-    from drafters.target import TargetConfig
+    from specdistill.data.prompts import load_prompts
+    from specdistill.decode.evaluate import render
+    from specdistill.drafters.target import TargetConfig
 
     target = load_target(TargetConfig(path="packaged:smollm2", dtype="bfloat16"))
     ngram = Ngram(NgramConfig(), target.vocab_size)
@@ -202,7 +202,7 @@ def test_smollm2_bf16_greedy_is_plain_greedy_up_to_near_ties():
 
 
 def test_bench_tables_compare_at_the_same_dtype_and_list_differences():
-    from decode.metrics import RunMetrics
+    from specdistill.decode.metrics import RunMetrics
 
     m = {("float32", "plain (ours)"): RunMetrics(tokens_per_s=10.0, rounds=5),
          ("float32", "HF greedy"): RunMetrics(tokens_per_s=8.0),
@@ -262,9 +262,9 @@ def test_cast_drafter_runs_every_drafter_at_bf16_losslessly(tiny_target_cfg, nam
     """decode's drafter_dtype=target: a drafter cast to bf16 on an fp32 target drafts in bf16 (its
     own weights and the compute dtype of the target modules it calls), leaves the target's weights
     alone, and the output is still plain decoding's."""
-    from drafters.base import CONFIGS, build_drafter
-    from drafters.head import Shared
-    from drafters.precision import cast_drafter
+    from specdistill.drafters.base import CONFIGS, build_drafter
+    from specdistill.drafters.head import Shared
+    from specdistill.drafters.precision import cast_drafter
 
     t = load_target(tiny_target_cfg)  # float32
     d = build_drafter(CONFIGS[name](), t).eval()
@@ -283,8 +283,8 @@ def test_decode_casts_the_drafter_to_the_target_dtype(tiny_run, tmp_path):
     """`python -m decode ckpt=... drafter_dtype=...` records the dtype the drafter ran at."""
     from hydra import compose, initialize_config_dir
 
-    import decode.__main__  # noqa: F401  (stores the schemas)
-    from decode.evaluate import run
+    import specdistill.decode.__main__  # noqa: F401  (stores the schemas)
+    from specdistill.decode.evaluate import run
 
     conf = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "conf")
     for setting, want in (("target", "float32"), ("bfloat16", "bfloat16")):
@@ -301,8 +301,8 @@ def test_decode_casts_the_drafter_to_the_target_dtype(tiny_run, tmp_path):
 def test_bench_attention_a_b_loads_one_target_per_attention(monkeypatch, tiny_target_cfg):
     """`decode.bench --attn few_q sdpa`: a target per (dtype, attention), named apart; the sdpa
     one runs torch's kernel, the other ours; one attention keeps the plain dtype names."""
-    from decode import bench
-    from drafters.attention import FEW_Q
+    from specdistill.decode import bench
+    from specdistill.drafters.attention import FEW_Q
 
     monkeypatch.setattr(bench, "load_target", lambda cfg: load_target(tiny_target_cfg))
     both = bench.load_targets(bench.parse_args(["--dtypes", "float32", "--attn", "few_q", "sdpa"]))
@@ -317,7 +317,7 @@ def test_bench_labels_two_runs_of_one_drafter_apart(monkeypatch):
     names its run, so neither overwrites the other; one run keeps the short label."""
     from types import SimpleNamespace
 
-    from decode import bench
+    from specdistill.decode import bench
 
     monkeypatch.setattr(bench, "load_drafter", lambda path, target: _Stub(path))
     monkeypatch.setattr(bench, "cast_drafter", lambda d, target, dtype: None)

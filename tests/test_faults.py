@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from decode import evaluate as ev
-from drafters.cli import UserError, check_ranges
-from train import checkpoint as ckpt
-from train.config import TRAIN_RULES
-from train.recipe import DistillRecipe
-from train.runlock import RunDirLocked, RunLock
+from specdistill.decode import evaluate as ev
+from specdistill.drafters.cli import UserError, check_ranges
+from specdistill.train import checkpoint as ckpt
+from specdistill.train.config import TRAIN_RULES
+from specdistill.train.recipe import DistillRecipe
+from specdistill.train.runlock import RunDirLocked, RunLock
 from test_train import chat_file, make_cfg  # noqa: F401  (fixture + config helper)
 from test_train import run as _train
 
@@ -187,8 +187,8 @@ def test_ctrl_c_says_how_to_resume(tmp_path, chat_file):  # noqa: F811
 
 
 def test_a_lossless_failure_is_reported_with_the_margin(monkeypatch, tiny_target_cfg):
-    from drafters.base import build_drafter
-    from drafters.target import load_target
+    from specdistill.drafters.base import build_drafter
+    from specdistill.drafters.target import load_target
 
     target = load_target(tiny_target_cfg)
     real = ev.generate
@@ -222,8 +222,8 @@ def test_near_tie_tells_case_6_from_a_bug():
 
 
 def test_decode_budget_cap_is_recorded(tiny_target_cfg, caplog):
-    from drafters.base import build_drafter
-    from drafters.target import load_target
+    from specdistill.drafters.base import build_drafter
+    from specdistill.drafters.target import load_target
 
     tiny_target_cfg.model_config["max_position_embeddings"] = 160  # the prompt leaves a few tokens
     target = load_target(tiny_target_cfg)
@@ -234,7 +234,7 @@ def test_decode_budget_cap_is_recorded(tiny_target_cfg, caplog):
 
 
 def test_empty_prompts_are_refused(tmp_path):
-    from data.prompts import PromptFormatError, load_prompts
+    from specdistill.data.prompts import PromptFormatError, load_prompts
 
     f = tmp_path / "p.jsonl"
     f.write_text(json.dumps({"id": 1, "prompt": "  "}) + "\n")

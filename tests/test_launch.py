@@ -12,8 +12,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from torch.distributed.run import get_args_parser
 
-import train.__main__  # noqa: F401  (stores the schemas)
-from train.distributed import run_id
+import specdistill.train.__main__  # noqa: F401  (stores the schemas)
+from specdistill.train.distributed import run_id
 
 ROOT = Path(__file__).resolve().parents[1]
 SBATCH = ROOT / "launch" / "slurm.sbatch"
@@ -134,7 +134,7 @@ def cfg_job(cmd: list[str]) -> dict:
 
 
 def compose_decode(overrides: list[str]):
-    from decode.config import DecodeConfig, store_schemas
+    from specdistill.decode.config import DecodeConfig, store_schemas
 
     store_schemas("decode_schema", DecodeConfig)
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
@@ -221,3 +221,38 @@ def test_gpu_bench_runs_end_to_end_on_a_tiny_target(tmp_path):
             if line.startswith("| chain") or line.startswith("| tree")}
     assert set(rows) == {"chain", "tree"} and f"{chain['tau']:.3f}" in rows["chain"]
     assert "(chain run)" in rows["tree"] and "training: last held-out eval at step 4" in summary
+
+
+# -- the commands from any folder ---------------------------------------------------------------------
+def _in(folder: Path, *cmd: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run(list(cmd), cwd=folder, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_the_commands_work_from_an_ml_project_with_its_own_data_train_and_decode(tmp_path):
+    """A user's project root with data/, drafters/, train/ and decode/ modules of its own: the
+    library is imported as specdistill.* and never through (or instead of) those names."""
+    for name in ("data", "drafters", "train", "decode"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(f"MINE = {name!r}\n")
+    job = ["--cfg", "job", "target=tiny"]
+    for cmd in (["specdistill-train", *job], ["specdistill-decode", *job],
+                ["specdistill-export", "--cfg", "job", "run=x"],
+                [sys.executable, "-m", "specdistill.data.capture", "--cfg", "job", "out=x"]):
+        out = _in(tmp_path, *cmd)
+        assert out.returncode == 0 and "target:" in out.stdout + out.stderr or "run: x" in out.stdout \
+            or "out: x" in out.stdout, (cmd, out.stderr[-2000:])
+    # python -m train / decode: top-level names, so they need a folder without train/ / decode/
+    (tmp_path / "train" / "__init__.py").unlink()
+    (tmp_path / "train").rmdir()
+    out = _in(tmp_path, sys.executable, "-m", "train", *job)
+    assert out.returncode == 0 and "drafter:" in out.stdout, out.stderr[-2000:]
+    # the user's own modules stay theirs, and ours installed no data / drafters of ours
+    probe = ("import importlib.util as u, data, drafters; print(data.MINE, drafters.MINE); "
+             "print(u.find_spec('specdistill.data').submodule_search_locations[0])")
+    out = _in(tmp_path, sys.executable, "-c", probe)
+    assert out.stdout.splitlines()[0] == "data drafters", out.stderr
+    assert Path(out.stdout.splitlines()[1]).resolve() == (ROOT / "data").resolve()
+    bare = _in(tmp_path.parent, sys.executable, "-c", "import importlib.util as u; "
+               "print(u.find_spec('data'), u.find_spec('drafters'))")
+    assert bare.stdout.strip() == "None None", bare.stdout

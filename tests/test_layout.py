@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("drafters", "data", "decode", "train")  # the project's top-level packages
+PACKAGES = ("drafters", "data", "decode", "train")  # the project's folders: specdistill.<folder>
+DIST = "specdistill"  # the one importable name (pyproject's package-dir maps the folders under it)
 MAX_FILE_LINES = 400
 MAX_FUNCTION_LINES = 80
 SHORT_FUNCTION_PACKAGES = ("decode", "drafters")
@@ -64,7 +65,8 @@ def _import_nodes(tree: ast.AST):
 def imports_of(name: str) -> set[str]:
     """The project modules that module `name` imports (module or function level)."""
     path = MODULES[name]
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    bare: set[str] = set()
+    package = f"{DIST}." + (name if path.name == "__init__.py" else name.rpartition(".")[0])
     found = set()
     for node in _import_nodes(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
@@ -74,17 +76,25 @@ def imports_of(name: str) -> set[str]:
             if node.level:  # relative: from . import x / from ..pkg import y
                 anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
                 base = ".".join(anchor + ([base] if base else []))
+            if base.split(".")[0] in PACKAGES:  # a bare top-level name: shadowable, see below
+                bare.add(base)
+            base = base.removeprefix(f"{DIST}.")
             targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base
                        for a in node.names]
         for target in targets:
+            if isinstance(node, ast.Import) and target.split(".")[0] in PACKAGES:
+                bare.add(target)
+            target = target.removeprefix(f"{DIST}.")
             while target and target not in MODULES:  # `import a.b.c` where c is not a module
                 target = target.rpartition(".")[0]
             if target and target.split(".")[0] in PACKAGES:
                 found.add(target)
     found.discard(name)
+    BARE[name] = bare
     return found
 
 
+BARE: dict[str, set[str]] = {}  # module -> the bare top-level project names it imports
 GRAPH = {name: imports_of(name) for name in MODULES}
 
 
@@ -170,6 +180,14 @@ def test_no_long_function_in_decode_and_drafters():
     assert not long, (f"functions over {MAX_FUNCTION_LINES} lines in "
                       f"{'/, '.join(SHORT_FUNCTION_PACKAGES)}/; split them into named steps:\n  "
                       + "\n  ".join(sorted(long)))
+
+
+def test_the_project_imports_itself_only_as_specdistill():
+    """`from data import x` would find a user's own data/ folder first (python -m train run from
+    an ML project's root); every import of the project goes through specdistill.<folder>."""
+    bare = sorted(f"{m}: {', '.join(sorted(t))}" for m, t in BARE.items() if t)
+    assert not bare, "bare imports of the project's folders (import specdistill.<folder>...):\n  " + \
+        "\n  ".join(bare)
 
 
 def test_train_config_plumbing_does_not_reach_into_decode():

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from train.config import LoggerConfig
-from train.loggers import Loggers, wandb_mode
+from specdistill.train.config import LoggerConfig
+from specdistill.train.loggers import Loggers, wandb_mode
 
 SUMMARY = {"eval": "mtbench", "tau": 2.1, "tau_draft": 1.1, "spec_tokens_per_s": 40.0,
            "plain_tokens_per_s": 20.0, "speedup": 2.0, "spec_rounds": 10, "spec_new_tokens": 21,

@@ -21,8 +21,8 @@ import math
 import pytest
 import torch
 
-from drafters.base import DraftPrediction, TrainBatch
-from train.losses import (DIVERGENCES, distill_loss, feature_loss, forward_kl, get_divergence,
+from specdistill.drafters.base import DraftPrediction, TrainBatch
+from specdistill.train.losses import (DIVERGENCES, distill_loss, feature_loss, forward_kl, get_divergence,
                           greedy_accept, lk_hybrid, nla, tv)
 
 P = torch.tensor([[0.7, 0.2, 0.1]])

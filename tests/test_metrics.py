@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from decode.metrics import RunMetrics
-from decode.spec import GenerationResult
+from specdistill.decode.metrics import RunMetrics
+from specdistill.decode.spec import GenerationResult
 
 
 def test_metrics_math():

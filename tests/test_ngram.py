@@ -6,9 +6,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from drafters.base import CONFIGS, DRAFTERS, DecodeState, build_drafter
-from drafters.ngram import Ngram, NgramConfig
-from drafters.sampling import SamplingParams
+from specdistill.drafters.base import CONFIGS, DRAFTERS, DecodeState, build_drafter
+from specdistill.drafters.ngram import Ngram, NgramConfig
+from specdistill.drafters.sampling import SamplingParams
 
 GREEDY = SamplingParams()
 

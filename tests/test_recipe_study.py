@@ -7,14 +7,14 @@ import json
 
 import pytest
 
-from train.benchmarks.recipe import ARMS, arm_overrides, main
+from specdistill.train.benchmarks.recipe import ARMS, arm_overrides, main
 
 
 def test_every_arm_composes_into_a_train_config(tmp_path):
     """A misspelt override in ARMS would only fail hours into a study: compose every arm now."""
     from argparse import Namespace
 
-    from train.benchmarks.replaying import compose
+    from specdistill.train.benchmarks.replaying import compose
 
     args = Namespace(tiny=False, features_dir=str(tmp_path), steps=10, save_every=5, seed=0, set=[])
     for name in ARMS:
@@ -60,7 +60,7 @@ def test_step_costs_interleave_the_arms_in_one_process(tmp_path):
     assert rows["eagle"]["vs_first"] == 1.0 and rows["e3_ttt2"]["s_per_step"] > 0
     assert "| e3_ttt2 |" in md
     # with measured prices, an arm's minutes are its steps x its seconds per step, not the wall
-    from train.benchmarks.recipe import price_minutes
+    from specdistill.train.benchmarks.recipe import price_minutes
 
     reps = [{"arm": "e3_ttt2", "step": 60, "wall_minutes": 99.0},
             {"arm": "other", "step": 60, "wall_minutes": 7.0}]

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
-from data.regenerate import RegenerateConfig, regenerate
-from data.sharegpt import Conversation, iter_conversations
-from drafters.target import load_target
+from specdistill.data.regenerate import RegenerateConfig, regenerate
+from specdistill.data.sharegpt import Conversation, iter_conversations
+from specdistill.drafters.target import load_target
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -94,7 +94,7 @@ def test_regenerate_and_capture_command_lines(tmp_path):
         {"from": "human", "value": f"Question {i}?"}, {"from": "gpt", "value": f"Answer {i}."}]}) + "\n"
         for i in range(6)))
     out = tmp_path / "regen.jsonl"
-    res = _cli("data.regenerate", "target=tiny", "data=jsonl", f"data.path={chats}", f"out={out}",
+    res = _cli("specdistill.data.regenerate", "target=tiny", "data=jsonl", f"data.path={chats}", f"out={out}",
                "limit=4", "max_new_tokens=5", "batch_size=2")
     assert res.returncode == 0, res.stderr
     assert "'written': 4" in res.stdout and len(out.read_text().splitlines()) == 4
@@ -102,7 +102,7 @@ def test_regenerate_and_capture_command_lines(tmp_path):
     convs = list(iter_conversations(out))  # the data pipeline reads what it wrote
     assert {c.id for c in convs} <= {f"c{i}" for i in range(4)} and convs
     feats = tmp_path / "feats"
-    res = _cli("data.capture", "target=tiny", "data=jsonl", f"data.path={chats}", f"out={feats}",
+    res = _cli("specdistill.data.capture", "target=tiny", "data=jsonl", f"data.path={chats}", f"out={feats}",
                f"data.cache_dir={tmp_path / 'cache'}", "data.eval_fraction=0.2", "limit=3")
     assert res.returncode == 0, res.stderr
     manifest = json.loads((feats / "manifest.json").read_text())
@@ -114,8 +114,8 @@ def test_self_distilled_data_is_regenerated_once_then_read_from_the_cache(tmp_pa
                                                                           monkeypatch):
     from omegaconf import OmegaConf
 
-    import data.regenerate as regen
-    from data.dataset import DataConfig, RegenerateSettings, load_chat_dataset
+    import specdistill.data.regenerate as regen
+    from specdistill.data.dataset import DataConfig, RegenerateSettings, load_chat_dataset
 
     target = load_target(tiny_target_cfg)
     monkeypatch.setenv("SPECDISTILL_CACHE", str(tmp_path / "cache"))

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from train.report import implied_length_distribution, simulated_evals, write_report
+from specdistill.train.report import implied_length_distribution, simulated_evals, write_report
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

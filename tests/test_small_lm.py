@@ -13,15 +13,15 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from conftest import TINY_MODEL
-from data.capture import pad_batch
-from decode.spec import generate
-from drafters.base import (DecodeState, TrainBatch, build_drafter, load_drafter, save_drafter)
-from drafters.card import CardFacts
-from drafters.export import ExportError, export_drafter, load_export
-from drafters.sampling import SamplingParams
-from drafters.target import TargetConfig, load_target
-from train.losses import distill_loss
-from train.on_policy import OnPolicyMixer, assistant_starts
+from specdistill.data.capture import pad_batch
+from specdistill.decode.spec import generate
+from specdistill.drafters.base import (DecodeState, TrainBatch, build_drafter, load_drafter, save_drafter)
+from specdistill.drafters.card import CardFacts
+from specdistill.drafters.export import ExportError, export_drafter, load_export
+from specdistill.drafters.sampling import SamplingParams
+from specdistill.drafters.target import TargetConfig, load_target
+from specdistill.train.losses import distill_loss
+from specdistill.train.on_policy import OnPolicyMixer, assistant_starts
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +154,7 @@ def test_lora_trains_adapters_only_and_merges(target, tmp_path):
 def _raw_batch(target):
     chat = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello!"},
             {"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."}]
-    from data.chat import encode_chat
+    from specdistill.data.chat import encode_chat
 
     rows = [encode_chat(target.tokenizer, chat, 256), encode_chat(target.tokenizer, chat[:2], 256)]
     return pad_batch([{"input_ids": r.input_ids, "loss_mask": r.loss_mask} for r in rows], 0)
@@ -260,7 +260,7 @@ def test_greedy_decoding_equals_plain(target, tree):
 def test_tree_expansions_match_full_forward(target, monkeypatch):
     """Every tree expansion (cached, batched, tree-masked) equals the drafter's plain forward over
     the committed tokens + the node's path; one child per node gives the greedy chain."""
-    import drafters.small_lm as module
+    import specdistill.drafters.small_lm as module
 
     calls, real_tree = [], module.dynamic_tree
 
@@ -295,8 +295,8 @@ def test_recipe_mixes_on_policy_batches(tmp_path):
     drafter's own continuations (logged as on_policy = 1) and the loss is finite."""
     from hydra import compose, initialize_config_dir
 
-    import train.__main__  # noqa: F401  (stores the train schemas)
-    from train.recipe import DistillRecipe
+    import specdistill.train.__main__  # noqa: F401  (stores the train schemas)
+    from specdistill.train.recipe import DistillRecipe
 
     chats = tmp_path / "chats.jsonl"
     words = "alpha beta gamma delta epsilon zeta eta theta".split()
@@ -341,8 +341,8 @@ def test_offline_capture_for_a_drafter_without_features(tmp_path):
     its batches equal online ones (a featureless capture used to fail reading `features`)."""
     from hydra import compose, initialize_config_dir
 
-    import train.__main__  # noqa: F401  (stores the train schemas)
-    from train.recipe import DistillRecipe
+    import specdistill.train.__main__  # noqa: F401  (stores the train schemas)
+    from specdistill.train.recipe import DistillRecipe
 
     chats = tmp_path / "chats.jsonl"
     chats.write_text("".join(json.dumps({"id": f"c{i}", "conversations": [
@@ -373,7 +373,7 @@ def test_offline_capture_for_a_drafter_without_features(tmp_path):
 def test_bench_grid_replay_equals_the_real_decoder(tmp_path):
     """`python -m train.benchmarks.small_lm --tiny`: one trained run, its real-decoder eval and its greedy
     replay on the same prompts and answer length, which must give the decoder's tau exactly."""
-    from train.benchmarks.small_lm import main
+    from specdistill.train.benchmarks.small_lm import main
 
     out = tmp_path / "bench"
     rows = main(["--tiny", "--out", str(out), "--steps", "2", "--layers", "1", "--losses",
@@ -400,7 +400,7 @@ def test_bench_grid_replay_equals_the_real_decoder(tmp_path):
 
 
 def test_bench_standard_errors_count_prompts_not_rounds():
-    from train.benchmarks.replaying import paired_gap, ratio_se
+    from specdistill.train.benchmarks.replaying import paired_gap, ratio_se
 
     assert ratio_se([3, 1], [1, 1]) == pytest.approx((2.0, 1.0))  # residuals +1, -1 over 2 prompts
     assert ratio_se([2, 4], [1, 2]) == pytest.approx((2.0, 0.0))  # every prompt at the ratio
@@ -414,8 +414,8 @@ def test_bench_standard_errors_count_prompts_not_rounds():
 def test_bench_init_divergence_is_zero_for_the_whole_target(tiny_target_cfg):
     """A drafter built from every target layer IS the target: KL 0 and full agreement; fewer
     layers start away from it."""
-    from drafters.target import load_target
-    from train.benchmarks.small_lm import init_divergence
+    from specdistill.drafters.target import load_target
+    from specdistill.train.benchmarks.small_lm import init_divergence
 
     target = load_target(tiny_target_cfg)
     answers = [{"prompt": [5, 6, 7, 8], "answer": [9, 10, 11, 12, 13]},

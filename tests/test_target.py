@@ -3,7 +3,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from drafters.target import TargetConfig, TargetLoadError, load_target
+from specdistill.drafters.target import TargetConfig, TargetLoadError, load_target
 
 
 def _check_against_plain_forward(target, plain_model):

@@ -8,15 +8,15 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-import train.__main__  # noqa: F401  (stores the schemas)
+import specdistill.train.__main__  # noqa: F401  (stores the schemas)
 from conftest import write_chats
-from data.capture import CaptureConfig, OfflineFeatures, capture, capture_split, pad_batch
-from decode.spec import generate
-from drafters.base import load_drafter
-from drafters.vocab import select_draft_vocab
-from train import checkpoint as ckpt
-from train import recipe as recipe_mod
-from train.recipe import DistillRecipe, NonFiniteLoss
+from specdistill.data.capture import CaptureConfig, OfflineFeatures, capture, capture_split, pad_batch
+from specdistill.decode.spec import generate
+from specdistill.drafters.base import load_drafter
+from specdistill.drafters.vocab import select_draft_vocab
+from specdistill.train import checkpoint as ckpt
+from specdistill.train import recipe as recipe_mod
+from specdistill.train.recipe import DistillRecipe, NonFiniteLoss
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
@@ -232,13 +232,13 @@ def test_final_eval_target_keeps_training_threads_under_its_own_load(tiny_target
 
     from omegaconf import OmegaConf
 
-    from drafters.target import load_target
-    from train.final_eval import decode_target
+    from specdistill.drafters.target import load_target
+    from specdistill.train.final_eval import decode_target
 
     trained = load_target(tiny_target_cfg)  # float32, as training loads it
     cfg = OmegaConf.structured(dataclasses.replace(tiny_target_cfg, dtype="bfloat16", threads=0))
     monkeypatch.setattr(os, "getloadavg", lambda: (2.0, 2.0, 2.0))  # training kept 2 cores busy
-    monkeypatch.setattr("drafters.precision.available_cores", lambda: 2)
+    monkeypatch.setattr("specdistill.drafters.precision.available_cores", lambda: 2)
     n = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

@@ -6,10 +6,10 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from decode.tree import (accept_path, ancestors, check_tree, compact_cache, prune_depth,
+from specdistill.decode.tree import (accept_path, ancestors, check_tree, compact_cache, prune_depth,
                          tree_inputs)
 from decode_toys import make_target
-from drafters.tree import dynamic_tree, static_tree
+from specdistill.drafters.tree import dynamic_tree, static_tree
 
 #        root
 #       /    \

@@ -11,13 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import decode.tree
-from decode.accept import multi_draft
-from decode.tree import sample_path
+import specdistill.decode.tree  # noqa: F401  (loads the submodule for decode.<name>)
+from specdistill import decode
+from specdistill.decode.accept import multi_draft
+from specdistill.decode.tree import sample_path
 from decode_toys import SampledToyTree, chi2_stat, make_target, pair_counts, pair_joint
-from drafters.base import DecodeState, build_drafter
-from drafters.sampling import SamplingParams, warp
-from drafters.tree import draw_children, dynamic_tree, sampled_tree
+from specdistill.drafters.base import DecodeState, build_drafter
+from specdistill.drafters.sampling import SamplingParams, warp
+from specdistill.drafters.tree import draw_children, dynamic_tree, sampled_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 # a target with an impossible token and a drafter that disagrees with it and never drafts token 3

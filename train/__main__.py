@@ -1,33 +1,39 @@
 """`python -m train ...`: distil a drafter from a frozen target (Hydra entry point).
 
-The config path is relative to this file, so the job composes from conf/ both from the repo root
-and after `pip install -e .`.
+conf/ is found by absolute path (drafters/cli.py CONF_DIR), so the job composes from any folder,
+under `python -m train` and the `specdistill-train` console script alike.
 """
 import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
-from drafters.schemas import store_drafter_schemas
-from train.config import TrainConfig
+from specdistill.drafters.cli import CONF_DIR
+from specdistill.drafters.schemas import store_drafter_schemas
+from specdistill.train.config import TrainConfig
 
 store_drafter_schemas()
 ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 
 
-@hydra.main(config_path="../conf", config_name="train", version_base="1.3")
+@hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    from drafters.cli import user_errors
-    from train.recipe import run
+    from specdistill.drafters.cli import user_errors
+    from specdistill.train.recipe import run
 
     with user_errors("python -m train", interrupt_hint=f"Continue this run with: python -m train "
                      f"run_dir={cfg.run_dir} resume=true (plus the same overrides)"):
         run(cfg)
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The command line (also the `specdistill-*` console script): argument checks, then main."""
     import sys
 
-    from drafters.cli import check_out_dir_arg
+    from specdistill.drafters.cli import check_out_dir_arg
 
     check_out_dir_arg("python -m train", sys.argv[1:])
     main()
+
+
+if __name__ == "__main__":
+    cli()

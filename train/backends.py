@@ -18,7 +18,7 @@ from typing import ContextManager, Protocol
 import torch
 from torch import nn
 
-from train.distributed import (ProcessGroupMixin, export_slurm_task_env, init_distributed,
+from specdistill.train.distributed import (ProcessGroupMixin, export_slurm_task_env, init_distributed,
                                rank_device)
 
 OPTIMIZER_FILE = "optimizer.pt"  # TorchBackend's optimizer state inside a checkpoint folder
@@ -105,8 +105,8 @@ class TorchBackend(ProcessGroupMixin):
     def load_state(self, folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         from safetensors.torch import load_file
 
-        from drafters.base import WEIGHTS_FILE
-        from train.checkpoint import STATE
+        from specdistill.drafters.base import WEIGHTS_FILE
+        from specdistill.train.checkpoint import STATE
 
         folder = Path(folder)
         if (folder / OPTIMIZER_FILE).is_file():
@@ -126,7 +126,7 @@ def build_backend(trainer_cfg, device: str, deepspeed_cfg=None) -> Backend:
     if name == "torch":
         return TorchBackend(device, trainer_cfg.dist_timeout_s)
     if name == "deepspeed":
-        from train.deepspeed_backend import DeepSpeedBackend
+        from specdistill.train.deepspeed_backend import DeepSpeedBackend
 
         return DeepSpeedBackend(device, trainer_cfg, deepspeed_cfg)
     raise ValueError(f"unknown trainer.backend {name!r}; use torch or deepspeed")

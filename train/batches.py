@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from data.capture import pad_batch
+from specdistill.data.capture import pad_batch
 
 
 class BatchIterator:

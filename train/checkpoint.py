@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from drafters.atomic import commit_folder, staging_dir, write_folder
-from drafters.target import file_sha256
-from drafters.base import CONFIG_FILE, WEIGHTS_FILE, save_drafter
+from specdistill.drafters.atomic import commit_folder, staging_dir, write_folder
+from specdistill.drafters.target import file_sha256
+from specdistill.drafters.base import CONFIG_FILE, WEIGHTS_FILE, save_drafter
 
 COMPLETE = "COMPLETE"
 STATE = "trainer_state.pt"

@@ -6,9 +6,9 @@ from typing import Any, Optional
 
 from omegaconf import MISSING, OmegaConf
 
-from data.dataset import DataConfig
-from drafters.target import TargetConfig
-from train.distributed import rank_zero_log, rank_zero_only, run_id
+from specdistill.data.dataset import DataConfig
+from specdistill.drafters.target import TargetConfig
+from specdistill.train.distributed import rank_zero_log, rank_zero_only, run_id
 
 # conf/train.yaml: `${run_id:}` names the run dir all ranks share; Hydra's .hydra/ and log file are
 # written by rank 0 only. Cached: the id is fixed once per process.
@@ -39,7 +39,7 @@ class TrainerConfig:
     features: str = "online"  # online: target forward every step | offline: capture once, reuse every epoch
     # the target's training forwards (offline capture, online, on-policy batches) under torch.autocast: bfloat16 (None = target.dtype)
     capture_autocast: Optional[str] = None
-    features_dir: Optional[str] = None  # offline: a `python -m data.capture` out folder (None = auto, in the cache)
+    features_dir: Optional[str] = None  # offline: a `python -m specdistill.data.capture` out folder (None = auto, in the cache)
     # train on the first N conversations of the train split only (None = all): data-scaling studies
     # (tokens vs passes) on ONE capture of the whole split; the draft vocabulary is fitted to them
     train_conversations: Optional[int] = None

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch import nn
 
-from train.distributed import (ProcessGroupMixin, export_slurm_task_env, init_distributed,
+from specdistill.train.distributed import (ProcessGroupMixin, export_slurm_task_env, init_distributed,
                                rank_device)
 
 TAG = "deepspeed"  # engine checkpoint subfolder inside checkpoints/step-XXXXXXX/

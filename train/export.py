@@ -26,12 +26,12 @@ from typing import Any, Callable, Optional
 
 from omegaconf import MISSING, OmegaConf
 
-from drafters.base import load_drafter
-from drafters.card import CardFacts
-from drafters.export import ExportError, export_drafter, layout_for, full_config, load_export
-from drafters.hub import PushError, push_to_hub
-from drafters.target import TargetConfig, load_target
-from train.checkpoint import reference_drafter, resolve_drafter
+from specdistill.drafters.base import load_drafter
+from specdistill.drafters.card import CardFacts
+from specdistill.drafters.export import ExportError, export_drafter, layout_for, full_config, load_export
+from specdistill.drafters.hub import PushError, push_to_hub
+from specdistill.drafters.target import TargetConfig, load_target
+from specdistill.train.checkpoint import reference_drafter, resolve_drafter
 
 HF_IDS = {"packaged:smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}  # packaged target -> Hub id
 
@@ -131,7 +131,7 @@ def _tau(rows: list[dict]) -> float:
 
 def measure_parity(folder: Path, target, info: RunInfo, limit: int | None = None) -> dict:
     """Decode with the export in `folder` and compare with the training-end final eval."""
-    from decode.evaluate import evaluate_drafter
+    from specdistill.decode.evaluate import evaluate_drafter
 
     ref, rows = info.facts.final, info.final_rows
     if ref is None:
@@ -174,8 +174,8 @@ def measure_in_engine(folder: Path, target, info: RunInfo, drafter, cfg) -> dict
     unless the engine serves it as our decoder decodes it. Returns the card's section."""
     import tempfile
 
-    from decode.engine.check import engine_check
-    from drafters.target import cache_root
+    from specdistill.decode.engine.check import engine_check
+    from specdistill.drafters.target import cache_root
 
     ref = info.facts.final or {}
     meta = json.loads((folder / "config.json").read_text())["specdistill"]
@@ -241,11 +241,13 @@ def main() -> None:
     import hydra
     from hydra.core.config_store import ConfigStore
 
+    from specdistill.drafters.cli import CONF_DIR
+
     ConfigStore.instance().store(name="export_schema", node=ExportConfig)
 
-    @hydra.main(config_path="../conf", config_name="export", version_base="1.3")
+    @hydra.main(config_path=CONF_DIR, config_name="export", version_base="1.3")
     def _run(cfg) -> None:
-        from drafters.cli import user_errors
+        from specdistill.drafters.cli import user_errors
 
         with user_errors("python -m train.export"):  # ExportError is a ValueError
             try:

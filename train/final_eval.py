@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from drafters.base import load_drafter
-from drafters.precision import cast_drafter
-from drafters.target import cache_root, load_target
-from train.report import write_report
+from specdistill.drafters.base import load_drafter
+from specdistill.drafters.precision import cast_drafter
+from specdistill.drafters.target import cache_root, load_target
+from specdistill.train.report import write_report
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 def final_eval(cfg: DictConfig, run_dir: Path, target, drafter, loggers, step: int) -> dict:
     """The real decoder on trainer.final_eval's prompts with the best drafter, vs plain decoding;
     logged, written under run_dir/final_eval/ and into the run's report."""
-    from decode.evaluate import evaluate_drafter
+    from specdistill.decode.evaluate import evaluate_drafter
 
     tcfg = cfg.trainer
     best, trained, trained_drafter = run_dir / "best", target, drafter
@@ -53,8 +53,8 @@ def engine_eval(cfg: DictConfig, run_dir: Path, target, drafter, ours: list[dict
     result rows) on the final eval's prompts, at float32 (the training target). Skipped, with the
     reason logged, when the drafter has no such layout or the engine cannot be installed here.
     `drafter`: the training copy, used when the run has no best/ checkpoint."""
-    from decode.engine.check import engine_check, engine_format
-    from drafters.export import export_drafter
+    from specdistill.decode.engine.check import engine_check, engine_format
+    from specdistill.drafters.export import export_drafter
 
     tcfg = cfg.trainer
     engine, best = tcfg.engine_check, run_dir / "best"
@@ -86,7 +86,7 @@ def engine_eval(cfg: DictConfig, run_dir: Path, target, drafter, ours: list[dict
 def decode_target(cfg: DictConfig, target):
     """The target as decoding loads it: training resolves target.dtype=auto to float32, the
     decoder to the machine's fastest lossless dtype; reload only when they differ."""
-    from drafters.precision import resolve_dtype
+    from specdistill.drafters.precision import resolve_dtype
 
     want = resolve_dtype(str(cfg.target.dtype), str(cfg.target.device)).dtype
     if want == str(target.dtype).removeprefix("torch."):

@@ -32,7 +32,7 @@ from urllib.parse import urlparse
 
 from tqdm import tqdm
 
-from data import quiet
+from specdistill.data import quiet
 
 log = logging.getLogger(__name__)
 
@@ -260,7 +260,7 @@ class Loggers:
         full config (DictConfig or dict), logged as the W&B run config and TensorBoard text."""
         from omegaconf import OmegaConf
 
-        from train.config import LoggerConfig
+        from specdistill.train.config import LoggerConfig
 
         if isinstance(cfg, (list, tuple)) or OmegaConf.is_list(cfg):
             cfg = LoggerConfig(kinds=list(cfg))

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from drafters.base import DraftPrediction, TrainBatch
+from specdistill.drafters.base import DraftPrediction, TrainBatch
 
 LOG_FLOOR = -1e4  # log-probs are clamped here so 0 * log 0 never turns into NaN
 

@@ -27,10 +27,10 @@ import hashlib
 import torch
 from tqdm import tqdm
 
-from data import quiet
-from data.capture import pad_batch
-from drafters.base import DecodeState, Drafter
-from drafters.sampling import SamplingParams
+from specdistill.data import quiet
+from specdistill.data.capture import pad_batch
+from specdistill.drafters.base import DecodeState, Drafter
+from specdistill.drafters.sampling import SamplingParams
 
 
 def _device(drafter: Drafter) -> torch.device:

@@ -23,27 +23,27 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from data import quiet
-from data.capture import (CaptureConfig, OfflineFeatures, autocast, capture, capture_dir,
+from specdistill.data import quiet
+from specdistill.data.capture import (CaptureConfig, OfflineFeatures, autocast, capture, capture_dir,
                           offline_features, target_logits)
-from data.dataset import load_chat_dataset
-from data.regenerate import self_distilled
-from decode.simulate import simulate_acceptance
-from drafters.base import TrainBatch, build_drafter, fit_draft_vocab
-from drafters.target import cache_root, load_target
-from drafters.cli import check_ranges
-from train import checkpoint as ckpt
-from train.backends import build_backend
-from train.config import TRAIN_RULES
-from train.distributed import peer_failure_message
-from train.final_eval import final_eval
-from train.resume import check_resume_config
-from train.runlock import RunLock
-from train.batches import BatchIterator, first_conversations
-from train.loggers import Loggers
-from train.losses import distill_loss
-from train.on_policy import OnPolicyMixer
-from train.report import write_report
+from specdistill.data.dataset import load_chat_dataset
+from specdistill.data.regenerate import self_distilled
+from specdistill.decode.simulate import simulate_acceptance
+from specdistill.drafters.base import TrainBatch, build_drafter, fit_draft_vocab
+from specdistill.drafters.target import cache_root, load_target
+from specdistill.drafters.cli import check_ranges
+from specdistill.train import checkpoint as ckpt
+from specdistill.train.backends import build_backend
+from specdistill.train.config import TRAIN_RULES
+from specdistill.train.distributed import peer_failure_message
+from specdistill.train.final_eval import final_eval
+from specdistill.train.resume import check_resume_config
+from specdistill.train.runlock import RunLock
+from specdistill.train.batches import BatchIterator, first_conversations
+from specdistill.train.loggers import Loggers
+from specdistill.train.losses import distill_loss
+from specdistill.train.on_policy import OnPolicyMixer
+from specdistill.train.report import write_report
 
 log = logging.getLogger(__name__)
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from drafters.base import CONFIG_FILE
-from drafters.cli import UserError
-from train.checkpoint import load_trainer_state
-from train.config import RESUMABLE_CHANGES
+from specdistill.drafters.base import CONFIG_FILE
+from specdistill.drafters.cli import UserError
+from specdistill.train.checkpoint import load_trainer_state
+from specdistill.train.config import RESUMABLE_CHANGES
 
 
 def _flatten(node, prefix: str = "") -> dict[str, object]:

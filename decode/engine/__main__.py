@@ -9,8 +9,9 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 
-from decode.config import EvalConfig
-from drafters.target import TargetConfig
+from specdistill.drafters.cli import CONF_DIR
+from specdistill.decode.config import EvalConfig
+from specdistill.drafters.target import TargetConfig
 
 
 @dataclass
@@ -37,21 +38,26 @@ ENGINE_RULES = {"max_new_tokens": (1, None), "k": (1, None), "eval.limit": (1, N
                 "threads": (1, None), "timeout_s": (1, None)}
 
 
-@hydra.main(config_path="../../conf", config_name="engine", version_base="1.3")
+@hydra.main(config_path=CONF_DIR, config_name="engine", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    from drafters.cli import check_ranges, user_errors
+    from specdistill.drafters.cli import check_ranges, user_errors
 
     with user_errors("python -m decode.engine"):
         check_ranges(cfg, ENGINE_RULES)
-        from decode.engine.check import run
+        from specdistill.decode.engine.check import run
 
         run(cfg)
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The command line (also the `specdistill-*` console script): argument checks, then main."""
     import sys
 
-    from drafters.cli import check_out_dir_arg
+    from specdistill.drafters.cli import check_out_dir_arg
 
     check_out_dir_arg("python -m decode.engine", sys.argv[1:], key="out")
     main()
+
+
+if __name__ == "__main__":
+    cli()

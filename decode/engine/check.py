@@ -38,11 +38,11 @@ from typing import Any, Optional
 
 import torch
 
-from data.prompts import load_prompts
-from decode.engine.envs import EngineUnavailable, vllm_python
-from decode.engine.vllm_engine import Generation, run_vllm
-from decode.evaluate import is_near_tie, render
-from decode.replay import replay_greedy
+from specdistill.data.prompts import load_prompts
+from specdistill.decode.engine.envs import EngineUnavailable, vllm_python
+from specdistill.decode.engine.vllm_engine import Generation, run_vllm
+from specdistill.decode.evaluate import is_near_tie, render
+from specdistill.decode.replay import replay_greedy
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ def engine_check(export_dir: Path, target, drafter=None, *, engine: str = "vllm"
     own tau beside the engine's. plain=False skips the engine's plain decode (no speed, no
     losslessness; acceptance only). target_dir: the target as an HF folder the engine loads
     (default: the target's own folder, else written from `target`)."""
-    from drafters.export import load_export
+    from specdistill.drafters.export import load_export
 
     if engine not in ENGINES:
         raise ValueError(f"engine={engine!r}: engines this check runs: {', '.join(ENGINES)}")
@@ -261,9 +261,9 @@ def check_markdown(s: dict) -> str:
 def run(cfg) -> None:
     """`python -m decode.engine`: load the target, decode the prompts with our decoder (cfg.ours),
     run the engine check, print its table; a failed check fails the command."""
-    from decode.evaluate import evaluate_drafter
-    from drafters.export import load_export
-    from drafters.target import cache_root, load_target
+    from specdistill.decode.evaluate import evaluate_drafter
+    from specdistill.drafters.export import load_export
+    from specdistill.drafters.target import cache_root, load_target
 
     export = Path(cfg.export).expanduser()
     if not (export / "config.json").is_file():
@@ -296,7 +296,7 @@ def engine_format(drafter, engine: str = "vllm") -> tuple[Optional[str], str]:
     config meets (an EAGLE-1 head trained with the pruned vocabulary has none, say why)."""
     import dataclasses
 
-    from decode.engine.vllm_engine import METHODS
+    from specdistill.decode.engine.vllm_engine import METHODS
 
     if engine not in ENGINES:
         return None, f"engine={engine!r}: engines this check runs: {', '.join(ENGINES)}"

@@ -106,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m decode.engine.envs vllm`: install (or find) the engine's environment, print it."""
     import argparse
 
-    from drafters.cli import USAGE_EXIT
-    from drafters.target import TargetConfig, cache_root
+    from specdistill.drafters.cli import USAGE_EXIT
+    from specdistill.drafters.target import TargetConfig, cache_root
 
     p = argparse.ArgumentParser(prog="python -m decode.engine.envs", description=main.__doc__)
     p.add_argument("engine", choices=["vllm"])

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from decode.engine.envs import EngineUnavailable
+from specdistill.decode.engine.envs import EngineUnavailable
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 # (drafter, export format) -> vLLM's speculative_config for it (vllm/config/speculative.py):

@@ -36,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-from train.benchmarks.replaying import (TINY, append_row, paired_gap, read_rows, replay_answers,
+from specdistill.train.benchmarks.replaying import (TINY, append_row, paired_gap, read_rows, replay_answers,
                                         replay_run)
 
 # name -> (what it tests, overrides on top of the default job). The default job: conf/train.yaml.
@@ -169,8 +169,8 @@ def step_costs(names: list[str], args, out: Path) -> str:
 
     import torch
 
-    from train.benchmarks.replaying import compose
-    from train.recipe import DistillRecipe
+    from specdistill.train.benchmarks.replaying import compose
+    from specdistill.train.recipe import DistillRecipe
 
     torch.set_num_threads(args.threads)
     recipes = {}
@@ -225,7 +225,7 @@ def tokens_per_step(run_dir: Path) -> float:
 
 def replay_arm(target, name: str, args, out: Path, answers: dict, every: bool) -> list[dict]:
     """Replay the arm's last checkpoint (every checkpoint with `every`) on each prompt set."""
-    from train.checkpoint import complete_checkpoints
+    from specdistill.train.checkpoint import complete_checkpoints
 
     run_dir = out / name
     done = read_rows(out / "replay.jsonl")
@@ -363,8 +363,8 @@ def main(argv: list[str] | None = None) -> str:
     replays = [r for r in read_rows(out / "replay.jsonl").values()
                if (r["replay_tokens"], r["k"]) == (args.replay_tokens, args.k)]
     if not args.no_replay and arms:
-        from train.benchmarks.replaying import compose
-        from drafters.target import load_target
+        from specdistill.train.benchmarks.replaying import compose
+        from specdistill.drafters.target import load_target
 
         target = load_target(compose((TINY if args.tiny else []) + args.set).target, training=True)
         answers = {"mtbench": replay_answers(target, args.replay_prompts, args.replay_tokens, out)}

@@ -19,7 +19,7 @@ TINY = ["target=tiny", "data=sharegpt", "data.max_conversations=24", "data.max_l
 def compose(overrides: list[str]):
     from hydra import compose as hydra_compose, initialize_config_dir
 
-    import train.__main__  # noqa: F401  (stores the train schemas)
+    import specdistill.train.__main__  # noqa: F401  (stores the train schemas)
 
     conf = Path(__file__).resolve().parents[2] / "conf"
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
@@ -55,9 +55,9 @@ def replay_answers(target, n_prompts: int, max_new_tokens: int, out: Path,
     humaneval), generated once and kept."""
     from tqdm import tqdm
 
-    from data.prompts import load_prompts
-    from decode.evaluate import render
-    from decode.spec import generate
+    from specdistill.data.prompts import load_prompts
+    from specdistill.decode.evaluate import render
+    from specdistill.decode.spec import generate
 
     tag = "" if kind == "mtbench" else f"{kind}_"
     path = out / f"replay_answers_{tag}{n_prompts}x{max_new_tokens}.json"
@@ -78,7 +78,7 @@ def replay_answers(target, n_prompts: int, max_new_tokens: int, out: Path,
 
 def target_and_answers(args, out: Path):
     """The benchmark's target (TINY or the --set overrides) and its kept replay answers."""
-    from drafters.target import load_target
+    from specdistill.drafters.target import load_target
 
     target = load_target(compose((TINY if args.tiny else []) + args.set).target, training=True)
     return target, replay_answers(target, args.replay_prompts, args.replay_tokens, out)
@@ -89,9 +89,9 @@ def replay_run(target, name: str, folder: Path, answers: list[dict], args) -> di
     `folder` (a run's best/ or one of its checkpoints)."""
     import torch
 
-    from decode.replay import draft_acceptance, replay_greedy
-    from drafters.base import load_drafter
-    from drafters.sampling import SamplingParams
+    from specdistill.decode.replay import draft_acceptance, replay_greedy
+    from specdistill.drafters.base import load_drafter
+    from specdistill.drafters.sampling import SamplingParams
 
     drafter = load_drafter(folder, target).eval()
     per_prompt = []  # [rounds, tokens committed in them (bonus included), sum alpha, positions]
@@ -132,7 +132,7 @@ def replay_checkpoints(run_dir: Path, args, out: Path) -> str:
     """Replay every complete checkpoint of one training run: acceptance against training steps.
     Appends to <out>/replay_checkpoints.jsonl (checkpoints replayed before with the same replay
     settings are skipped)."""
-    from train.checkpoint import complete_checkpoints
+    from specdistill.train.checkpoint import complete_checkpoints
 
     path = out / "replay_checkpoints.jsonl"
     done = read_rows(path, args)

@@ -28,16 +28,16 @@ import time
 from itertools import product
 from pathlib import Path
 
-from train.benchmarks.replaying import (TINY, append_row, compose, paired_gap, read_rows,
+from specdistill.train.benchmarks.replaying import (TINY, append_row, compose, paired_gap, read_rows,
                                         replay_checkpoints, replay_run, target_and_answers)
 
 
 def run_one(name: str, overrides: list[str], run_dir: Path, args) -> dict:
     """Train one drafter with the recipe, evaluate it greedy (final eval) and at temperature 1."""
-    from decode.evaluate import evaluate_drafter
-    from drafters.base import load_drafter
-    from drafters.sampling import SamplingParams
-    from train.recipe import DistillRecipe
+    from specdistill.decode.evaluate import evaluate_drafter
+    from specdistill.drafters.base import load_drafter
+    from specdistill.drafters.sampling import SamplingParams
+    from specdistill.train.recipe import DistillRecipe
 
     resume = (run_dir / "checkpoints").is_dir()
     cfg = compose(overrides + [f"run_dir={run_dir}", f"resume={str(resume).lower()}"])
@@ -132,8 +132,8 @@ def init_divergence(target, layer_sets: list[list[int]], answers: list[dict]) ->
     drafter) and top-1 agreement at every answer position of `answers`, teacher-forced."""
     import torch
 
-    from drafters.small_lm import SmallLm, SmallLmConfig
-    from train.losses import forward_kl, greedy_accept
+    from specdistill.drafters.small_lm import SmallLm, SmallLmConfig
+    from specdistill.train.losses import forward_kl, greedy_accept
 
     lines = ["| target layers | forward KL (nats) | top-1 agreement |", "|---|---:|---:|"]
     for layers in layer_sets:

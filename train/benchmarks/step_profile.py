@@ -43,12 +43,12 @@ def matmul_peak(dtype: torch.dtype, size: int, repeats: int = 5) -> float:
 
 def timed_step(r) -> dict[str, float]:
     """One optimizer step of recipe r (grad_accum 1), timed phase by phase (CPU: synchronous)."""
-    from train.losses import distill_loss
+    from specdistill.train.losses import distill_loss
 
     t, tcfg = {}, r.tcfg
     r.model.train()
-    from data.capture import target_logits
-    from drafters.base import TrainBatch
+    from specdistill.data.capture import target_logits
+    from specdistill.drafters.base import TrainBatch
 
     t0 = time.perf_counter()
     raw = next(r.batches)
@@ -91,9 +91,9 @@ def step_flops(r) -> tuple[int, int]:
 
 
 def main(argv=None) -> None:
-    from train.benchmarks.recipe import ARMS, arm_overrides
-    from train.benchmarks.replaying import compose
-    from train.recipe import DistillRecipe
+    from specdistill.train.benchmarks.recipe import ARMS, arm_overrides
+    from specdistill.train.benchmarks.replaying import compose
+    from specdistill.train.recipe import DistillRecipe
 
     p = argparse.ArgumentParser(prog="python -m train.benchmarks.step_profile", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -107,7 +107,7 @@ def main(argv=None) -> None:
     p.add_argument("--set", nargs="*", default=[], help="extra overrides for every arm")
     args = p.parse_args(argv)
     if not args.tiny and not args.features_dir:
-        p.error("--features-dir is needed (a `python -m data.capture` folder), or --tiny")
+        p.error("--features-dir is needed (a `python -m specdistill.data.capture` folder), or --tiny")
     args.seed, args.save_every = 0, 10**6
     torch.set_num_threads(args.threads)
     out = Path(args.out)

@@ -1,0 +1,1 @@
+"""`python -m train ...` (train/__main__.py) and the training library, imported as specdistill.train."""

@@ -209,14 +209,18 @@ class OfflineFeatures:
 
     def batch(self, indices: list[int], rows: list[dict], T: int):
         """Right-padded (B, T, F) features and (B, T, H) final hidden states of a batch."""
-        got = [self.get(i, r["input_ids"]) for i, r in zip(indices, rows)]
-        final = torch.zeros(len(got), T, got[0][1].shape[-1])
-        feats = None if got[0][0] is None else torch.zeros(len(got), T, got[0][0].shape[-1])
-        for j, (f, h) in enumerate(got):
-            final[j, :len(h)] = h
-            if feats is not None:
-                feats[j, :len(f)] = f
-        return feats, final
+        return pad_features([self.get(i, r["input_ids"]) for i, r in zip(indices, rows)], T)
+
+
+def pad_features(got: list[tuple[torch.Tensor | None, torch.Tensor]], T: int):
+    """[(features (T_i, F) or None, final (T_i, H))] -> right-padded (B, T, F) or None, (B, T, H)."""
+    final = torch.zeros(len(got), T, got[0][1].shape[-1])
+    feats = None if got[0][0] is None else torch.zeros(len(got), T, got[0][0].shape[-1])
+    for j, (f, h) in enumerate(got):
+        final[j, :len(h)] = h
+        if feats is not None:
+            feats[j, :len(f)] = f
+    return feats, final
 
 
 def capture_dir(root: Path, target, rows, data_cache: str, layers, autocast_dtype: Optional[str]) -> Path:

@@ -72,6 +72,23 @@ class RegenerateSettings:
 
 
 @dataclass
+class SelfGenSettings:
+    """data.selfgen: train on the target's own answers to the data's first user turns."""
+
+    prompts: Optional[int] = 1500  # conversations whose first user turn is answered (None = all)
+    max_new_tokens: int = 256  # answer budget (SmolLM2 often loops to it)
+    max_prompt_tokens: int = 384  # longer prompts are skipped (counted), not cut
+    batch_size: int = 32  # prompts per generation batch (one shard each)
+    # the dtype the target generates in: auto = bfloat16 where the CPU/GPU runs it natively (what
+    # `python -m decode` serves at, so the answers are the ones the drafter will be asked to draft)
+    dtype: str = "auto"
+    temperature: float = 0.0  # 0 = greedy answers (the eval decodes greedily); > 0 samples
+    seed: int = 0  # sampling seed (row i of the store samples with seed + i)
+    compact_below: float = 0.75  # finished rows leave the batch once fewer than this share write
+    features_dtype: str = "bfloat16"  # storage of the hidden states: bfloat16 | float32
+
+
+@dataclass
 class DataConfig:
     """Which chat data to train on and how to tokenise it (Hydra schema of the `data` group)."""
 
@@ -86,6 +103,9 @@ class DataConfig:
     # set: train on the target's own answers to these conversations' user turns (regenerated once
     # into the cache, resumable) instead of the answers in the file; None: the file as written
     regenerate: Optional[RegenerateSettings] = None
+    # set: train on the target's own answers to the first user turns, generated with their
+    # features in one pass (data/selfgen.py; cached, resumable); None: the file's answers
+    selfgen: Optional[SelfGenSettings] = None
 
 
 @dataclass
@@ -222,7 +242,7 @@ def _build(path: Path, tokenizer, cfg: DataConfig, key: str, out: Path, work: Pa
     return counts
 
 
-def _split(ds: datasets.Dataset, eval_fraction: float, seed: int):
+def split_by_id(ds: datasets.Dataset, eval_fraction: float, seed: int):
     """(train, eval) by a salted hash of each id: stable, disjoint, independent of order."""
     threshold = round(eval_fraction * SPLIT_BUCKETS)
     train_idx, eval_idx = [], []
@@ -268,7 +288,7 @@ def load_chat_dataset(cfg: DataConfig, tokenizer) -> ChatData:
         ds = datasets.Dataset.load_from_disk(str(dest))
         log.info("tokenised %d conversations in %.1f s", len(ds), time.perf_counter() - t0)
     log.info("data %s: %s", path, counts)
-    train, eval_ = _split(ds, cfg.eval_fraction, cfg.seed)
+    train, eval_ = split_by_id(ds, cfg.eval_fraction, cfg.seed)
     return ChatData(train=train, eval=eval_, counts=counts, cache_path=dest)
 
 

@@ -9,6 +9,7 @@ from collections import namedtuple
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -131,6 +132,27 @@ def test_rank_shards_are_disjoint_and_make_up_the_single_process_batch():
         seen.append(whole)
     epoch0 = sum(seen[:3], [])
     assert len(set(epoch0)) == len(epoch0) == 18  # no conversation twice within an epoch
+
+
+def test_length_grouped_batches_pad_less_and_keep_each_epoch_a_partition():
+    lengths = [int(x) for x in torch.randint(5, 200, (200,), generator=torch.Generator().manual_seed(0))]
+    ds = [{"input_ids": list(range(n)), "loss_mask": [1] * n} for n in lengths]
+
+    def epoch(it, batches=50):
+        got = [next(it) for _ in range(batches)]
+        pad = sum(int((1 - b["attention_mask"]).sum()) for b in got)
+        return [i for b in got for i in b["index"].tolist()], pad
+
+    plain, pad_plain = epoch(BatchIterator(ds, 4, seed=1, pad_id=0))
+    grouped, pad_grouped = epoch(BatchIterator(ds, 4, seed=1, pad_id=0, group_by_length=10))
+    assert sorted(grouped) == sorted(plain) == list(range(200))  # the same rows, once each
+    assert pad_grouped < 0.2 * pad_plain, (pad_grouped, pad_plain)
+    ranks = [BatchIterator(ds, 2, seed=1, pad_id=0, rank=r, world_size=2, group_by_length=10)
+             for r in range(2)]
+    again = BatchIterator(ds, 4, seed=1, pad_id=0, group_by_length=10)
+    for _ in range(60):  # ranks split each global batch; a second epoch reshuffles the groups
+        whole = next(again)["index"].tolist()
+        assert sum((next(it)["index"].tolist() for it in ranks), []) == whole
 
 
 def test_peer_failure_message_names_the_cause(monkeypatch):

@@ -4,6 +4,11 @@ The order of an epoch is a permutation seeded by (seed, epoch); a global batch o
 batch_size * world_size conversations is cut from it and each rank takes its own disjoint slice,
 so no conversation is seen twice per epoch across ranks. The position (epoch, cursor) goes into the
 checkpoint, so a resumed run sees exactly the batches an uninterrupted run would.
+
+group_by_length = G > 0: each run of G global batches of the permutation is sorted by length and
+cut again, and the batches are shuffled (as transformers' LengthGroupedSampler), so a batch pads to
+rows of similar length: less padding computed for nothing, the same conversations per epoch (a
+ragged remainder of each run waits for a later epoch, as the epoch's tail does).
 """
 from __future__ import annotations
 
@@ -14,19 +19,32 @@ from specdistill.data.capture import pad_batch
 
 class BatchIterator:
     def __init__(self, dataset, batch_size: int, seed: int, pad_id: int,
-                 rank: int = 0, world_size: int = 1) -> None:
+                 rank: int = 0, world_size: int = 1, group_by_length: int = 0) -> None:
         if len(dataset) < batch_size * world_size:
             raise ValueError(f"the training split has {len(dataset)} conversations, fewer than one "
                              f"global batch ({batch_size} x {world_size} ranks); use more data "
                              f"(data.max_conversations) or a smaller trainer.batch_size")
         self.dataset, self.batch_size, self.seed, self.pad_id = dataset, batch_size, seed, pad_id
         self.rank, self.world_size = rank, world_size
+        self.group = group_by_length
+        self.lengths = None
+        if group_by_length:  # a datasets.Dataset's length column, else each row's ids
+            self.lengths = (dataset["length"] if "length" in getattr(dataset, "column_names", ())
+                            else [len(dataset[i]["input_ids"]) for i in range(len(dataset))])
         self.epoch, self.cursor = 0, 0
         self._order = self._permutation(0)
 
     def _permutation(self, epoch: int) -> list[int]:
         g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
-        return torch.randperm(len(self.dataset), generator=g).tolist()
+        order = torch.randperm(len(self.dataset), generator=g).tolist()
+        if not self.group:
+            return order
+        gb = self.batch_size * self.world_size
+        batches = []
+        for m in range(0, len(order), gb * self.group):  # runs of G global batches
+            run = sorted(order[m:m + gb * self.group], key=lambda i: -self.lengths[i])
+            batches += [run[b:b + gb] for b in range(0, len(run) - len(run) % gb, gb)]
+        return [i for b in torch.randperm(len(batches), generator=g).tolist() for i in batches[b]]
 
     def __iter__(self) -> "BatchIterator":
         return self

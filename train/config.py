@@ -26,6 +26,9 @@ class TrainerConfig:
     max_steps: int = 1000  # optimizer steps
     batch_size: int = 4  # conversations per micro-batch per process
     grad_accum: int = 1  # micro-batches per optimizer step
+    # sort each run of this many global batches by length before batching (0 = plain shuffle):
+    # batches of similar lengths pad less (train/batches.py)
+    group_by_length: int = 0
     lr: float = 3e-4  # peak learning rate (AdamW)
     weight_decay: float = 0.0  # AdamW weight decay
     warmup_steps: int = 50  # linear warm-up, then cosine decay to min_lr_ratio * lr
@@ -115,6 +118,7 @@ class TrainConfig:
 # (lo, hi) inclusive, None = open end, "open" = lo excluded.
 TRAIN_RULES = {
     "trainer.max_steps": (1, None), "trainer.batch_size": (1, None), "trainer.grad_accum": (1, None),
+    "trainer.group_by_length": (0, None),
     "trainer.lr": (0, None, "open"), "trainer.weight_decay": (0, None),
     "trainer.warmup_steps": (0, None), "trainer.min_lr_ratio": (0, 1), "trainer.grad_clip": (0, None),
     "trainer.loss_temperature": (0, None, "open"), "trainer.feature_weight": (0, None),

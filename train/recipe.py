@@ -28,6 +28,7 @@ from specdistill.data.capture import (CaptureConfig, OfflineFeatures, autocast, 
                           offline_features, target_logits)
 from specdistill.data.dataset import load_chat_dataset
 from specdistill.data.regenerate import self_distilled
+from specdistill.data.selfgen import build_selfgen
 from specdistill.decode.simulate import simulate_acceptance
 from specdistill.drafters.base import TrainBatch, build_drafter, fit_draft_vocab
 from specdistill.drafters.target import cache_root, load_target
@@ -109,12 +110,18 @@ class DistillRecipe:
     def _setup_data(self, cfg: DictConfig):
         """The frozen target, and the chat data rendered with its template (self-distilled: the
         target's own answers, when data.regenerate is set). Rank 0 fills the caches first."""
+        self.selfgen = None
         with self.backend.main_first():
             target = load_target(cfg.target, training=True)  # auto = float32: see resolve_dtype
             data_cfg = cfg.data
-            if data_cfg.get("regenerate") is not None:
-                data_cfg = self_distilled(target, data_cfg, progress=not quiet())
-            data = load_chat_dataset(data_cfg, target.tokenizer)
+            if data_cfg.get("selfgen") is not None:  # the target's answers + features, one pass
+                layers = build_drafter(cfg.drafter, target).feature_layers
+                self.selfgen = build_selfgen(target, data_cfg, layers, progress=not quiet())
+                data = self.selfgen.chat_data(data_cfg.eval_fraction, data_cfg.seed)
+            else:
+                if data_cfg.get("regenerate") is not None:
+                    data_cfg = self_distilled(target, data_cfg, progress=not quiet())
+                data = load_chat_dataset(data_cfg, target.tokenizer)
         log.info("data: %d train / %d eval conversations", len(data.train), len(data.eval))
         return target, data
 
@@ -150,6 +157,8 @@ class DistillRecipe:
         if tcfg.features != "offline":
             raise ValueError(f"trainer.features must be online or offline, not {tcfg.features!r}")
         layers = list(self.drafter.feature_layers)
+        if self.selfgen is not None:  # written with the rows (data/selfgen.py)
+            return self.selfgen.features(layers)
         folder = Path(tcfg.features_dir) if tcfg.features_dir else capture_dir(
             cache_root(self.cfg.target), self.target, self.split_ds, self.data.cache_path.name,
             layers, tcfg.capture_autocast)
@@ -164,7 +173,8 @@ class DistillRecipe:
         pad = self.target.tokenizer.pad_token_id
         pad = pad if pad is not None else 0
         self.batches = BatchIterator(self.train_ds, self.tcfg.batch_size, cfg.seed, pad,
-                                     self.backend.rank, self.backend.world_size)
+                                     self.backend.rank, self.backend.world_size,
+                                     self.tcfg.group_by_length)
         self.on_policy = None
         if self.tcfg.on_policy_fraction > 0:
             self.on_policy = OnPolicyMixer.from_config(self.drafter, cfg, self.backend.rank, pad,

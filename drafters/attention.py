@@ -27,6 +27,7 @@ SDPA run; every forward of one decode goes through the same dispatch.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import AttentionInterface
@@ -110,6 +111,27 @@ def use_few_query_attention(model: nn.Module) -> bool:
 
 # -- training attention of block drafters (DFlash): blocks of b queries over a shared context ----
 SCORES_PER_CHUNK = 1 << 26  # attention scores (fp32: 256 MB) one chunk of blocks may hold
+
+
+def ttt_attention(q, k, v, steps: list, causal: torch.Tensor) -> torch.Tensor:
+    """Training-time-test attention of one layer for one step; appends this step's (k, v) to steps.
+
+    q (B, h, T, d); k, v (B, kv, T, d); causal (B, 1, T, T) bool over step 1's keys. Step 1 is
+    causal attention; step j attends to step 1's keys causally and to steps 2..j's keys at its own
+    anchor only, scored as a dot product per query. Returns (B, h, T, d)."""
+    steps.append((k, v))
+    if len(steps) == 1:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal, enable_gqa=True)
+    rep, scale = q.shape[1] // k.shape[1], q.shape[-1] ** -0.5
+    k0, v0 = (t.repeat_interleave(rep, dim=1) for t in steps[0])  # (B, h, T, d)
+    s0 = (q @ k0.transpose(-1, -2)) * scale  # (B, h, T, T)
+    s0 = s0.masked_fill(~causal, torch.finfo(s0.dtype).min)
+    kd = torch.stack([kj.repeat_interleave(rep, dim=1) for kj, _ in steps[1:]], dim=-2)  # (B, h, T, j-1, d)
+    vd = torch.stack([vj.repeat_interleave(rep, dim=1) for _, vj in steps[1:]], dim=-2)
+    sd = (q.unsqueeze(-2) * kd).sum(-1) * scale  # (B, h, T, j-1)
+    p = torch.cat([s0, sd], dim=-1).softmax(-1)  # (B, h, T, T + j-1)
+    T = s0.shape[-1]
+    return p[..., :T] @ v0 + (p[..., T:, None] * vd).sum(-2)  # (B, h, T, d)
 
 
 def block_attention(q, k, v, ctx_k, ctx_v, seen: torch.Tensor, b: int) -> torch.Tensor:

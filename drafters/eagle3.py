@@ -36,7 +36,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding,
                                                       apply_rotary_pos_emb)
 
-from specdistill.drafters.attention import few_query, grouped_attention
+from specdistill.drafters.attention import few_query, grouped_attention, ttt_attention
 from specdistill.drafters.base import DrafterConfig, DraftPrediction, ExportLayout, TrainBatch, register
 from specdistill.drafters.eagle import Eagle, drafter_llama_config
 from specdistill.drafters.export_formats import (WEIGHTS, ExportError, cast, llama_layer_config,
@@ -197,7 +197,16 @@ class Eagle3(Eagle):  # registered at the end of the module, with its export lay
     # -- training ---------------------------------------------------------------------------------
     def forward_train(self, batch: TrainBatch) -> list[DraftPrediction]:
         """`ttt_length` steps (shifts 1, 2, ...): step 1 reads the target's fused features, step
-        j > 1 its own step j-1 outputs at the same anchor. Distribution loss only (features=None)."""
+        j > 1 its own step j-1 outputs at the same anchor and the real token t+j. Distribution loss
+        only (features=None)."""
+        return self._unroll(batch, self.cfg.ttt_length, own_tokens=False)
+
+    def forward_own(self, batch: TrainBatch, steps: int) -> list[DraftPrediction]:
+        """As forward_train over `steps` steps, but step j > 1 is fed the drafter's own draft of step
+        j-1 (its argmax, as a greedy chain drafts), kept in DraftPrediction.inputs."""
+        return self._unroll(batch, steps, own_tokens=True)
+
+    def _unroll(self, batch: TrainBatch, steps: int, own_tokens: bool) -> list[DraftPrediction]:
         ids, feats = batch.input_ids, batch.features  # (B, T), (B, T, 3H)
         H = self.target.hidden_size
         if feats is None or feats.shape[-1] != 3 * H:
@@ -209,14 +218,18 @@ class Eagle3(Eagle):  # registered at the end of the module, with its export lay
         causal = (pos[None, :] <= pos[:, None])[None, None] & keys  # (B, 1, T, T)
         store: list[list] = [[] for _ in self.layers]  # per layer: (k, v) of each step
         h, preds = self.fuse(feats), []
-        for j in range(1, max(1, min(self.cfg.ttt_length, T - 2)) + 1):
-            # token t+j; the last j columns get a filler id: those anchors are never counted
-            tok = torch.cat([ids[:, j:], ids[:, -1:].expand(B, min(j, T))], dim=1)[:, :T]  # (B, T)
+        for j in range(1, max(1, min(steps, T - 2)) + 1):
+            if own_tokens and preds:  # the previous step's draft at each anchor, as target ids
+                d = preds[-1].logits.detach().argmax(-1)  # (B, T)
+                tok = d if self.d2t is None else self.d2t[d]
+            else:  # token t+j; the last j columns get a filler id: those anchors are never counted
+                tok = torch.cat([ids[:, j:], ids[:, -1:].expand(B, min(j, T))], dim=1)[:, :T]
             emb = self.target.embed_tokens()(tok).to(h.dtype)  # (B, T, H), frozen
             h = self._run(emb, h, (pos + j - 1).expand(B, T),
                           lambda i: lambda q, k, v: ttt_attention(q, k, v, store[i], causal))
             preds.append(DraftPrediction(logits=self.head(h), shift=j,  # (B, T, Vd)
-                                         weight=self.cfg.ttt_decay ** (j - 1)))
+                                         weight=self.cfg.ttt_decay ** (j - 1),
+                                         inputs=tok if own_tokens else None))
         return preds
 
     # -- decoding: Eagle's plumbing (reset, _sync, propose, propose_tree) over these two hooks ---
@@ -239,27 +252,6 @@ class Eagle3(Eagle):  # registered at the end of the module, with its export lay
             return run
         emb, h = x.chunk(2, dim=-1)  # (B, Q, H) each
         return self._run(emb, h, positions, attend)
-
-
-def ttt_attention(q, k, v, steps: list, causal: torch.Tensor) -> torch.Tensor:
-    """Training-time-test attention of one layer for one step; appends this step's (k, v) to steps.
-
-    q (B, h, T, d); k, v (B, kv, T, d); causal (B, 1, T, T) bool over step 1's keys. Step 1 is
-    causal attention; step j attends to step 1's keys causally and to steps 2..j's keys at its own
-    anchor only, scored as a dot product per query. Returns (B, h, T, d)."""
-    steps.append((k, v))
-    if len(steps) == 1:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal, enable_gqa=True)
-    rep, scale = q.shape[1] // k.shape[1], q.shape[-1] ** -0.5
-    k0, v0 = (t.repeat_interleave(rep, dim=1) for t in steps[0])  # (B, h, T, d)
-    s0 = (q @ k0.transpose(-1, -2)) * scale  # (B, h, T, T)
-    s0 = s0.masked_fill(~causal, torch.finfo(s0.dtype).min)
-    kd = torch.stack([kj.repeat_interleave(rep, dim=1) for kj, _ in steps[1:]], dim=-2)  # (B, h, T, j-1, d)
-    vd = torch.stack([vj.repeat_interleave(rep, dim=1) for _, vj in steps[1:]], dim=-2)
-    sd = (q.unsqueeze(-2) * kd).sum(-1) * scale  # (B, h, T, j-1)
-    p = torch.cat([s0, sd], dim=-1).softmax(-1)  # (B, h, T, T + j-1)
-    T = s0.shape[-1]
-    return p[..., :T] @ v0 + (p[..., T:, None] * vd).sum(-2)  # (B, h, T, d)
 
 
 # == Export: the engines' EAGLE-3 layouts (versions in the module docstring). A renaming at most: ==

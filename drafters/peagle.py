@@ -61,10 +61,11 @@ import torch
 from torch import nn
 
 from specdistill.drafters.anchors import check_anchor_share, draw_anchors
-from specdistill.drafters.base import (ChainProposal, DecodeState, DraftPrediction, ExportLayout,
-                           TrainBatch, register)
+from specdistill.drafters.base import (ChainProposal, DecodeState, DraftPrediction, Drafter,
+                                      ExportLayout, TrainBatch, register)
+from specdistill.drafters.attention import ttt_attention
 from specdistill.drafters.eagle3 import (Eagle3, Eagle3Config, engine_config, engine_refusal, engine_state,
-                             state_from_engine, ttt_attention)
+                             state_from_engine)
 from specdistill.drafters.export_formats import WEIGHTS, torch_dtype
 from specdistill.drafters.parallel import ParallelDrafts
 
@@ -159,6 +160,8 @@ SPECULATORS = ExportLayout(
 @register("peagle", config=PeagleConfig, layouts=(VLLM, SPECULATORS))
 class Peagle(ParallelDrafts, Eagle3):
     """P-EAGLE drafter: EAGLE-3's network + a learnt mask hidden state; k drafts per forward."""
+
+    forward_own = Drafter.forward_own  # drafts from masks, never from its own tokens: none
 
     tags = ("peagle", "parallel-drafting")
     trained_setting = "drafter.ttt_length"

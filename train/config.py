@@ -50,6 +50,12 @@ class TrainerConfig:
     on_policy_max_new_tokens: int = 64  # tokens the drafter samples per on-policy continuation
     on_policy_temperature: float = 1.0  # sampling temperature of on-policy continuations (0 = greedy)
     on_policy_start_step: int = 0  # optimizer steps on fixed data only before on-policy batches start
+    # on-policy distillation of chain heads (train/on_policy_heads.py): from this fraction of
+    # max_steps on, each step drafts on the drafter's own tokens and the target scores the drafts
+    # (None = off; 0 = every step). Drafters with forward_own (eagle3)
+    on_policy_heads_start: Optional[float] = None
+    on_policy_heads_depth: int = 2  # draft steps unrolled on the drafter's own tokens (>= 2)
+    on_policy_heads_anchors: float = 0.25  # share of answer positions whose drafts are scored
     eval_every: int = 200  # steps between held-out evals (0 = only at the end)
     save_every: int = 200  # steps between checkpoints (0 = only at the end)
     keep_last: int = 2  # rolling checkpoints kept (the best one is always kept)
@@ -118,7 +124,8 @@ class TrainConfig:
 # (lo, hi) inclusive, None = open end, "open" = lo excluded.
 TRAIN_RULES = {
     "trainer.max_steps": (1, None), "trainer.batch_size": (1, None), "trainer.grad_accum": (1, None),
-    "trainer.group_by_length": (0, None),
+    "trainer.group_by_length": (0, None), "trainer.on_policy_heads_start": (0, 1),
+    "trainer.on_policy_heads_depth": (2, 16), "trainer.on_policy_heads_anchors": (1e-3, 1),
     "trainer.lr": (0, None, "open"), "trainer.weight_decay": (0, None),
     "trainer.warmup_steps": (0, None), "trainer.min_lr_ratio": (0, 1), "trainer.grad_clip": (0, None),
     "trainer.loss_temperature": (0, None, "open"), "trainer.feature_weight": (0, None),

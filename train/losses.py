@@ -138,6 +138,8 @@ def aligned(pred: DraftPrediction, batch: TrainBatch):
     """
     if pred.anchors is not None:
         return _aligned_at(pred, batch)
+    if pred.teacher is not None:
+        return _aligned_own(pred, batch)
     s = pred.shift
     T = batch.input_ids.shape[1]
     n = max(0, min(pred.logits.shape[1], T - 1 - s))  # anchors t whose token t+1+s exists
@@ -164,6 +166,17 @@ def _aligned_at(pred: DraftPrediction, batch: TrainBatch):
     if pred.features is None or batch.features is None:
         return draft, target, None, None
     return draft, target, pred.features[b, a], batch.features[b, at]
+
+
+def _aligned_own(pred: DraftPrediction, batch: TrainBatch):
+    """aligned() for an on-policy step: logits[:, t] meets pred.teacher[:, t] (the target after the
+    drafter's own tokens at anchor t) where the trainer scored anchor t and token t+1+shift lies in
+    an assistant turn (the draft continues one)."""
+    s, T = pred.shift, batch.input_ids.shape[1]
+    n = max(0, min(pred.logits.shape[1], T - 1 - s))
+    counted = (pred.scored[:, :n] & batch.loss_mask[:, 1 + s:1 + s + n].bool()
+               & batch.attention_mask[:, 1 + s:1 + s + n].bool())  # (B, n)
+    return pred.logits[:, :n][counted], pred.teacher[:, :n][counted], None, None
 
 
 def distill_loss(predictions: list[DraftPrediction], batch: TrainBatch, divergence: str = "forward_kl",

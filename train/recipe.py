@@ -44,6 +44,8 @@ from specdistill.train.batches import BatchIterator, first_conversations
 from specdistill.train.loggers import Loggers
 from specdistill.train.losses import distill_loss
 from specdistill.train.on_policy import OnPolicyMixer
+from specdistill.train.on_policy_heads import (anchor_generator, check_on_policy_heads, own_steps,
+                                               score_own_drafts)
 from specdistill.train.report import write_report
 
 log = logging.getLogger(__name__)
@@ -136,6 +138,7 @@ class DistillRecipe:
         drafter.to(self.backend.device)
         if not any(p.requires_grad for p in drafter.parameters()):
             raise ValueError(f"drafter {cfg.drafter.name!r} has no trainable parameters")
+        check_on_policy_heads(self.tcfg, drafter)
         return drafter
 
     def _setup_optimizer(self, tcfg) -> None:
@@ -269,9 +272,16 @@ class DistillRecipe:
                 totals["on_policy"] = totals.get("on_policy", 0.0) + share
             batch = self.make_batch(raw)
             tokens += int(batch.attention_mask.sum())
+            own = own_steps(tcfg, self.step)  # > 0 in the on-policy phase of the heads
             with torch.autocast(self.backend.device.type, dtype=torch.bfloat16,
                                 enabled=tcfg.precision == "bf16"):
-                preds = self.model(batch)
+                preds = self.model(batch, own) if own else self.model(batch)
+                if own:  # the target's verdict on the drafter's own drafts
+                    totals["scored"] = totals.get("scored", 0.0) + score_own_drafts(
+                        self.target, batch, preds, tcfg.on_policy_heads_anchors,
+                        anchor_generator(self.cfg.seed, self.step, micro, self.backend.rank),
+                        getattr(self.drafter, "d2t", None),
+                        tcfg.capture_autocast)
                 loss, parts = distill_loss(preds, batch, divergence=tcfg.loss,
                                            temperature=tcfg.loss_temperature,
                                            feature_weight=tcfg.feature_weight)

@@ -1,0 +1,110 @@
+"""On-policy distillation of draft heads (train/on_policy_heads.py, Eagle3.forward_own) on a tiny
+8-layer target: the unroll drafts what the chain drafts at decode time, the target scores exactly
+those drafts (not the real tokens), the loss trains towards that score, and a job runs its
+on-policy phase."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagle3_engines import feature_batch, perturbed_drafter, tiny8_target
+from specdistill.data.capture import target_logits
+from specdistill.drafters.base import DecodeState, build_drafter
+from specdistill.drafters.sampling import SamplingParams
+from specdistill.train.losses import aligned, distill_loss
+from specdistill.train.on_policy_heads import check_on_policy_heads, score_own_drafts
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny8_target()
+
+
+@pytest.mark.parametrize("vocab", [None, 48])
+def test_the_own_unroll_drafts_what_the_chain_drafts(target, vocab):
+    d = perturbed_drafter(target, "eagle3", draft_vocab_size=vocab).eval()
+    batch = feature_batch(target, d)
+    with torch.no_grad():
+        preds = d.forward_own(batch, steps=3)
+    for row, t in ((0, 2), (0, 6), (1, 3)):
+        ids = batch.input_ids[row]
+        d.reset()
+        chain = d.propose(DecodeState(ids[:t + 2], batch.features[row, :t + 1]), 3,
+                          SamplingParams()).tokens  # greedy: d_1, d_2, d_3 after token t+1
+        drafts = [p.logits[row, t].argmax() for p in preds]
+        as_ids = [x if d.d2t is None else d.d2t[x] for x in drafts]
+        assert chain.tolist() == [int(x) for x in as_ids]
+        assert [int(p.inputs[row, t]) for p in preds[1:]] == chain[:2].tolist()  # fed its own
+
+
+def test_the_target_scores_the_drafts_not_the_real_tokens(target):
+    d = perturbed_drafter(target, "eagle3", draft_vocab_size=48).eval()
+    batch = feature_batch(target, d)
+    with torch.no_grad():
+        preds = d.forward_own(batch, steps=3)
+    scored = score_own_drafts(target, batch, preds, share=1.0, generator=torch.Generator(),
+                              d2t=d.d2t, autocast_dtype=None)
+    anchors = preds[1].scored.nonzero().tolist()
+    assert scored == 2 * len(anchors) and len(anchors) == 12 + 8  # t + 2 real: rows of 14 / 10
+    differs = 0
+    for row, t in anchors:
+        d1, d2 = (int(preds[j].inputs[row, t]) for j in (1, 2))
+        ids = torch.cat([batch.input_ids[row, :t + 2], torch.tensor([d1, d2])])[None]
+        fresh = target_logits(target, target.forward(ids, layers=(-1,), logits=False).features,
+                              d.d2t)[0]  # the target after the real text up to t+1, then d1, d2
+        torch.testing.assert_close(preds[1].teacher[row, t], fresh[-2], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(preds[2].teacher[row, t], fresh[-1], atol=1e-4, rtol=1e-4)
+        real = batch.input_ids[row, t + 2]  # teacher forcing would score after the real token
+        differs += int(d1 != real)
+        if d1 != real:
+            forced = target_logits(target, target.forward(batch.input_ids[row:row + 1, :t + 3],
+                                                          layers=(-1,), logits=False).features,
+                                   d.d2t)[0, -1]
+            assert not torch.allclose(preds[1].teacher[row, t], forced, atol=1e-3)
+    assert differs > 0  # the check above ran
+
+
+def test_the_loss_trains_the_own_steps_towards_the_score(target):
+    d = perturbed_drafter(target, "eagle3", draft_vocab_size=48)
+    batch = feature_batch(target, d)
+    batch.target_logits = target_logits(target, target.forward(
+        batch.input_ids, layers=(-1,), logits=False).features, d.d2t)
+    preds = d.forward_own(batch, steps=2)
+    score_own_drafts(target, batch, preds, share=0.5, generator=torch.Generator().manual_seed(0),
+                     d2t=d.d2t, autocast_dtype=None)
+    draft, teacher, _, _ = aligned(preds[1], batch)
+    assert 0 < len(draft) <= preds[1].scored.sum()  # the scored anchors (loss mask permitting)
+    b, t = preds[1].scored.nonzero(as_tuple=True)
+    assert any(torch.equal(teacher[0], preds[1].teacher[bi, ti]) for bi, ti in zip(b, t))
+    loss, parts = distill_loss(preds, batch)
+    loss.backward()
+    assert "div/s2" in parts and d.fc.weight.grad is not None
+
+
+def test_drafters_without_own_steps_are_refused(target):
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(on_policy_heads_start=0.5)
+    for name in ("peagle", "medusa"):
+        with pytest.raises(ValueError, match="on_policy_heads_start"):
+            check_on_policy_heads(cfg, build_drafter({"name": name}, target))
+    check_on_policy_heads(cfg, build_drafter({"name": "eagle3"}, target))
+
+
+def test_a_job_runs_its_on_policy_phase(tmp_path):
+    import json
+
+    from conftest import write_chats
+    from test_train import make_cfg, run
+
+    chats = write_chats(tmp_path / "chats.jsonl", 24, 10)
+    cfg = make_cfg(tmp_path, chats, "drafter=eagle3", "drafter.draft_vocab_size=256",
+                   "drafter.ttt_length=1", "trainer.max_steps=4", "trainer.log_every=1",
+                   "trainer.on_policy_heads_start=0.5", "trainer.eval_every=0",
+                   "trainer.save_every=0")
+    run(cfg)
+    rows = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl") if '"loss"' in x]
+    assert [r.get("scored", 0) > 0 for r in rows] == [False, False, True, True]
+    assert all("div/s2" in r for r in rows[2:]) and "div/s2" not in rows[0]

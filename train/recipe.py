@@ -332,7 +332,8 @@ class DistillRecipe:
                 return {}
             res = simulate_acceptance(self.target, self.drafter, self.eval_ds.select(range(n)),
                                       k=self.tcfg.eval_k, positions=8)
-        flat = {"eval/sim_tau": res["sim_tau"], "eval/mean_accepted": res["mean_accepted"],
+        flat = {"eval/sim_tau": res["sim_tau"], "eval/k": self.tcfg.eval_k,
+                "eval/mean_accepted": res["mean_accepted"],
                 **{f"eval/acc_{i + 1}": a for i, a in enumerate(res["acceptance"])}}
         self.loggers.log(flat, self.step)
         self.last_eval = res

@@ -124,11 +124,17 @@ def plot_lengths(path: Path, evals, final: dict | None) -> str:
     return what
 
 
-def plot_tau(path: Path, evals, final: dict | None) -> None:
+def plot_tau(path: Path, evals, final: dict | None, sim_k: int | None = None) -> None:
+    """Held-out simulated tau at each eval and the real decoder's tau at the end, each labelled
+    with its draft length k (tau grows with k: two curves at different k do not compare)."""
     plt, fig, ax = _figure()
-    ax.plot([s for s, _, _ in evals], [t for _, t, _ in evals], marker="o", label="simulated tau")
+    k_sim = f"k={sim_k}" if sim_k else "k not recorded"
+    ax.plot([s for s, _, _ in evals], [t for _, t, _ in evals], marker="o",
+            label=f"held-out simulated tau ({k_sim})")
     if final and isinstance(final.get("tau"), (int, float)):
-        ax.axhline(final["tau"], color="tab:red", ls="--", label=f"decoder tau {final['tau']:.2f}")
+        ax.axhline(final["tau"], color="tab:red", ls="--",
+                   label=f"decoder tau {final['tau']:.2f} (k={final.get('k', '?')}, "
+                         f"{final.get('eval', 'eval')} {final.get('prompts', '?')} prompts)")
     ax.set(xlabel="step", ylabel="tokens per target forward", title="tau over training")
     ax.legend(fontsize=8)
     _save(plt, fig, path)
@@ -161,7 +167,8 @@ def write_report(run_dir: Path) -> Path:
         what = plot_lengths(plots / "accepted_length.png", evals, final)
         shown.append(("accepted_length.png", f"accepted length ({what})"))
     if evals:
-        plot_tau(plots / "tau.png", evals, final)
+        sim_k = next((int(r["eval/k"]) for r in reversed(rows) if "eval/k" in r), None)
+        plot_tau(plots / "tau.png", evals, final, sim_k)
         shown.append(("tau.png", "tau over training"))
     if any(isinstance(r.get("loss"), (int, float)) for r in rows):
         plot_loss(plots / "loss.png", rows)

@@ -302,16 +302,16 @@ class DistillRecipe:
 
     def train(self) -> None:
         tcfg = self.tcfg
-        t0, seen = time.perf_counter(), 0
+        t0, seen, n = time.perf_counter(), 0, 0
         while self.step < tcfg.max_steps:
-            metrics = self.train_step()
+            metrics, n = self.train_step(), n + 1
             self.loggers.progress(self.step, tcfg.max_steps, loss=metrics["loss"])
             seen += metrics.pop("tokens")
             if self.step % tcfg.log_every == 0 or self.step == tcfg.max_steps:
                 dt = time.perf_counter() - t0
                 self.loggers.log({**metrics, "target_tokens_per_s": seen * self.backend.world_size
-                                  / max(dt, 1e-9)}, self.step)
-                t0, seen = time.perf_counter(), 0
+                                  / max(dt, 1e-9), "tokens_per_step": seen / max(n, 1)}, self.step)
+                t0, seen, n = time.perf_counter(), 0, 0
             last = self.step == tcfg.max_steps
             if (tcfg.eval_every and self.step % tcfg.eval_every == 0) or last:
                 self.evaluate()

@@ -36,66 +36,9 @@ import sys
 import time
 from pathlib import Path
 
+from specdistill.train.benchmarks.arms import ARMS
 from specdistill.train.benchmarks.replaying import (TINY, append_row, paired_gap, read_rows, replay_answers,
                                         replay_run)
-
-# name -> (what it tests, overrides on top of the default job). The default job: conf/train.yaml.
-ARMS: dict[str, tuple[str, list[str]]] = {
-    "eagle": ("EAGLE-1 (today's default), teacher-forced", ["drafter=eagle"]),
-    "eagle_u2": ("EAGLE-1, 2-step unroll", ["drafter=eagle", "drafter.train_unroll=2"]),
-    "eagle_lr3": ("EAGLE-1, lr 3e-3", ["drafter=eagle", "trainer.lr=3e-3"]),
-    "eagle_lr2": ("EAGLE-1, lr 2e-3", ["drafter=eagle", "trainer.lr=2e-3"]),
-    "eagle_flat": ("EAGLE-1, no cosine decay (constant lr after warm-up)", [
-        "drafter=eagle", "trainer.min_lr_ratio=1.0"]),
-    "eagle_init": ("EAGLE-1, layer from the target's last", [
-        "drafter=eagle", "drafter.init_from_target_layer=-1"]),
-    "eagle_v4k": ("EAGLE-1, draft vocab 4k", ["drafter=eagle", "drafter.draft_vocab_size=4096"]),
-    "eagle_v16k": ("EAGLE-1, draft vocab 16k", ["drafter=eagle", "drafter.draft_vocab_size=16384"]),
-    # tokens vs passes at equal steps: the first half / quarter / eighth of the default split's 815
-    # conversations (at 300 steps x 4: 2.9 / 5.9 / 11.8 passes instead of 1.5)
-    "eagle_d50": ("EAGLE-1, the first 408 conversations", [
-        "drafter=eagle", "trainer.train_conversations=408"]),
-    "eagle_d25": ("EAGLE-1, the first 204 conversations", [
-        "drafter=eagle", "trainer.train_conversations=204"]),
-    "eagle_d12": ("EAGLE-1, the first 102 conversations", [
-        "drafter=eagle", "trainer.train_conversations=102"]),
-    "eagle_tv": ("EAGLE-1, TV loss (1 - acceptance)", ["drafter=eagle", "trainer.loss=tv"]),
-    "eagle_lk": ("EAGLE-1, LK hybrid loss", ["drafter=eagle", "trainer.loss=lk_hybrid"]),
-    "e3_ttt1": ("EAGLE-3, no training-time test", ["drafter=eagle3", "drafter.ttt_length=1"]),
-    "e3_ttt2": ("EAGLE-3, ttt 2", ["drafter=eagle3", "drafter.ttt_length=2"]),
-    "e3_ttt3": ("EAGLE-3, ttt 3", ["drafter=eagle3", "drafter.ttt_length=3"]),
-    "e3_ttt2_tv": ("EAGLE-3, ttt 2, TV loss", ["drafter=eagle3", "drafter.ttt_length=2",
-                                               "trainer.loss=tv"]),
-    "e3_ttt2_lk": ("EAGLE-3, ttt 2, LK hybrid loss", ["drafter=eagle3", "drafter.ttt_length=2",
-                                                      "trainer.loss=lk_hybrid"]),
-    "e3_ttt2_init": ("EAGLE-3, ttt 2, layer from the target's last", [
-        "drafter=eagle3", "drafter.ttt_length=2", "drafter.init_from_target_layer=-1"]),
-    "e3_ttt2_lr3": ("EAGLE-3, ttt 2, lr 3e-3", ["drafter=eagle3", "drafter.ttt_length=2",
-                                                "trainer.lr=3e-3"]),
-    "e3_ttt2_v32k": ("EAGLE-3, ttt 2, draft vocab 32k", [
-        "drafter=eagle3", "drafter.ttt_length=2", "drafter.draft_vocab_size=32768"]),
-    "e3_ttt2_31": ("EAGLE-3.1 norms, ttt 2", ["drafter=eagle3", "drafter.ttt_length=2",
-                                              "drafter.fc_norm=true", "drafter.norm_output=true"]),
-    "peagle": ("P-EAGLE (all k drafts from one forward)", ["drafter=peagle"]),
-    "peagle_a25": ("P-EAGLE, masks trained at 1/4 of the anchors", [
-        "drafter=peagle", "drafter.mask_anchors=0.25"]),
-    "peagle_a10": ("P-EAGLE, masks trained at 1/10 of the anchors", [
-        "drafter=peagle", "drafter.mask_anchors=0.1"]),
-    "dflash": ("DFlash as conf/drafter/dflash.yaml (block of 4, blocks at 1/10 of the anchors)",
-               ["drafter=dflash"]),
-    "dflash_b4": ("DFlash, block of 4 (3 drafts), blocks at 1/10 of the anchors", [
-        "drafter=dflash", "drafter.block_size=4", "drafter.anchors=0.1"]),
-    "dflash_a50": ("DFlash, block of 8, blocks at 1/2 of the anchors", [
-        "drafter=dflash", "drafter.block_size=8", "drafter.anchors=0.5"]),
-    "dflash_a25": ("DFlash, block of 8, blocks at 1/4 of the anchors", [
-        "drafter=dflash", "drafter.block_size=8", "drafter.anchors=0.25"]),
-    "dflash_a10": ("DFlash, block of 8, blocks at 1/10 of the anchors", [
-        "drafter=dflash", "drafter.block_size=8", "drafter.anchors=0.1"]),
-    "dflash_a05": ("DFlash, block of 8, blocks at 1/20 of the anchors", [
-        "drafter=dflash", "drafter.block_size=8", "drafter.anchors=0.05"]),
-    "dflash_l2": ("DFlash, block of 8, blocks at 1/4 of the anchors, 2 draft layers", [
-        "drafter=dflash", "drafter.block_size=8", "drafter.anchors=0.25", "drafter.num_layers=2"]),
-}
 
 
 def split_arm(spec: str, args) -> tuple[str, int]:
@@ -113,7 +56,8 @@ def arm_overrides(spec: str, args) -> list[str]:
     """The arm's full override list: the default job, the arm's own keys, the study's settings."""
     name, steps = split_arm(spec, args)
     base = TINY if args.tiny else []
-    feats = [] if args.tiny else [f"trainer.features_dir={args.features_dir}"]
+    feats = [f"trainer.features_dir={args.features_dir}"] if args.features_dir and not args.tiny \
+        and "data=sharegpt_selfgen" not in ARMS[name][1] else []  # selfgen: the store's own
     return [*base, *ARMS[name][1], *feats, f"trainer.max_steps={steps}",
             f"trainer.save_every={args.save_every}",
             f"trainer.keep_last={steps // max(args.save_every, 1) + 1}",  # every curve point
@@ -209,11 +153,15 @@ def checkpoint_clock(run_dir: Path) -> dict[int, float]:
 
 
 def tokens_per_step(run_dir: Path) -> float:
-    """Mean target tokens per optimizer step: batch x the mean train conversation length (counted
-    from the capture's offsets)."""
+    """Mean target tokens per optimizer step: what the run logged (tokens_per_step), else batch x
+    the mean train conversation length (counted from the capture's offsets)."""
     import yaml
     from safetensors import safe_open
 
+    logged = [json.loads(line).get("tokens_per_step") for line in
+              (run_dir / "metrics.jsonl").read_text().splitlines() if "tokens_per_step" in line]
+    if logged:
+        return sum(logged) / len(logged)
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
     total = n = 0
     for f in sorted(Path(cfg["trainer"]["features_dir"]).glob("shard-*.safetensors")):
@@ -349,9 +297,12 @@ def main(argv: list[str] | None = None) -> str:
                     help="extra Hydra override for every arm (repeatable)")
     args = ap.parse_args(argv)
     args.alpha_prompts = 0  # replay_run: no temperature-1 acceptance here
-    if (args.arms or args.step_costs) and not args.tiny and not args.features_dir:
-        raise SystemExit("--features-dir is required to train arms: capture once with `python -m "
-                         "data.capture out=<dir> layers=[2,15,27] autocast=bfloat16` (SmolLM2)")
+    plain = [s for s in (args.arms or []) + (args.step_costs or [])
+             if "data=sharegpt_selfgen" not in ARMS[split_arm(s, args)[0]][1]]
+    if plain and not args.tiny and not args.features_dir:
+        print(f"note: no --features-dir: arms {plain} capture their features into the cache "
+              f"(capture once and share it: `python -m specdistill.data.capture out=<dir> "
+              f"layers=[2,15,27] autocast=bfloat16`)", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.step_costs:

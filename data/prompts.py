@@ -7,6 +7,10 @@
 
 A `Prompt` holds user turns only; the decoder renders each with the target's chat template and
 generates the assistant replies in between. Order is the file's order; `limit` keeps the first N.
+
+The sets are a registry (PROMPT_SETS): a new packaged set is one `PromptSet` entry here (its asset
+and id field), its file in data/assets.py ASSETS (wheel and path, checked by the installer) and
+conf/eval/<name>.yaml (`kind: <name>`); nothing else names the sets.
 """
 from __future__ import annotations
 
@@ -18,7 +22,23 @@ from typing import IO, Any, Optional
 
 from specdistill.data.assets import asset_path
 
-KINDS = ("mtbench", "humaneval", "jsonl")
+
+@dataclass(frozen=True)
+class PromptSet:
+    """A named prompt set: where its file comes from and which record fields name a prompt."""
+
+    asset: Optional[str]  # the packaged file: a data/assets.py ASSETS name (None: a user `path`)
+    id_field: str  # the record's id field
+    id_required: bool = True  # False: a record without it is named by its line number
+    category_field: Optional[str] = None  # the record's category field, if any
+
+
+PROMPT_SETS: dict[str, PromptSet] = {
+    "mtbench": PromptSet("mtbench", "question_id", category_field="category"),
+    "humaneval": PromptSet("humaneval", "task_id"),
+    "jsonl": PromptSet(None, "id", id_required=False, category_field="category"),
+}
+KINDS = tuple(PROMPT_SETS)
 
 
 class PromptFormatError(ValueError):
@@ -75,32 +95,28 @@ def _turns(obj: dict[str, Any], where: str) -> list[str]:
 
 def load_prompts(kind: str, path: Optional[str] = None, limit: Optional[int] = None,
                  turns: int = 1) -> list[Prompt]:
-    """Prompts of `kind` (mtbench | humaneval | jsonl), keeping the first `turns` user turns.
+    """Prompts of `kind` (a PROMPT_SETS name), keeping the first `turns` user turns.
 
     `path` overrides the packaged file (required for jsonl); `limit` keeps the first N prompts.
     """
-    if kind not in KINDS:
+    if kind not in PROMPT_SETS:
         raise ValueError(f"unknown prompt set {kind!r}; use one of {KINDS}.")
     if turns < 1:
         raise ValueError(f"turns={turns}: keep at least one turn.")
     if limit is not None and limit < 0:
         raise ValueError(f"limit={limit}: must be >= 0 or None.")
-    if kind == "jsonl" and not path:
-        raise ValueError("prompt set 'jsonl' needs a path to a JSONL file.")
-    file = Path(path).expanduser() if path else asset_path(kind)
+    spec = PROMPT_SETS[kind]
+    if spec.asset is None and not path:
+        raise ValueError(f"prompt set {kind!r} needs a path to a JSONL file.")
+    file = Path(path).expanduser() if path else asset_path(spec.asset)
     prompts = []
     for lineno, obj in _read_jsonl(file):
         if limit is not None and len(prompts) >= limit:
             break
         where = f"{file}:{lineno}"
-        if kind == "mtbench":
-            pid, category = obj.get("question_id"), obj.get("category")
-        elif kind == "humaneval":
-            pid, category = obj.get("task_id"), None
-        else:
-            pid, category = obj.get("id", lineno), obj.get("category")
+        pid = obj.get(spec.id_field, None if spec.id_required else lineno)
+        category = obj.get(spec.category_field) if spec.category_field else None
         if pid is None:
-            field = "question_id" if kind == "mtbench" else "task_id"
-            raise PromptFormatError(f"{where}: no `{field}` field.")
+            raise PromptFormatError(f"{where}: no `{spec.id_field}` field.")
         prompts.append(Prompt(id=str(pid), category=category, turns=_turns(obj, where)[:turns]))
     return prompts

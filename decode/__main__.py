@@ -13,7 +13,7 @@ def main(cfg: DictConfig) -> None:
     from specdistill.drafters.cli import user_errors
 
     with user_errors("python -m decode"):
-        if cfg.batch_size > 1:  # B sequences per target forward (batch_size=1: today's path)
+        if cfg.batch_size > 1:  # B sequences per target forward (decode/batch.py); 1: decode/spec.py
             from specdistill.decode.batch_eval import run_batched
 
             run_batched(cfg)

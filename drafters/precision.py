@@ -17,7 +17,7 @@ import torch
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 # CPU flags (as /proc/cpuinfo names them) of native bf16 matmuls: with one of them a bf16 forward
-# is faster than fp32 (SmolLM2 one-token step 0.76x, 6-token verify 1.08 steps vs 1.49: issue 13).
+# is faster than fp32 (SmolLM2 one-token step 0.76x, 6-token verify 1.08 steps vs 1.49: BENCHMARKS.md "Fast decoding on CPUs").
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
@@ -94,7 +94,7 @@ def idle_cores() -> int:
 
     Why: torch's OpenMP threads meet at a barrier after every op, so one thread descheduled by
     another process stalls them all. On the shared 2-core machine at load ~8, a SmolLM2 bf16
-    one-token step took 5.3 s with 2 threads and 0.26 s with 1 (BENCHMARKS.md, issue 13)."""
+    one-token step took 5.3 s with 2 threads and 0.26 s with 1 (BENCHMARKS.md "Fast decoding on CPUs")."""
     n = available_cores()
     try:
         load = os.getloadavg()[0]

@@ -1,4 +1,4 @@
-"""Recipe study (issue 14): which drafter and training recipe gives the most acceptance per minute
+"""Recipe study: which drafter and training recipe gives the most acceptance per minute
 of the default job's budget on the embedded default (SmolLM2, ShareGPT, 2 CPU cores).
 
     python -m train.benchmarks.recipe --features-dir /data/feats_e3 --out runs/recipe \\

@@ -1,4 +1,4 @@
-"""Benchmark of issue 5: small_lm drafters built from the target, by size, divergence and data.
+"""Benchmark: small_lm drafters built from the target, by size, divergence and data.
 
     python -m train.benchmarks.small_lm --out runs/bench_small_lm            # the full grid (CPU: hours)
     python -m train.benchmarks.small_lm --tiny --steps 2 --out /tmp/bench    # seconds: checks the script

@@ -56,8 +56,7 @@ def self_distilled(target, data_cfg, progress: bool = True):
         raise FileNotFoundError(f"data file {src} does not exist (data.path={data_cfg.path!r}).")
     root = cache_root(data_cfg)
     settings = OmegaConf.to_container(OmegaConf.create(settings))  # a plain dict
-    key = hashlib.sha1(json.dumps([target.source.split(" (")[0], str(target.dtype),
-                                   cached_file_sha256(src, root), settings],
+    key = hashlib.sha1(json.dumps([target.identity, cached_file_sha256(src, root), settings],
                                   sort_keys=True).encode()).hexdigest()[:20]
     out = root / "regen" / f"{key}.jsonl"
     done = out.with_suffix(".done")

@@ -248,11 +248,16 @@ def setup_run(cfg: DictConfig) -> tuple[Path, Any, Drafter | None, SamplingParam
     target and the drafter (cast to drafter_dtype). Returns (run_dir, target, drafter, sampling)."""
     from specdistill.decode.config import DECODE_RULES
     from specdistill.drafters.cli import check_ranges
+    from specdistill.drafters.outdir import present
     from specdistill.drafters.precision import cast_drafter
     from specdistill.drafters.target import load_target
 
     check_ranges(cfg, DECODE_RULES)
     run_dir = Path(cfg.run_dir)
+    clash = present(run_dir, ("config.yaml", "result.json", "result.md", "checkpoints"))
+    if clash:  # another job's folder (python -m decode refused it before Hydra ran)
+        raise FileExistsError(f"run_dir={run_dir} holds another job's files ({', '.join(clash)}); "
+                              f"a decode never replaces them: give a new run_dir=")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     target = load_target(cfg.target)

@@ -38,6 +38,7 @@ from specdistill.train.config import TRAIN_RULES
 from specdistill.train.distributed import peer_failure_message
 from specdistill.train.final_eval import final_eval
 from specdistill.train.resume import check_resume_config
+from specdistill.train.rundir import check_contents, set_aside_unfinished, write_hydra_record
 from specdistill.train.runlock import RunLock
 from specdistill.train.batches import BatchIterator, first_conversations
 from specdistill.train.loggers import Loggers
@@ -180,10 +181,11 @@ class DistillRecipe:
                 raise PermissionError(f"cannot create run_dir {self.run_dir}: {e}; set run_dir=...") from e
             if not os.access(self.run_dir, os.W_OK):
                 raise PermissionError(f"run_dir {self.run_dir} is not writable; set run_dir=...")
+            RunLock(self.run_dir).check_free()  # a live job's run dir is refused first
+            check_contents(self.run_dir, self.cfg.resume)  # no other job's files, no other run's
             self.lock = RunLock(self.run_dir).acquire()  # one job per run dir
-            if not self.cfg.resume and ckpt.latest_checkpoint(self.run_dir) is not None:
-                raise FileExistsError(f"run_dir {self.run_dir} already holds checkpoints of another "
-                                      f"run: pass resume=true to continue it or a new run_dir=")
+            if ckpt.latest_checkpoint(self.run_dir) is None:  # a fresh start: an earlier job's
+                set_aside_unfinished(self.run_dir)  # metrics become metrics.prev.jsonl
             self._check_disk_space(MIN_FREE_BYTES)
         self._resume_from = None
         if self.cfg.resume:  # every rank: verify before any heavy work, refuse a changed run
@@ -193,12 +195,14 @@ class DistillRecipe:
         self.backend.barrier()
 
     def _write_config(self) -> None:
-        """Rank 0 writes the resolved config.yaml; the previous one is kept as config.prev.yaml."""
+        """Rank 0 writes the resolved config.yaml (the previous one kept as config.prev.yaml) and
+        Hydra's .hydra/ record: only now, so a refused job leaves the run's own untouched."""
         if self.backend.is_main:
             path = self.run_dir / "config.yaml"
             if path.is_file():
                 os.replace(path, self.run_dir / "config.prev.yaml")
             path.write_text(OmegaConf.to_yaml(self.cfg, resolve=True))
+            write_hydra_record(self.run_dir, self.cfg)
 
     def _check_disk_space(self, need: int) -> None:
         """Fail before training when the run dir's disk cannot hold the rolling checkpoints."""

@@ -204,15 +204,17 @@ def modes_markdown(metrics: dict, mismatch: dict, base_dtype: str) -> list[str]:
     base = metrics.get((base_dtype, "plain (ours)"))
     for (dn, m), r in metrics.items():
         plain, hf = metrics[(dn, "plain (ours)")], metrics.get((dn, "HF greedy"))
-        tau = f"{r.tau:.2f}" if r.rounds else "-"
+        tau = f"{r.tau:.2f}" if r.tau is not None else "-"  # "-": not measured (no draft)
         draft = f"{1000 * r.time_draft / r.rounds:.1f}" if r.rounds and r.time_draft else "-"
-        vs_base = f"{r.tokens_per_s / base.tokens_per_s:.2f}x" if base else "-"
         same = "yes" if mismatch[(dn, m)] == 0 else f"NO ({mismatch[(dn, m)]})"
-        lines.append(f"| {dn} | {m} | {tau} | {r.tokens_per_s:.1f} | "
-                     f"{r.tokens_per_s / plain.tokens_per_s:.2f}x | "
-                     f"{f'{r.tokens_per_s / hf.tokens_per_s:.2f}x' if hf else '-'} "
-                     f"| {vs_base} | {draft} | {same} |")
+        lines.append(f"| {dn} | {m} | {tau} | {r.tokens_per_s:.1f} | {_ratio(r, plain)} | "
+                     f"{_ratio(r, hf)} | {_ratio(r, base)} | {draft} | {same} |")
     return lines
+
+
+def _ratio(r: RunMetrics, ref: RunMetrics | None) -> str:
+    """Speed of r over ref as "1.23x"; "-" without a reference or a measured speed."""
+    return f"{r.tokens_per_s / ref.tokens_per_s:.2f}x" if ref and ref.tokens_per_s else "-"
 
 
 def diffs_markdown(diffs: dict) -> list[str]:

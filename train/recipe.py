@@ -316,6 +316,9 @@ class DistillRecipe:
                 return {}
             res = simulate_acceptance(self.target, self.drafter, self.eval_ds.select(range(n)),
                                       k=self.tcfg.eval_k, positions=8)
+        if res["sim_tau"] is None:
+            log.warning("simulated eval at step %d: not measured (no assistant position with a "
+                        "draft in %d eval conversations)", self.step, n)
         flat = {"eval/sim_tau": res["sim_tau"], "eval/mean_accepted": res["mean_accepted"],
                 **{f"eval/acc_{i + 1}": a for i, a in enumerate(res["acceptance"])}}
         self.loggers.log(flat, self.step)
@@ -326,7 +329,8 @@ class DistillRecipe:
     def save_checkpoint(self) -> None:
         """Collective: every rank writes its part of checkpoints/step-N/ (train/checkpoint.py);
         rank 0 keeps the best drafter by simulated tau in best/ and prunes old checkpoints."""
-        tau = float(self.last_eval.get("sim_tau", -1.0)) if getattr(self, "last_eval", None) else -1.0
+        tau = (getattr(self, "last_eval", None) or {}).get("sim_tau")
+        tau = -1.0 if tau is None else float(tau)  # None: the eval measured nothing
         is_best = tau > self.best_tau or len(self.eval_ds) == 0  # no eval data: best = latest
         self.best_tau = max(self.best_tau, tau)
         state = {"scheduler": self.scheduler.state_dict(), "data": self.batches.state_dict(),

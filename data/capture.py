@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 
 from specdistill.data import quiet
 from specdistill.data.dataset import DataConfig
+from specdistill.drafters.identity import differences
 from specdistill.drafters.target import TargetConfig
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,9 @@ def target_logits(target, final_hidden: torch.Tensor, d2t: torch.Tensor | None =
 # files; the trainer reads them back with `OfflineFeatures` (trainer.features=offline).
 # ---------------------------------------------------------------------------------------------
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 1
+# 2: the target is recorded by its identity (drafters/identity.py), not its description;
+# a format-1 capture is refused (it cannot say which target it came from)
+FORMAT_VERSION = 2
 
 
 @dataclass
@@ -83,10 +86,41 @@ class CaptureConfig:
 
 
 def _manifest(cfg, target, n: int) -> dict:
-    return {"version": FORMAT_VERSION, "target": target.source, "layers": list(cfg.layers),
-            "hidden_size": target.hidden_size, "split": cfg.split, "conversations": n,
-            "shard_size": cfg.shard_size, "dtype": cfg.dtype,
-            **({"autocast": cfg.autocast} if cfg.autocast else {})}
+    """What a capture depends on: the target's identity (weights + architecture + dtype, never a
+    path), the layers, the split and its size, the storage layout, the forward's autocast."""
+    return {"version": FORMAT_VERSION, "target": target.identity, "layers": list(cfg.layers),
+            "split": cfg.split, "conversations": n, "shard_size": cfg.shard_size,
+            "dtype": cfg.dtype, "autocast": cfg.autocast}
+
+
+def read_manifest(folder: Path) -> dict | None:
+    """The manifest of a capture folder (None when it has none); a manifest of an older format,
+    or one that is not ours, is refused with what to do."""
+    mpath = Path(folder) / MANIFEST
+    if not mpath.is_file():
+        return None
+    try:
+        man = json.loads(mpath.read_text())
+    except ValueError as e:
+        raise ValueError(f"{mpath} is not a capture manifest ({e}); give another folder") from None
+    if not isinstance(man, dict) or "version" not in man:
+        raise ValueError(f"{mpath} is not a capture manifest (no `version`); give another folder")
+    if man["version"] != FORMAT_VERSION:
+        raise ValueError(f"capture {folder} was made by an older version of specdistill (manifest "
+                         f"format {man['version']}, which does not record the target's identity): "
+                         f"capture again: delete {folder} (or give another folder)")
+    return man
+
+
+def check_target(man: dict, folder: Path, target, **expect) -> None:
+    """Refuse a capture made from another target (any key of its identity differs, named with
+    both values) or with other `expect` settings (e.g. autocast="bfloat16")."""
+    diffs = differences({"target": man["target"], **{k: man.get(k) for k in expect}},
+                        {"target": target.identity, **expect})
+    if diffs:
+        raise ValueError(f"capture {folder} was made from another target or setting: "
+                         + "; ".join(diffs) + ". Capture again for this target (another "
+                         "trainer.features_dir=, or none for the automatic folder)")
 
 
 def autocast(target, dtype: Optional[str]):
@@ -116,17 +150,24 @@ def capture_split(target, rows, cfg, out: Path, progress: bool = True) -> Path:
     so an interrupted capture resumes where it stopped."""
     from tqdm import tqdm
 
-    out.mkdir(parents=True, exist_ok=True)
     n = len(rows)
     manifest = _manifest(cfg, target, n)
-    mpath = out / MANIFEST
-    if mpath.is_file():
-        old = json.loads(mpath.read_text())
-        if old != manifest:
-            raise ValueError(f"{out} holds a capture made with other settings ({old}); use another "
-                             f"`out` folder or delete it")
-    else:
-        mpath.write_text(json.dumps(manifest, indent=1))
+    old = read_manifest(out)
+    if old is not None:
+        diffs = differences(old, manifest)
+        if diffs:
+            raise ValueError(f"{out} holds a capture made with other settings: " + "; ".join(diffs)
+                             + ". Use another `out` folder or delete it")
+    else:  # never into a folder of someone else's files (Hydra's .hydra-run/ log is ours)
+        foreign = sorted(p.name for p in out.iterdir() if p.name != ".hydra-run") if out.is_dir() else []
+        if foreign:
+            raise FileExistsError(f"{out} is not empty and holds no capture ({', '.join(foreign[:5])}"
+                                  f"{', ...' if len(foreign) > 5 else ''}): capture into a new or "
+                                  f"empty folder")
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = out / f".{MANIFEST}.tmp"
+        tmp.write_text(json.dumps(manifest, indent=1))
+        os.replace(tmp, out / MANIFEST)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
     shards = range(0, n, cfg.shard_size)
     t0 = time.perf_counter()
@@ -165,18 +206,19 @@ def serves(captured, layers) -> bool:
 class OfflineFeatures:
     """Reads a capture back: features and final hidden state of conversation i of the split."""
 
-    def __init__(self, folder: str | Path, layers, target) -> None:
+    def __init__(self, folder: str | Path, layers, target, **expect) -> None:
+        """Open a capture for a drafter reading `layers` on `target` (its identity must be the
+        capture's); `expect`: manifest settings that must match too (autocast=...)."""
         self.folder = Path(folder)
-        mpath = self.folder / MANIFEST
-        if not mpath.is_file():
+        man = read_manifest(self.folder)
+        if man is None:
             raise FileNotFoundError(f"no {MANIFEST} in {self.folder}; run `python -m specdistill.data.capture "
                                     f"out={self.folder} ...` first")
-        self.manifest = json.loads(mpath.read_text())
-        man = self.manifest
-        if not serves(man["layers"], layers) or target.hidden_size != man["hidden_size"]:
-            raise ValueError(f"capture {self.folder} has layers {self.manifest['layers']} of hidden "
-                             f"size {self.manifest['hidden_size']}; the drafter needs {list(layers)} "
-                             f"of {target.hidden_size}: capture again with layers={list(layers)}")
+        self.manifest = man
+        check_target(man, self.folder, target, **expect)
+        if not serves(man["layers"], layers):
+            raise ValueError(f"capture {self.folder} has layers {man['layers']}; the drafter needs "
+                             f"{list(layers)}: capture again with layers={list(layers)}")
         self.layers = list(layers)
         self._open: dict[int, Any] = {}  # shard id -> safe_open handle (memory-mapped reads)
 
@@ -228,7 +270,7 @@ def capture_dir(root: Path, target, rows, data_cache: str, layers, autocast_dtyp
     given: under the cache root, so a second run on the same data skips the capture. `rows` is the
     train split (its ids pin eval_fraction and seed); `data_cache` names the tokenised data cache."""
     split = hashlib.sha1("\n".join(rows["id"]).encode()).hexdigest()
-    key = [target.source.split(" (")[0], data_cache, split, list(layers), str(target.dtype)]
+    key = [target.identity, data_cache, split, list(layers)]  # the identity holds the dtype
     if autocast_dtype:
         key.append(autocast_dtype)
     return Path(root) / "features" / hashlib.sha1(json.dumps(key).encode()).hexdigest()[:20]
@@ -239,14 +281,15 @@ def offline_features(target, rows, folder: Path, cfg: CaptureConfig, *, is_main:
                      progress: bool = True) -> OfflineFeatures:
     """The training loop's offline features: rank 0 captures `rows` into `folder` (resumable; a
     no-op when complete), every rank waits at `barrier`, then opens it and checks it holds `rows`."""
-    # a capture made for OTHER layers that serves these is reused as is (the same layers resume)
-    mpath = folder / MANIFEST
-    captured = json.loads(mpath.read_text())["layers"] if mpath.is_file() else None
+    # a capture made for OTHER layers that serves these is reused as is (the same layers resume);
+    # either way its target and autocast must be these (OfflineFeatures checks)
+    man = read_manifest(folder)
+    captured = man["layers"] if man is not None else None
     reuse = captured not in (None, list(cfg.layers)) and serves(captured, cfg.layers)
     if is_main and not reuse:
         capture_split(target, rows, cfg, folder, progress=progress)
     barrier()
-    features = OfflineFeatures(folder, cfg.layers, target)
+    features = OfflineFeatures(folder, cfg.layers, target, autocast=cfg.autocast)
     if len(features) != len(rows):
         raise ValueError(f"capture {folder} holds {len(features)} conversations, the train split "
                          f"{len(rows)}: capture the same data (or drop trainer.features_dir)")

@@ -288,6 +288,11 @@ def load_chat_dataset(cfg: DataConfig, tokenizer) -> ChatData:
         ds = datasets.Dataset.load_from_disk(str(dest))
         log.info("tokenised %d conversations in %.1f s", len(ds), time.perf_counter() - t0)
     log.info("data %s: %s", path, counts)
+    corrupt = counts.dropped.get("corrupt_json", 0)
+    if corrupt or counts.truncated_tail_bytes:  # said on every run, not only the first
+        log.warning("data %s: %d corrupt record(s) skipped and %d bytes of a cut-off tail unread; "
+                    "training uses the %d conversations kept", path, corrupt,
+                    counts.truncated_tail_bytes, counts.kept)
     train, eval_ = split_by_id(ds, cfg.eval_fraction, cfg.seed)
     return ChatData(train=train, eval=eval_, counts=counts, cache_path=dest)
 

@@ -119,4 +119,8 @@ def load_prompts(kind: str, path: Optional[str] = None, limit: Optional[int] = N
         if pid is None:
             raise PromptFormatError(f"{where}: no `{spec.id_field}` field.")
         prompts.append(Prompt(id=str(pid), category=category, turns=_turns(obj, where)[:turns]))
+    if not prompts:  # nothing decoded would be measured: never a tau of nothing
+        raise PromptFormatError(f"{file}: no prompt to decode ("
+                                + ("limit=0" if limit == 0 else "the file holds no record")
+                                + "); give a file with one JSON object per line")
     return prompts

@@ -10,6 +10,9 @@ answer to the conversation so far (its own earlier answers included). The output
 
 Batched (HF `generate` with left padding), resumable (one line per finished conversation, flushed;
 a restart skips ids already written and repairs a line cut by a crash), limited by `limit`.
+`<out>.regenerate.json` records the target's identity and the generation settings: a resume with
+another target or other settings is refused (naming what differs) instead of mixing two kinds of
+answers in one file, and a file without it (the user's own) is never appended to or repaired.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from omegaconf import MISSING
 
 from specdistill.data import quiet
 from specdistill.data.dataset import DataConfig, RegenerateSettings, cache_root, cached_file_sha256, data_file
+from specdistill.drafters.identity import differences
 from specdistill.drafters.target import DTYPES, TargetConfig, resolve_dtype
 from specdistill.data.sharegpt import Conversation, iter_conversations
 
@@ -41,7 +45,9 @@ class RegenerateConfig(RegenerateSettings):
 
     target: Any = MISSING  # the target (conf/target/*.yaml)
     data: Any = MISSING  # the source chat data (conf/data/*.yaml)
-    out: str = MISSING  # the ShareGPT JSONL file written (appended to on resume)
+    # the ShareGPT JSONL file written (appended to on resume; its target and settings are kept
+    # in <out>.regenerate.json, and a file without one is never written to)
+    out: str = MISSING
 
 
 def self_distilled(target, data_cfg, progress: bool = True):
@@ -56,8 +62,7 @@ def self_distilled(target, data_cfg, progress: bool = True):
         raise FileNotFoundError(f"data file {src} does not exist (data.path={data_cfg.path!r}).")
     root = cache_root(data_cfg)
     settings = OmegaConf.to_container(OmegaConf.create(settings))  # a plain dict
-    key = hashlib.sha1(json.dumps([target.source.split(" (")[0], str(target.dtype),
-                                   cached_file_sha256(src, root), settings],
+    key = hashlib.sha1(json.dumps([target.identity, cached_file_sha256(src, root), settings],
                                   sort_keys=True).encode()).hexdigest()[:20]
     out = root / "regen" / f"{key}.jsonl"
     done = out.with_suffix(".done")
@@ -81,16 +86,62 @@ def self_distilled(target, data_cfg, progress: bool = True):
     return new
 
 
+# what decides the answers: resuming into one file with other values would mix two kinds
+GENERATION_KEYS = ("max_turns", "max_new_tokens", "max_prompt_tokens", "temperature", "seed")
+
+
+def sidecar(out: Path) -> Path:
+    """`<out>.regenerate.json`: the target and settings the answers in `out` were made with.
+    Its presence also says that `out` is ours: regenerate never appends to another file."""
+    return out.with_name(out.name + ".regenerate.json")
+
+
+def claim_out(out: Path, target, cfg, dtype: str) -> None:
+    """Start `out` (recording who writes it) or resume it: refused when `out` is a file this
+    command did not start, or when its answers came from another target or other generation
+    settings (every differing key named)."""
+    side = sidecar(out)
+    record = {"target": target.identity,
+              "generation": {**{k: getattr(cfg, k) for k in GENERATION_KEYS}, "dtype": dtype}}
+    if side.is_file():
+        old = json.loads(side.read_text())
+        diffs = differences({k: old.get(k) for k in record}, record)
+        if diffs:
+            raise ValueError(f"{out} holds answers made with another target or other generation "
+                             f"settings ({side.name}): " + "; ".join(diffs) + ". Resuming would "
+                             f"mix both in one file: give another out= (or delete {out} and {side})")
+        return
+    if out.exists() and out.stat().st_size > 0:
+        raise FileExistsError(f"{out} exists and was not started by regenerate (no {side.name} "
+                              f"next to it): regenerate appends only to its own output and never "
+                              f"changes another file; give a new out= file")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = side.with_name(side.name + ".tmp")
+    tmp.write_text(json.dumps({"format": 1, **record}, indent=1))
+    os.replace(tmp, side)
+
+
 def done_ids(out: Path) -> set[str]:
-    """Ids already written; a last line cut by a crash is removed so the file stays valid JSONL."""
+    """Ids already written into our own `out`. Its last line without a newline is a write cut
+    by a crash: removed when it is not a whole record, kept (newline added) when it is."""
     if not out.is_file():
         return set()
     raw = out.read_bytes()
-    keep = raw[: raw.rfind(b"\n") + 1]  # everything up to the last complete line
-    if len(keep) != len(raw):
-        log.warning("%s ends with a partial line (interrupted run): removing it", out)
-        out.write_bytes(keep)
-    return {json.loads(line)["id"] for line in keep.decode("utf-8").splitlines() if line.strip()}
+    cut = raw.rfind(b"\n") + 1  # everything up to the last complete line
+    tail = raw[cut:]
+    if tail.strip():
+        try:
+            json.loads(tail)["id"]
+        except (ValueError, KeyError, TypeError):
+            log.warning("%s ends with a partial record (%d bytes; an interrupted run): removing "
+                        "it", out, len(tail))
+            os.truncate(out, cut)
+            raw = raw[:cut]
+        else:  # the whole record made it, only its newline did not
+            with open(out, "ab") as f:
+                f.write(b"\n")
+            raw += b"\n"
+    return {json.loads(line)["id"] for line in raw.decode("utf-8").splitlines() if line.strip()}
 
 
 @torch.inference_mode()
@@ -116,15 +167,17 @@ def regenerate(target, convs: list[Conversation], cfg, out: Path, progress: bool
 
     torch.manual_seed(cfg.seed)
     model = target.model  # or a copy in cfg.dtype (bf16 generates ~2.6x faster on AVX512-BF16 CPUs)
+    dtype = str(target.dtype).removeprefix("torch.")
     if cfg.dtype is not None:
         if cfg.dtype != "auto" and cfg.dtype not in DTYPES:
             raise ValueError(f"regenerate dtype {cfg.dtype!r}: use auto, one of {sorted(DTYPES)} "
                              f"or null (the target's own dtype)")
         choice = resolve_dtype(cfg.dtype, target.device.type)  # auto: bf16 where native
         log.info("regenerating at %s (%s)", choice.dtype, choice.check)
+        dtype = choice.dtype
         if DTYPES[choice.dtype] != target.dtype:
             model = copy.deepcopy(target.model).to(DTYPES[choice.dtype])
-    out.parent.mkdir(parents=True, exist_ok=True)
+    claim_out(out, target, cfg, dtype)
     seen = done_ids(out)
     # shortest first: a batch pads to its longest prompt, and prefill dominates on CPUs
     todo = sorted((c for c in convs if c.id not in seen),

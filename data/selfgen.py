@@ -42,10 +42,11 @@ from safetensors.torch import save_file
 from specdistill.data.capture import pad_features
 from specdistill.data.dataset import ChatData, FEATURES, SelfGenSettings, split_by_id
 from specdistill.data.sharegpt import Counts, iter_conversations
+from specdistill.drafters.identity import differences
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the target by its identity (drafters/identity.py)
 MANIFEST, COMPLETE, ANSWERS = "manifest.json", "COMPLETE", "answers.jsonl"
 STORE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -77,14 +78,10 @@ def first_turns(path: Path, tokenizer, limit: Optional[int], max_prompt_tokens: 
 
 
 def _key(target, src_sha: str, settings: SelfGenSettings, layers: Sequence[int]) -> dict:
-    """What the store depends on: the target (its source and architecture), the data file, the
-    settings and the feature layers; never a path of the cache or a log phrase."""
-    arch = {k: v for k, v in target.config.to_dict().items()
-            if not k.startswith("_") and k != "transformers_version"}
-    return {"version": FORMAT_VERSION, "target": target.source.split(" (")[0],
-            "target_config": hashlib.sha256(json.dumps(arch, sort_keys=True, default=str)
-                                            .encode()).hexdigest()[:16],
-            "data_sha256": src_sha, "settings": asdict(settings), "layers": list(layers)}
+    """What the store depends on: the target's identity (weights + architecture + dtype), the data
+    file, the settings and the feature layers; never a path of the cache or a log phrase."""
+    return {"version": FORMAT_VERSION, "target": target.identity, "data_sha256": src_sha,
+            "settings": asdict(settings), "layers": list(layers)}
 
 
 def _generation_model(target, dtype: str):
@@ -197,12 +194,10 @@ class SelfGenStore:
 
     def check(self, key: dict) -> None:
         """Refuse a store made from something else, naming what differs."""
-        old = json.loads((self.folder / MANIFEST).read_text())
-        diff = sorted(k for k in set(old) | set(key) if old.get(k) != key.get(k))
-        if diff:
-            raise ValueError(f"{self.folder} holds self-generated data made with other "
-                             f"{', '.join(diff)} ({', '.join(f'{k}: {old.get(k)!r} -> {key.get(k)!r}' for k in diff)}); "
-                             f"delete it to generate again")
+        diffs = differences(json.loads((self.folder / MANIFEST).read_text()), key)
+        if diffs:
+            raise ValueError(f"{self.folder} holds self-generated data made with other settings "
+                             f"({'; '.join(diffs)}): delete it to generate again")
 
     def shards(self) -> list[Path]:
         return sorted(self.folder.glob("shard-*.safetensors"))

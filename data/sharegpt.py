@@ -26,7 +26,9 @@ or the system prompt (the chat template may add its default one). They are real 
 and dropping them would lose a third of the data. Empty turns stay in place as context.
 
 A whole file that is not JSON, or is empty, raises DataFormatError naming the file; a bad record
-inside a readable file is counted, never fatal.
+inside a readable file is counted, never fatal. A .json array record that is not valid JSON is
+skipped to the next record (counted as `corrupt_json`, logged with its byte offset): one broken
+record never takes the records after it along.
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assist
          "bing": "assistant", "bard": "assistant", "assistant": "assistant", "system": "system"}
 CHUNK_CHARS = 1 << 20  # characters read per chunk of a .json file
 _WS = re.compile(r"[ \t\n\r]*")
+_NEXT_RECORD = re.compile(r",[ \t\n\r]*\{")  # where the next element of an array may start
 
 
 class DataFormatError(ValueError):
@@ -91,19 +94,27 @@ class Conversation:
 def iter_json(path: Path, counts: Counts, chunk_chars: int = CHUNK_CHARS) -> Iterator[Any]:
     """Yield the elements of a JSON array (or whitespace-separated JSON values) one at a time.
 
-    Holds one chunk plus the record being decoded. A tail that does not decode (a cut-off file, or
-    a syntax error mid-file) stops the stream; its size goes to counts.truncated_tail_bytes.
+    Holds one chunk plus the record being decoded. A record that does not decode mid-file is
+    skipped to the next record (a `{` after a `,` that decodes to a chat record): counted as
+    dropped `corrupt_json` and logged with its byte offset, and every record after it is kept.
+    A tail with no record after it (a cut-off file) ends the stream; its size goes to
+    counts.truncated_tail_bytes.
     """
     decoder = json.JSONDecoder()
-    with open(path, encoding="utf-8") as f:
-        buf, pos, eof = "", 0, False
+    size = path.stat().st_size
+    with open(path, encoding="utf-8", newline="") as f:  # newline="": byte offsets stay exact
+        buf, pos, eof, dropped_bytes = "", 0, False, 0
 
         def more() -> bool:  # append a chunk, dropping what is consumed; False at end of file
-            nonlocal buf, pos, eof
+            nonlocal buf, pos, eof, dropped_bytes
             chunk = f.read(chunk_chars)
             eof = not chunk
+            dropped_bytes += len(buf[:pos].encode("utf-8"))
             buf, pos = buf[pos:] + chunk, 0
             return not eof
+
+        def offset(p: int) -> int:  # byte offset in the file of buffer position p
+            return dropped_bytes + len(buf[:p].encode("utf-8"))
 
         def skip_ws() -> bool:  # move pos to the next non-blank char; False at end of file
             nonlocal pos
@@ -112,26 +123,7 @@ def iter_json(path: Path, counts: Counts, chunk_chars: int = CHUNK_CHARS) -> Ite
                 if pos < len(buf) or not more():
                     return pos < len(buf)
 
-        if not skip_ws():
-            raise DataFormatError(f"{path} is empty: expected a JSON array of chat records.")
-        if buf[pos] not in "[{":
-            raise DataFormatError(f"{path} is not JSON (starts with {buf[pos:pos + 20]!r}); expected "
-                                  f"a JSON array of chat records, or JSON Lines in a .jsonl file.")
-        in_array = buf[pos] == "["
-        pos += in_array
-        first = True
-        while skip_ws():
-            if in_array and buf[pos] == "]":
-                pos += 1
-                if skip_ws():  # data after the closing bracket
-                    break
-                return
-            if in_array and not first:
-                if buf[pos] != ",":
-                    break
-                pos += 1
-                if not skip_ws():
-                    break
+        def decode_at() -> tuple[Any, Optional[int]]:  # the value at pos: (value, end) or (None, None)
             while True:
                 try:
                     value, end = decoder.raw_decode(buf, pos)
@@ -140,29 +132,78 @@ def iter_json(path: Path, counts: Counts, chunk_chars: int = CHUNK_CHARS) -> Ite
                     near_end = e.pos >= len(buf) - 64 or e.msg.startswith("Unterminated string")
                     if near_end and more():
                         continue
-                    end = None
-                    break
+                    return None, None
                 if end == len(buf) and more():  # a number could go on in the next chunk
                     continue
-                break
-            if end is None:
-                break
+                return value, end
+
+        def resync() -> bool:  # pos to the next chat record after a corrupt one; False: none
+            nonlocal pos
+            i = pos + 1
+            while True:
+                m = _NEXT_RECORD.search(buf, i)
+                if m is None:
+                    pos = max(pos, len(buf) - 64)  # a separator may be cut by the chunk's end
+                    if not more():
+                        return False
+                    i = 0
+                    continue
+                pos = m.end() - 1  # a `{`: what lies before it is skipped
+                value, _ = decode_at()
+                if isinstance(value, dict) and ("conversations" in value or "messages" in value):
+                    return True
+                i = pos + 1
+
+        if not skip_ws():
+            raise DataFormatError(f"{path} is empty: expected a JSON array of chat records.")
+        if buf[pos] not in "[{":
+            raise DataFormatError(f"{path} is not JSON (starts with {buf[pos:pos + 20]!r}); expected "
+                                  f"a JSON array of chat records, or JSON Lines in a .jsonl file.")
+        in_array = buf[pos] == "["
+        pos += in_array
+        first, bad_at = True, None
+        while skip_ws():
+            if in_array and buf[pos] == "]":
+                pos += 1
+                if skip_ws():  # data after the closing bracket
+                    bad_at = offset(pos)
+                    break
+                return
+            value, end = None, None
+            if in_array and not first and buf[pos] == ",":
+                pos += 1
+                if not skip_ws():
+                    bad_at = offset(pos)
+                    break
+                value, end = decode_at()
+            elif first or not in_array:
+                value, end = decode_at()
+            if end is None:  # corrupt here (or no comma): skip to the next record, or a cut-off tail
+                bad_at = offset(pos)
+                if not resync():
+                    break
+                counts.read += 1
+                counts.drop("corrupt_json")
+                log.warning("%s: the record at byte %d is not valid JSON; skipped %d bytes to the "
+                            "next record, every record after it is kept (dropped as corrupt_json)",
+                            path, bad_at, offset(pos) - bad_at)
+                bad_at, first = None, True
+                continue
             pos, first = end, False
             counts.read += 1
             yield value
         else:  # end of file between two values: complete for JSON Lines, cut off for an array
             if not in_array:
                 return
-        # Whatever is left did not decode: count its bytes, reading on to the end of the file.
-        tail, pos = len(buf[pos:].encode("utf-8")), len(buf)
-        while more():
-            tail += len(buf.encode("utf-8"))
-            pos = len(buf)
+            bad_at = offset(pos)
+        # Whatever is left did not decode and holds no further record: a cut-off file.
+        tail = size - bad_at
         counts.truncated_tail_bytes += tail
         if counts.read == 0:
             raise DataFormatError(f"{path}: no complete JSON record could be decoded.")
         log.warning("%s: the JSON is cut off or corrupt after %d complete records; the last %d "
-                    "bytes do not decode and were skipped", path, counts.read, tail)
+                    "bytes (from byte %d, %.2g%% of the file) do not decode and were skipped",
+                    path, counts.read, tail, bad_at, 100 * tail / max(size, 1))
 
 
 def iter_jsonl(path: Path, counts: Counts) -> Iterator[Any]:

@@ -1,4 +1,9 @@
-"""`python -m decode ...`: run a drafter through the lossless decoder on an eval set (Hydra entry)."""
+"""`python -m decode ...`: run a drafter through the lossless decoder on an eval set (Hydra entry).
+
+The run dir must be new or empty (checked before Hydra writes into it): a decode never writes its
+config, results or Hydra record into a training run's folder or any other job's."""
+from pathlib import Path
+
 import hydra
 from omegaconf import DictConfig
 
@@ -6,6 +11,7 @@ from specdistill.drafters.cli import CONF_DIR
 from specdistill.decode.config import DecodeConfig, store_schemas
 
 store_schemas("decode_schema", DecodeConfig)
+OUTPUTS = "config.yaml, result.json, result.md, .hydra/ and its log"  # what a decode writes
 
 
 @hydra.main(config_path=CONF_DIR, config_name="decode", version_base="1.3")
@@ -27,9 +33,14 @@ def cli() -> None:
     """The command line (also the `specdistill-*` console script): argument checks, then main."""
     import sys
 
-    from specdistill.drafters.cli import check_out_dir_arg
+    from specdistill.drafters.cli import check_out_dir_arg, user_errors
+    from specdistill.drafters.outdir import override, refuse_nonempty
 
     check_out_dir_arg("python -m decode", sys.argv[1:])
+    run_dir = override(sys.argv[1:], "run_dir")
+    if run_dir is not None:  # before Hydra writes .hydra/ and its log there (a training run dir...)
+        with user_errors("python -m decode"):
+            refuse_nonempty(Path(run_dir), "run_dir", OUTPUTS)
     main()
 
 

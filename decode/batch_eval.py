@@ -17,8 +17,8 @@ from specdistill.data.prompts import load_prompts
 from specdistill.decode.batch import BatchResult, generate_batch
 from specdistill.decode.budget import cost_curve, new_planner
 from specdistill.decode.kernels import parse_exact
-from specdistill.decode.evaluate import (_budget, _lossless_check, compare_greedy, finish_run, render,
-                             results_markdown, setup_run, write_results)
+from specdistill.decode.evaluate import (_budget, _lossless_check, compare_greedy, finish_run, headline,
+                             render, results_markdown, setup_run, write_results)
 from specdistill.decode.metrics import RunMetrics
 from specdistill.drafters.base import Drafter
 from specdistill.drafters.sampling import SamplingParams
@@ -86,24 +86,25 @@ def evaluate_batched(target, drafter: Drafter | None, *, batch_size: int, batch_
                          **({"first_difference": where} if where else {})})
     spec_m = _batch_metrics(spec_results, spec_batches)
     latency = [r["latency_s"] for r in rows]
+    widths = [w for b in spec_batches for w in b.widths]
     summary = {**({"planner_probes": planner.probes} if planner else {}), "eval": eval_kind, "prompts": len(prompts), "generations": len(rows),
                "drafter": drafter.name if drafter is not None else "none", "k": k, "tree": tree,
                "temperature": sampling.temperature, "max_new_tokens": max_new_tokens,
                "batch_size": batch_size, "batch_mode": batch_mode, "exact_verify": exact_verify,
                "latency_mean_s": statistics.mean(latency),
                "latency_p90_s": sorted(latency)[int(0.9 * (len(latency) - 1))],
-               "mean_forward_width": statistics.mean(w for b in spec_batches for w in b.widths),
+               # None: no verify forward ran (every answer ended with the prefill's token)
+               "mean_forward_width": statistics.mean(widths) if widths else None,
                **{f"spec_{n}": v for n, v in asdict(spec_m).items()}}
     summary.update(target.dtype_choice.as_dict() if hasattr(target, "dtype_choice") else
                    {"target_dtype": str(target.dtype).removeprefix("torch.")})
-    summary["tau"], summary["tau_draft"] = spec_m.tau, spec_m.tau_draft
     if plain_batches:
         plain_m = _batch_metrics([r for b in plain_batches for r in b.results], plain_batches)
         summary["plain_tokens_per_s"] = plain_m.tokens_per_s
-        summary["speedup"] = spec_m.tokens_per_s / plain_m.tokens_per_s if plain_m.tokens_per_s else 0.0
         summary["plain_target_forwards"] = plain_m.target_forwards
         if sampling.greedy:
             summary.update(_lossless_check(rows))
+    summary.update(headline(spec_m, plain_m.tokens_per_s if plain_batches else None))
     markdown = (results_markdown(summary, spec_m)
                 + f"\n\nbatch_size={batch_size}, batch_mode={batch_mode}: throughput over the "
                   f"batch, per-sequence latency mean {summary['latency_mean_s']:.2f} s")

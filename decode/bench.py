@@ -14,7 +14,8 @@ processes hits every mode alike:
     python -m decode.bench --dtypes bfloat16 --curve-only    # just the verify-cost curve
     python -m decode.bench --batch --ckpt <drafter> --batch-sizes 1 2 4 8 16 32   # batched
 Prints the tables and writes bench.json + bench.md (--batch: batch.json, batch.md, batch.png;
-decode/bench_batch.py) to --out.
+decode/bench_batch.py) to --out (default a new dated folder; one holding an earlier benchmark's
+results is refused before the run).
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from specdistill.decode.evaluate import is_near_tie, render
 from specdistill.decode.metrics import RunMetrics
 from specdistill.decode.spec import GenerationResult, generate
 from specdistill.drafters.base import build_drafter, load_drafter
+from specdistill.drafters.outdir import present
 from specdistill.drafters.precision import cast_drafter
 from specdistill.drafters.ngram import NgramConfig
 from specdistill.drafters.target import NATIVE_BF16_FLAGS, TargetConfig, cpu_flags, load_target
@@ -202,15 +204,17 @@ def modes_markdown(metrics: dict, mismatch: dict, base_dtype: str) -> list[str]:
     base = metrics.get((base_dtype, "plain (ours)"))
     for (dn, m), r in metrics.items():
         plain, hf = metrics[(dn, "plain (ours)")], metrics.get((dn, "HF greedy"))
-        tau = f"{r.tau:.2f}" if r.rounds else "-"
+        tau = f"{r.tau:.2f}" if r.tau is not None else "-"  # "-": not measured (no draft)
         draft = f"{1000 * r.time_draft / r.rounds:.1f}" if r.rounds and r.time_draft else "-"
-        vs_base = f"{r.tokens_per_s / base.tokens_per_s:.2f}x" if base else "-"
         same = "yes" if mismatch[(dn, m)] == 0 else f"NO ({mismatch[(dn, m)]})"
-        lines.append(f"| {dn} | {m} | {tau} | {r.tokens_per_s:.1f} | "
-                     f"{r.tokens_per_s / plain.tokens_per_s:.2f}x | "
-                     f"{f'{r.tokens_per_s / hf.tokens_per_s:.2f}x' if hf else '-'} "
-                     f"| {vs_base} | {draft} | {same} |")
+        lines.append(f"| {dn} | {m} | {tau} | {r.tokens_per_s:.1f} | {_ratio(r, plain)} | "
+                     f"{_ratio(r, hf)} | {_ratio(r, base)} | {draft} | {same} |")
     return lines
+
+
+def _ratio(r: RunMetrics, ref: RunMetrics | None) -> str:
+    """Speed of r over ref as "1.23x"; "-" without a reference or a measured speed."""
+    return f"{r.tokens_per_s / ref.tokens_per_s:.2f}x" if ref and ref.tokens_per_s else "-"
 
 
 def diffs_markdown(diffs: dict) -> list[str]:
@@ -274,8 +278,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch-exact", action="store_true",
                     help="--batch: also every mode with exact_verify (decode/rows_exact.py), "
                          "interleaved, its outputs checked against unbatched exact decoding")
-    ap.add_argument("--out", default="runs/bench")
-    return ap.parse_args(argv)
+    ap.add_argument("--out", default=f"runs/bench/{datetime.now().strftime('%Y-%m-%d_%H-%M-%S')}",
+                    help="folder of the results (default: a new dated folder under runs/bench)")
+    args = ap.parse_args(argv)
+    names = ("batch.md", "batch.json", "batch.png") if args.batch else ("bench.md", "bench.json")
+    clash = present(Path(args.out), names)
+    if clash:  # before the (long) run: an earlier benchmark's results are never replaced
+        ap.error(f"--out {args.out} already holds {', '.join(clash)} of an earlier benchmark; "
+                 f"give a new --out")
+    return args
 
 
 def load_targets(args) -> dict:

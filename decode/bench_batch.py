@@ -71,6 +71,8 @@ def run_batch_bench(target: Any, drafter: Any, prompts: Sequence[torch.Tensor], 
         differ = _differ(rs, runs.get((b, plain)))  # greedy: as plain batched decoding at this B
         alone = _differ(rs, runs.get((1, plain)))  # ... and as unbatched plain decoding
         rounds = [a for x in rs[0].results for a in x.accepted]
+        drafted = sum(d for x in rs[0].results for d in x.drafted)
+        measured = rounds and (drafted or m.startswith("plain"))  # plain: 1 token per forward
         rows.append({
             "batch_size": b, "mode": m,
             "tokens_per_s": statistics.median(x.tokens_per_s for x in rs),
@@ -78,7 +80,7 @@ def run_batch_bench(target: Any, drafter: Any, prompts: Sequence[torch.Tensor], 
             "latency_mean_s": statistics.median(statistics.mean(x.latency) for x in rs),
             "latency_p90_s": statistics.median(sorted(x.latency)[int(0.9 * (len(x.latency) - 1))]
                                                for x in rs),
-            "tau": (sum(rounds) + len(rounds)) / len(rounds) if rounds else 0.0,
+            "tau": (sum(rounds) + len(rounds)) / len(rounds) if measured else None,
             "mean_width": statistics.mean(rs[0].widths) if rs[0].widths else 0.0,
             "draft_rounds": (sum(d > 0 for x in rs for d in x.depths)
                              / max(1, sum(len(x.depths) for x in rs))),
@@ -112,7 +114,8 @@ def batch_markdown(rows: list[dict]) -> list[str]:
         base = plain.get(r["batch_size"])
         vs = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
         lines.append(f"| {r['batch_size']} | {r['mode']} | {r['tokens_per_s']:.1f} | {vs} | "
-                     f"{r['latency_mean_s']:.2f} | {r['latency_p90_s']:.2f} | {r['tau']:.2f} | "
+                     f"{r['latency_mean_s']:.2f} | {r['latency_p90_s']:.2f} | "
+                     f"{'-' if r['tau'] is None else format(r['tau'], '.2f')} | "
                      f"{r['mean_width']:.2f} | {r.get('draft_rounds', 0.0):.0%} | "
                      f"{r.get('draft_ms_round', 0.0):.1f} | {_count(r['differ_from_plain'])} | "
                      f"{_count(r.get('differ_from_unbatched'))} |")

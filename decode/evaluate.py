@@ -148,15 +148,13 @@ def evaluate_drafter(target, drafter: Drafter | None, *, eval_kind: str = "mtben
                    {"target_dtype": str(target.dtype).removeprefix("torch.")})
     own = [t.dtype for t in (drafter.parameters() if drafter is not None else ()) if t.is_floating_point()]
     summary["drafter_dtype"] = str(own[0]).removeprefix("torch.") if own else None
-    summary["tau"] = spec_m.tau
-    summary["tau_draft"] = spec_m.tau_draft
     if plain_results:
         plain_m = RunMetrics.from_results(plain_results)
         summary["plain_tokens_per_s"] = plain_m.tokens_per_s
-        summary["speedup"] = spec_m.tokens_per_s / plain_m.tokens_per_s if plain_m.tokens_per_s else 0.0
         summary["plain_target_forwards"] = plain_m.target_forwards
         if sampling.greedy:
             summary.update(_lossless_check(rows))
+    summary.update(headline(spec_m, plain_m.tokens_per_s if plain_results else None))
     capped = sum(r["budget_capped"] for r in rows)
     if capped:
         summary["max_new_tokens_capped"] = capped  # generations whose budget the context cut
@@ -164,6 +162,20 @@ def evaluate_drafter(target, drafter: Drafter | None, *, eval_kind: str = "mtben
                     "%d generations: they were capped to what fits (max_new_tokens_capped in "
                     "result.json)", max_new_tokens, target.max_length, capped, len(rows))
     return write_results(summary, rows, results_markdown(summary, spec_m), out_dir)
+
+
+def headline(spec_m: RunMetrics, plain_tokens_per_s: float | None) -> dict:
+    """tau, tau_draft and the speedup over plain decoding (when it ran): None where nothing was
+    measured (no prompts, no decode rounds, no draft token), with `not_measured` saying why."""
+    why = spec_m.not_measured()
+    out = {"tau": spec_m.tau, "tau_draft": spec_m.tau_draft}
+    if plain_tokens_per_s is not None:
+        out["speedup"] = (spec_m.tokens_per_s / plain_tokens_per_s
+                          if why is None and plain_tokens_per_s > 0 else None)
+    if why is not None:
+        out["not_measured"] = why
+        log.warning("tau%s not measured: %s", " and speedup" if "speedup" in out else "", why)
+    return out
 
 
 def write_results(summary: dict, rows: list[dict], markdown: str, out_dir) -> dict:
@@ -184,10 +196,14 @@ def results_markdown(summary: dict, m: RunMetrics) -> str:
              f"T={summary['temperature']})", "",
              m.to_markdown(), ""]
     if "speedup" in summary:
+        speedup = summary["speedup"]
         lines += ["| plain tokens/s | speculative tokens/s | speedup | outputs identical |",
                   "|---:|---:|---:|:---:|",
                   f"| {summary['plain_tokens_per_s']:.1f} | {m.tokens_per_s:.1f} | "
-                  f"{summary['speedup']:.2f}x | {summary.get('outputs_identical_to_plain', 'n/a')} |"]
+                  f"{'not measured' if speedup is None else f'{speedup:.2f}x'} | "
+                  f"{summary.get('outputs_identical_to_plain', 'n/a')} |"]
+    if summary.get("not_measured"):
+        lines += ["", f"tau, acceptance and speedup: not measured ({summary['not_measured']})."]
     return "\n".join(lines)
 
 
@@ -248,11 +264,16 @@ def setup_run(cfg: DictConfig) -> tuple[Path, Any, Drafter | None, SamplingParam
     target and the drafter (cast to drafter_dtype). Returns (run_dir, target, drafter, sampling)."""
     from specdistill.decode.config import DECODE_RULES
     from specdistill.drafters.cli import check_ranges
+    from specdistill.drafters.outdir import present
     from specdistill.drafters.precision import cast_drafter
     from specdistill.drafters.target import load_target
 
     check_ranges(cfg, DECODE_RULES)
     run_dir = Path(cfg.run_dir)
+    clash = present(run_dir, ("config.yaml", "result.json", "result.md", "checkpoints"))
+    if clash:  # another job's folder (python -m decode refused it before Hydra ran)
+        raise FileExistsError(f"run_dir={run_dir} holds another job's files ({', '.join(clash)}); "
+                              f"a decode never replaces them: give a new run_dir=")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     target = load_target(cfg.target)

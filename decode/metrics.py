@@ -9,6 +9,11 @@ Definitions (a round = one decode target forward after the prefill; n = accepted
   * accept_uncond[i] = P(draft i+1 accepted | draft i+1 proposed);
   * accept_hist[n]   = rounds that accepted exactly n drafts.
 Acceptance counts are taken as verified, before a cut at EOS, a stop string or the budget.
+
+Nothing measured is never a number: with no prompts, no decode rounds (every answer ended with
+the prefill's token: max_new_tokens=1) or no draft token proposed, tau, tau_draft and the speedup
+are None ("not measured", null in JSON, said in the table; `not_measured` gives the reason), and
+so is the acceptance of a draft position no round reached.
 """
 from __future__ import annotations
 
@@ -24,10 +29,11 @@ class RunMetrics:
     new_tokens: int = 0  # generated tokens, all prompts
     rounds: int = 0  # decode target forwards (prefills excluded)
     target_forwards: int = 0  # all target forwards (prefills included)
-    tau: float = 0.0  # mean tokens committed per decode round, bonus included
-    tau_draft: float = 0.0  # mean accepted drafts per decode round
-    accept_cond: list[float] = field(default_factory=list)  # per draft position, see module doc
-    accept_uncond: list[float] = field(default_factory=list)  # per draft position
+    drafted: int = 0  # draft tokens proposed, all rounds
+    tau: float | None = None  # mean tokens committed per decode round, bonus included (None: not measured)
+    tau_draft: float | None = None  # mean accepted drafts per decode round (None: not measured)
+    accept_cond: list[float | None] = field(default_factory=list)  # per draft position, see module doc
+    accept_uncond: list[float | None] = field(default_factory=list)  # per draft position
     accept_hist: list[int] = field(default_factory=list)  # rounds by accepted drafts 0, 1, ...
     tokens_per_s: float = 0.0  # new_tokens / total wall-clock time
     time_total: float = 0.0  # seconds, all prompts
@@ -54,12 +60,13 @@ class RunMetrics:
                 proposed_reached[i] += i <= n
         t = cls(prompts=len(results), new_tokens=sum(len(r.tokens) for r in results),
                 rounds=rounds, target_forwards=sum(r.target_forwards for r in results),
-                accept_hist=hist if rounds else [])
-        t.tau = (sum(accepted) + rounds) / rounds if rounds else 0.0
-        t.tau_draft = sum(accepted) / rounds if rounds else 0.0
-        t.accept_cond = [passed[i] / proposed_reached[i] if proposed_reached[i] else 0.0
+                drafted=sum(drafted), accept_hist=hist if rounds else [])
+        if t.not_measured() is None:
+            t.tau = (sum(accepted) + rounds) / rounds
+            t.tau_draft = sum(accepted) / rounds
+        t.accept_cond = [passed[i] / proposed_reached[i] if proposed_reached[i] else None
                          for i in range(longest)]
-        t.accept_uncond = [passed[i] / proposed[i] if proposed[i] else 0.0 for i in range(longest)]
+        t.accept_uncond = [passed[i] / proposed[i] if proposed[i] else None for i in range(longest)]
         t.time_total = sum(r.time_total for r in results)
         t.time_draft = sum(r.time_draft for r in results)
         t.time_verify = sum(r.time_verify for r in results)
@@ -67,14 +74,27 @@ class RunMetrics:
         t.tokens_per_s = t.new_tokens / t.time_total if t.time_total > 0 else 0.0
         return t
 
+    def not_measured(self) -> str | None:
+        """Why tau, acceptance and the speedup were not measured (None: they were)."""
+        if not self.prompts:
+            return "no prompts"
+        if not self.rounds:
+            return ("no decode rounds: every answer ended with the prefill's token "
+                    "(max_new_tokens=1, or an immediate end of turn)")
+        if not self.drafted:
+            return "the drafter proposed no draft token"
+        return None
+
     def to_markdown(self, title: str = "run") -> str:
         """A two-column markdown table of the headline numbers, then the per-position rates."""
         tot = self.time_total or 1.0
+        why = self.not_measured()
         rows = [
             ("prompts", f"{self.prompts}"), ("new tokens", f"{self.new_tokens}"),
             ("tokens/s", f"{self.tokens_per_s:.2f}"),
-            ("tau (tokens per target forward)", f"{self.tau:.3f}"),
-            ("tau_draft (accepted drafts per round)", f"{self.tau_draft:.3f}"),
+            ("tau (tokens per target forward)", fmt(self.tau, ".3f", why)),
+            ("tau_draft (accepted drafts per round)", fmt(self.tau_draft, ".3f", why)),
+            ("draft tokens proposed / decode rounds", f"{self.drafted} / {self.rounds}"),
             ("target forwards (prefills included)", f"{self.target_forwards}"),
             ("time draft / verify / other (s)",
              f"{self.time_draft:.2f} / {self.time_verify:.2f} / {self.time_other:.2f} "
@@ -88,6 +108,13 @@ class RunMetrics:
                                                          range(len(self.accept_cond))) + " |",
                     "|---" * (len(self.accept_cond) + 1) + "|",
                     "| P(accept \\| previous accepted) | "
-                    + " | ".join(f"{a:.3f}" for a in self.accept_cond) + " |",
-                    "| P(accept) | " + " | ".join(f"{a:.3f}" for a in self.accept_uncond) + " |"]
+                    + " | ".join(fmt(a, ".3f") for a in self.accept_cond) + " |",
+                    "| P(accept) | " + " | ".join(fmt(a, ".3f") for a in self.accept_uncond) + " |"]
         return "\n".join(out)
+
+
+def fmt(value: float | None, spec: str, why: str | None = None) -> str:
+    """A number for a table, or "not measured" (with the reason when given) for None."""
+    if value is None:
+        return f"not measured ({why})" if why else "not measured"
+    return format(value, spec)

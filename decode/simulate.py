@@ -57,12 +57,14 @@ def acceptance_summary(pairs: list[tuple[int, int]], k: int) -> dict[str, object
     for i in range(1, k + 1):
         reached = sum(1 for a, n in pairs if a >= i - 1 and n >= i)  # draft i was verified
         accepted = sum(1 for a, n in pairs if a >= i)
-        acc.append(accepted / reached if reached else 0.0)
+        acc.append(accepted / reached if reached else None)  # None: not measured
+    if not any(n for _, n in pairs):  # no position, or no draft proposed: nothing measured
+        return {"acceptance": acc, "sim_tau": None, "mean_accepted": None, "positions": len(pairs)}
     tau, run = 1.0, 1.0
     for a in acc:
-        run *= a
+        run *= a or 0.0  # a position no draft reached adds nothing
         tau += run
-    mean_acc = sum(a for a, _ in pairs) / len(pairs) if pairs else 0.0
+    mean_acc = sum(a for a, _ in pairs) / len(pairs)
     return {"acceptance": acc, "sim_tau": tau, "mean_accepted": mean_acc, "positions": len(pairs)}
 
 

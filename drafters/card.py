@@ -47,7 +47,7 @@ def _measured(facts: CardFacts) -> list[str]:
                   facts.engine_table, ""]
     sim = facts.simulated
     if sim:
-        acc = ", ".join(f"{a:.3f}" for a in sim["acceptance"])
+        acc = ", ".join("not measured" if a is None else f"{a:.3f}" for a in sim["acceptance"])
         lines += [f"Simulated acceptance on held-out conversations at step {sim['step']}: tau "
                   f"{sim['tau']:.3f}, per-position acceptance {acc}.", ""]
     if not facts.final_table and not sim and not facts.engine_table:

@@ -12,7 +12,7 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 # conf/ as an absolute path for every @hydra.main: Hydra reads a relative config_path against the
 # calling FILE under `python -m train`, but against the calling PACKAGE (pkg://specdistill/conf,
@@ -36,16 +36,18 @@ class UserError(RuntimeError):
 
 
 @contextlib.contextmanager
-def user_errors(command: str, interrupt_hint: str = "") -> Iterator[None]:
+def user_errors(command: str, interrupt_hint: str | Callable[[], str] = "") -> Iterator[None]:
     """Run a command's body: a user error prints `<command>: error: <message>` and exits 2
-    (traceback with SPECDISTILL_DEBUG=1); Ctrl-C prints the hint and exits 130."""
+    (traceback with SPECDISTILL_DEBUG=1); Ctrl-C prints the hint (a callable: asked then) and
+    exits 130."""
     debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
     try:
         yield
     except KeyboardInterrupt:
         if debug:
             raise
-        print(f"\n{command}: interrupted. {interrupt_hint}".rstrip(), file=sys.stderr, flush=True)
+        hint = interrupt_hint() if callable(interrupt_hint) else interrupt_hint
+        print(f"\n{command}: interrupted. {hint}".rstrip(), file=sys.stderr, flush=True)
         sys.exit(INTERRUPT_EXIT)
     except _user_error_types() as e:
         if debug:

@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 from specdistill.drafters.attention import use_few_query_attention
+from specdistill.drafters.identity import architecture, folder_identity, parameters_sha256
 from specdistill.drafters.precision import (DTYPES, NATIVE_BF16_FLAGS, DtypeChoice, available_cores,  # noqa: F401
                                 cpu_flags, idle_cores, resolve_dtype, set_threads)
 
@@ -68,7 +69,7 @@ class Target:
     """A frozen causal LM with its tokenizer. All parameters have requires_grad=False."""
 
     def __init__(self, model, tokenizer, source: str, dtype_choice: DtypeChoice | None = None,
-                 folder: Path | None = None) -> None:
+                 folder: Path | None = None, weights: dict[str, Any] | None = None) -> None:
         self.model = model.eval().requires_grad_(False)
         use_few_query_attention(model)  # few-query 16-bit CPU forwards: drafters/attention.py
         self.tokenizer = tokenizer
@@ -79,6 +80,18 @@ class Target:
         self.config = model.config
         name = str(self.dtype).removeprefix("torch.")
         self.dtype_choice = dtype_choice or DtypeChoice(name, name, "given model")
+        # what pins the weights (drafters/identity.py); None: a model handed over in memory,
+        # fingerprinted by its parameters when first asked
+        self._weights = weights
+
+    @property
+    def identity(self) -> dict[str, Any]:
+        """What this target is, for cache keys and their checks (drafters/identity.py): the
+        weights' source (file hash, hub id + commit, folder fingerprint, random-init recipe) and
+        the architecture facts at the current dtype. Never a path of a cache or a log string."""
+        if self._weights is None:
+            self._weights = {"kind": "model", "parameters_sha256": parameters_sha256(self.model)}
+        return {**self._weights, **architecture(self.model)}
 
     # -- facts the drafters, the data pipeline and the decoder need ------------------------------
     @property
@@ -216,12 +229,20 @@ def packaged_gguf(name: str) -> Path:
     return path
 
 
+_SHA256: dict[tuple, str] = {}  # (path, size, mtime) -> sha256, for this process
+
+
 def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    """sha256 of a file; hashed once per process while its size and mtime stay the same."""
+    st = Path(path).stat()
+    stamp = (str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+    if stamp not in _SHA256:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+        _SHA256[stamp] = h.hexdigest()
+    return _SHA256[stamp]
 
 
 def _load_gguf_cached(gguf: Path, cfg: TargetConfig,
@@ -308,16 +329,21 @@ def load_target(cfg: TargetConfig, training: bool = False) -> Target:
     folder = None
     if cfg.random_init:
         model, tok, source = _random_init(cfg, dtype)
-    elif path.startswith("packaged:"):
-        model, tok, source, folder = _load_gguf_cached(packaged_gguf(path.split(":", 1)[1]), cfg,
-                                                       dtype)
-    elif path.endswith(".gguf") or cfg.gguf_file:
-        gguf = Path(path) / cfg.gguf_file if cfg.gguf_file else Path(path)
+        recipe = cfg.model_config
+        recipe = OmegaConf.to_container(recipe) if OmegaConf.is_config(recipe) else dict(recipe)
+        weights = {"kind": "random_init", "model_config": recipe, "seed": int(cfg.seed),
+                   "tokenizer": str(cfg.tokenizer)}
+    elif path.startswith("packaged:") or path.endswith(".gguf") or cfg.gguf_file:
+        if path.startswith("packaged:"):
+            gguf = packaged_gguf(path.split(":", 1)[1])
+        else:
+            gguf = Path(path) / cfg.gguf_file if cfg.gguf_file else Path(path)
         if not gguf.is_file():
             raise TargetLoadError(f"GGUF file {gguf} not found (target.path={path!r}, "
                                   f"target.gguf_file={cfg.gguf_file!r}). Give the folder in "
                                   f"target.path and the file name in target.gguf_file.")
         model, tok, source, folder = _load_gguf_cached(gguf, cfg, dtype)
+        weights = {"kind": "gguf", "gguf_sha256": file_sha256(gguf)}
     else:
         kind = "local folder" if Path(path).expanduser().exists() else "Hugging Face model id"
         try:
@@ -333,10 +359,13 @@ def load_target(cfg: TargetConfig, training: bool = False) -> Target:
                 f"set HF_HOME to a cache that has it), a .gguf file, or packaged:smollm2.") from e
         source = f"{path} ({kind})"
         folder = Path(path).expanduser() if kind == "local folder" else None
+        weights = folder_identity(folder) if folder is not None else {
+            "kind": "hub", "hf_id": path, "revision": cfg.revision,
+            "commit": getattr(model.config, "_commit_hash", None)}
     if not getattr(tok, "chat_template", None):
         raise TargetLoadError(
             f"the tokenizer of {source} has no chat template; specdistill renders chat data with the "
             f"target's template. Use an instruct/chat model or set tokenizer.chat_template.")
     model = model.to(cfg.device)
     log.info("target %s loaded in %.2f s", source, time.perf_counter() - t0)
-    return Target(model, tok, source, choice, folder)
+    return Target(model, tok, source, choice, folder, weights)

@@ -147,13 +147,31 @@ def test_complete_array_and_json_lines_in_json_file(tmp_path):
     assert [c.id for c in convs] == ["a", "b"] and counts.truncated_tail_bytes == 0
 
 
-def test_corrupt_middle_is_reported_as_tail(tmp_path):
+@pytest.mark.parametrize("chunk_chars", [37, 1 << 20])
+def test_a_corrupt_record_mid_file_is_skipped_and_every_record_after_it_kept(tmp_path, caplog,
+                                                                            chunk_chars):
+    """Issue 30: one corrupt record in a .json array used to drop every record after it (39 of
+    40, with one WARNING line). Now only that record goes, named with its byte offset."""
+    recs = [sharegpt(f"r{i}", ("human", f"q {i} é"), ("gpt", f"a {i}")) for i in range(40)]
+    text = json.dumps(recs, indent=1, ensure_ascii=False)
+    at = text.index('"r1"')
+    text = text[:at] + "oops" + text[at + 4:]  # record r1: `"id": oops,` is not JSON
+    path = tmp_path / "bad.json"
+    path.write_text(text, encoding="utf-8")
+    counts = Counts()
+    with caplog.at_level(logging.WARNING):
+        values = list(iter_json(path, counts, chunk_chars=chunk_chars))
+    assert [v["id"] for v in values] == ["r0"] + [f"r{i}" for i in range(2, 40)]
+    assert counts.read == 40 and counts.dropped == {"corrupt_json": 1}
+    assert counts.truncated_tail_bytes == 0
+    start = len(text[:text.rindex("{", 0, at)].encode("utf-8"))  # byte offset of record r1
+    assert f"the record at byte {start} is not valid JSON" in caplog.text
+    # with no record after the corrupt one it is a cut-off tail, as in the packaged ShareGPT
     good = json.dumps(sharegpt("a", ("human", "q"), ("gpt", "x")))
-    rest = ' {"id": oops}, ' + good + "]"
-    (tmp_path / "bad.json").write_text("[" + good + "," + rest)
-    convs, counts = read_all(tmp_path / "bad.json")
-    assert [c.id for c in convs] == ["a"]
-    assert counts.truncated_tail_bytes == len(rest.strip())
+    rest = ' {"id": oops, "conversations": [{"from": "gpt", "value": "x"}, {"from": "human"'
+    (tmp_path / "cut.json").write_text("[" + good + "," + rest)
+    convs, counts = read_all(tmp_path / "cut.json")
+    assert [c.id for c in convs] == ["a"] and counts.truncated_tail_bytes == len(rest.strip())
 
 
 @pytest.mark.parametrize("content,match", [("", "is empty"), ("  \n ", "is empty"),

@@ -22,6 +22,8 @@ from test_train import chat_file, make_cfg  # noqa: F401  (fixture + config help
 from test_train import run as _train
 
 ROOT = Path(__file__).resolve().parents[1]
+# this checkout first, after the test process's own path (a worktree's package folder, if any)
+PYTHONPATH = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))
 
 
 @pytest.fixture
@@ -139,7 +141,7 @@ def test_numeric_settings_are_checked_with_key_and_range(tmp_path, chat_file):  
 
 
 def _cli(*args, timeout=300):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
     env.pop("SPECDISTILL_DEBUG", None)
     return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
@@ -161,7 +163,7 @@ def test_cli_user_errors_are_one_line_and_exit_2(tmp_path):
 
 def test_ctrl_c_says_how_to_resume(tmp_path, chat_file):  # noqa: F811
     run = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "HF_HUB_OFFLINE": "1"}
     p = subprocess.Popen([sys.executable, "-m", "train", "target=tiny", "data=jsonl",
                           f"data.path={chat_file}", "data.max_length=128", "trainer=smoke",
                           "trainer.max_steps=100000", "trainer.final_eval=null", "logger=jsonl",
@@ -172,9 +174,9 @@ def test_ctrl_c_says_how_to_resume(tmp_path, chat_file):  # noqa: F811
                          # inherits SIGINT ignored, and Python then never raises KeyboardInterrupt:
                          # give the child a terminal's default, as a user's Ctrl-C would meet
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    try:
+    try:  # interrupted after its first checkpoint (before it, the hint says so: test_folders.py)
         deadline = time.time() + 240
-        while time.time() < deadline and not (run / "metrics.jsonl").exists():
+        while time.time() < deadline and ckpt.latest_checkpoint(run) is None:
             time.sleep(0.5)
         p.send_signal(signal.SIGINT)
         _, err = p.communicate(timeout=120)

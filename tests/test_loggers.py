@@ -188,7 +188,11 @@ def test_training_run_logs_every_metric_to_every_backend(tiny_run):
     rows = history(wandb_records(tiny_run, until="final/accepted_length_hist"))
     train_keys = {"train/loss", "train/lr", "train/grad_norm", "train/target_tokens_per_s", "div/s1"}
     assert train_keys <= set(rows[1])
-    assert {"eval/sim_tau", "eval/acc_1", "eval/acc_3"} <= set(rows[2])
+    # every measured position reaches W&B; one no round reached is not measured (null in jsonl)
+    evals = [json.loads(x) for x in open(tiny_run / "metrics.jsonl") if '"eval/sim_tau"' in x]
+    measured = {k for k, v in evals[0].items() if k.startswith("eval/acc_") and v is not None}
+    assert {"eval/sim_tau", "eval/acc_1"} | measured <= set(rows[2])
+    assert {"eval/acc_1", "eval/acc_2", "eval/acc_3"} <= set(evals[0])
     last = rows[max(rows)]
     assert {"final/tau", "final/tau_draft", "final/tokens_per_s", "final/speedup",
             "final/accepted_length_hist"} <= set(last)

@@ -24,6 +24,18 @@ def test_metrics_math():
     assert (m.time_draft, m.time_verify, m.time_other) == pytest.approx((1.5, 3.0, 3.5))
     table = m.to_markdown("toy")
     assert "| tau (tokens per target forward) | 2.500 |" in table and "0.667" in table
-    plain_run = RunMetrics.from_results([GenerationResult(tokens=torch.zeros(5), drafted=[0] * 4,
-                                                          accepted=[0] * 4, target_forwards=5)])
-    assert plain_run.tau == 1.0 and plain_run.tau_draft == 0.0 and plain_run.accept_cond == []
+
+def test_nothing_measured_is_never_a_number():
+    """Issue 30: zero drafted tokens, zero rounds (max_new_tokens=1) or zero prompts gave tau
+    1.000 or 0.000; now None, with the reason, and "not measured" in the table."""
+    no_draft = RunMetrics.from_results([GenerationResult(tokens=torch.zeros(5), drafted=[0] * 4,
+                                                         accepted=[0] * 4, target_forwards=5)])
+    one_token = RunMetrics.from_results([GenerationResult(tokens=torch.zeros(1), target_forwards=1,
+                                                          time_total=0.1)])
+    for m, why in ((no_draft, "proposed no draft token"), (one_token, "no decode rounds"),
+                   (RunMetrics.from_results([]), "no prompts")):
+        assert m.tau is None and m.tau_draft is None and why in m.not_measured()
+        assert "| tau (tokens per target forward) | not measured (" in m.to_markdown()
+    # a position no round reached is not measured; one that was proposed and rejected is 0
+    m = RunMetrics.from_results([GenerationResult(tokens=torch.zeros(3), drafted=[2], accepted=[0])])
+    assert m.accept_cond == [0.0, None] and m.accept_uncond == [0.0, 0.0] and m.tau == 1.0

@@ -4,11 +4,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from specdistill.data.regenerate import RegenerateConfig, regenerate
 from specdistill.data.sharegpt import Conversation, iter_conversations
-from specdistill.drafters.target import load_target
+from specdistill.drafters.target import TargetConfig, load_target
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -144,3 +145,33 @@ def test_self_distilled_data_is_regenerated_once_then_read_from_the_cache(tmp_pa
         pass
     data = load_chat_dataset(new, target.tokenizer)
     assert len(data.train) >= 1  # the data pipeline reads it (empty answers are dropped, counted)
+
+
+def test_regenerate_never_changes_a_file_it_did_not_start(tmp_path, tiny_target_cfg):
+    """Issue 30: a user's JSONL whose last line is a complete record without a newline was
+    treated as a crash leftover and cut. A file regenerate did not start is refused untouched."""
+    target = load_target(tiny_target_cfg)
+    mine = tmp_path / "mine.jsonl"
+    mine.write_bytes(b'{"id": "a", "conversations": []}\n{"id": "b", "conversations": []}')
+    with pytest.raises(FileExistsError, match="was not started by regenerate"):
+        regenerate(target, CONVS[:1], _cfg(), mine, progress=False)
+    assert mine.read_bytes() == b'{"id": "a", "conversations": []}\n{"id": "b", "conversations": []}'
+    assert not (tmp_path / "mine.jsonl.regenerate.json").exists()
+
+
+def test_regenerate_resume_keeps_a_whole_last_record_and_refuses_other_settings(tmp_path,
+                                                                               tiny_target_cfg):
+    target = load_target(tiny_target_cfg)
+    out = tmp_path / "regen.jsonl"
+    regenerate(target, CONVS[:3], _cfg(max_turns=1), out, progress=False)
+    whole = out.read_bytes()
+    out.write_bytes(whole[:-1])  # the crash came between the last record and its newline
+    counts = regenerate(target, CONVS[:3], _cfg(max_turns=1), out, progress=False)
+    assert counts["written"] == 0 and counts["skipped_done"] == 3  # that record is kept
+    assert out.read_bytes() == whole
+    reseeded = load_target(TargetConfig(**{**vars(tiny_target_cfg), "seed": 1}))
+    with pytest.raises(ValueError, match=r"target\.seed: 0 -> 1"):
+        regenerate(reseeded, CONVS, _cfg(max_turns=1), out, progress=False)
+    with pytest.raises(ValueError, match=r"generation\.max_new_tokens: 6 -> 7"):
+        regenerate(target, CONVS, _cfg(max_turns=1, max_new_tokens=7), out, progress=False)
+    assert out.read_bytes() == whole  # nothing mixed in

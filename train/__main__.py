@@ -20,8 +20,9 @@ def main(cfg: DictConfig) -> None:
     from specdistill.drafters.cli import user_errors
     from specdistill.train.recipe import run
 
-    with user_errors("python -m train", interrupt_hint=f"Continue this run with: python -m train "
-                     f"run_dir={cfg.run_dir} resume=true (plus the same overrides)"):
+    from specdistill.train.rundir import interrupt_hint
+
+    with user_errors("python -m train", interrupt_hint=lambda: interrupt_hint(cfg.run_dir)):
         run(cfg)
 
 
@@ -29,9 +30,12 @@ def cli() -> None:
     """The command line (also the `specdistill-*` console script): argument checks, then main."""
     import sys
 
-    from specdistill.drafters.cli import check_out_dir_arg
+    from specdistill.drafters.cli import check_out_dir_arg, user_errors
+    from specdistill.train.rundir import check_run_dir_arg
 
     check_out_dir_arg("python -m train", sys.argv[1:])
+    with user_errors("python -m train"):  # before Hydra writes into the run dir: locked, not ours
+        check_run_dir_arg(sys.argv[1:])
     main()
 
 

@@ -8,12 +8,11 @@ from omegaconf import MISSING, OmegaConf
 
 from specdistill.data.dataset import DataConfig
 from specdistill.drafters.target import TargetConfig
-from specdistill.train.distributed import rank_zero_log, rank_zero_only, run_id
+from specdistill.train.distributed import job_run_id, rank_zero_log
 
-# conf/train.yaml: `${run_id:}` names the run dir all ranks share; Hydra's .hydra/ and log file are
-# written by rank 0 only. Cached: the id is fixed once per process.
-OmegaConf.register_new_resolver("run_id", run_id, use_cache=True, replace=True)
-OmegaConf.register_new_resolver("rank_zero_only", rank_zero_only, replace=True)
+# conf/train.yaml: `${run_id:}` names the run dir all ranks share (each job of a multirun sweep its
+# own); Hydra's log file is written by rank 0 only. Not cached: job_run_id fixes the id itself.
+OmegaConf.register_new_resolver("run_id", job_run_id, replace=True)
 OmegaConf.register_new_resolver("rank_zero_log", rank_zero_log, replace=True)
 
 

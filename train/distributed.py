@@ -61,6 +61,27 @@ def run_id() -> str:
     return _agent_start_time() or datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
 
 
+_LAUNCH_VARS = ("RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "GROUP_WORLD_SIZE")
+_RUN_IDS: dict[tuple, str] = {}  # run_id() per launch environment, fixed for this process
+
+
+def job_run_id() -> str:
+    """The `${run_id:}` of conf/train.yaml: run_id() (fixed once per process), plus `_<n>` for
+    job n of a multirun sweep (`python -m train -m ...`), whose jobs would otherwise share one id
+    (a local sweep runs them all in one process) and so one run dir. Registered uncached: Hydra
+    resolves it while composing each job, before the job's number is known; a cached value
+    would stick."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    key = tuple(os.environ.get(v, "") for v in _LAUNCH_VARS)
+    if key not in _RUN_IDS:
+        _RUN_IDS[key] = run_id()
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        return f"{_RUN_IDS[key]}_{HydraConfig.get().job.num}"
+    return _RUN_IDS[key]
+
+
 def env_rank() -> int:
     """This process's global rank as the launcher tells it, before any process group exists:
     RANK (torchrun), SLURM_PROCID for tasks of Hydra's submitit launcher, else 0."""
@@ -69,11 +90,6 @@ def env_rank() -> int:
     if "SUBMITIT_EXECUTOR" in os.environ:
         return int(os.environ.get("SLURM_PROCID", "0"))
     return 0
-
-
-def rank_zero_only(value: str) -> str | None:
-    """`value` on rank 0, None on the other ranks (Hydra's .hydra/ folder is written once)."""
-    return value if env_rank() == 0 else None
 
 
 def rank_zero_log(path: str) -> str:

@@ -90,7 +90,7 @@ def last_simulated_eval(metrics: Path) -> Optional[dict[str, Any]]:
             row = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if "eval/sim_tau" in row:
+        if isinstance(row.get("eval/sim_tau"), (int, float)):  # null: that eval measured nothing
             last = row
     if last is None:
         return None
@@ -123,10 +123,17 @@ def read_run(path) -> RunInfo:
     return info
 
 
-def _tau(rows: list[dict]) -> float:
-    """Tokens per target forward over rows of result.json (bonus included, as decode/metrics.py)."""
+def _tau(rows: list[dict]) -> float | None:
+    """Tokens per target forward over rows of result.json (bonus included, as decode/metrics.py);
+    None when nothing was measured (no decode round, or no draft token)."""
     accepted = [n for r in rows for n in r["accepted"]]
-    return (sum(accepted) + len(accepted)) / len(accepted) if accepted else 0.0
+    if not accepted or not sum(n for r in rows for n in r["drafted"]):
+        return None
+    return (sum(accepted) + len(accepted)) / len(accepted)
+
+
+def _tau_text(tau: float | None) -> str:
+    return "not measured" if tau is None else f"{tau:.3f}"
 
 
 def measure_parity(folder: Path, target, info: RunInfo, limit: int | None = None) -> dict:
@@ -159,12 +166,13 @@ def measure_parity(folder: Path, target, info: RunInfo, limit: int | None = None
         f"of the training-end evaluation ({ref['eval']}, greedy, k={ref['k']}, "
         f"{ref['max_new_tokens']} new tokens):", "",
         "| | tau | outputs and accepted drafts |", "|---|---:|:---:|",
-        f"| training end (final_eval) | {tau_train:.3f} | reference |",
-        f"| this export | {tau_export:.3f} | {'identical' if result['identical'] else 'DIFFERENT'} |"])
+        f"| training end (final_eval) | {_tau_text(tau_train)} | reference |",
+        f"| this export | {_tau_text(tau_export)} | {'identical' if result['identical'] else 'DIFFERENT'} |"])
     if not result["identical"]:
         raise ExportError(f"train/serve parity failed: the export decodes {len(result['mismatched_prompts'])} "
-                          f"of {n} prompts differently (tau {tau_export:.3f} vs {tau_train:.3f} at "
-                          f"training end); use dtype=float32 and the run's own target")
+                          f"of {n} prompts differently (tau {_tau_text(tau_export)} vs "
+                          f"{_tau_text(tau_train)} at training end); use dtype=float32 and the "
+                          f"run's own target")
     return result
 
 

@@ -70,8 +70,15 @@ def decoder_eval_scalars(summary: dict[str, Any], prefix: str = "final") -> dict
     if isinstance(summary.get("outputs_identical_to_plain"), bool):
         out[f"{prefix}/outputs_identical_to_plain"] = float(summary["outputs_identical_to_plain"])
     for i, a in enumerate(summary.get("spec_accept_cond") or []):
-        out[f"{prefix}/acc_{i + 1}"] = float(a)
+        if _scalar(a):  # None: a position no round reached, not measured
+            out[f"{prefix}/acc_{i + 1}"] = float(a)
     return out
+
+
+def not_measured_line(summary: dict[str, Any], prefix: str) -> str | None:
+    """What a decoder eval could not measure, said in words (None when it measured everything)."""
+    why = summary.get("not_measured")
+    return f"{prefix}: tau, acceptance and speedup not measured ({why})" if why else None
 
 
 class ConsoleLogger:
@@ -83,6 +90,9 @@ class ConsoleLogger:
 
     def log_decoder_eval(self, summary: dict[str, Any], step: int, prefix: str) -> None:
         self.log(decoder_eval_scalars(summary, prefix), step)
+        line = not_measured_line(summary, prefix)
+        if line:
+            tqdm.write(f"[step {step}] {line}")
 
     def close(self) -> None:
         pass
@@ -180,7 +190,7 @@ class WandbLogger:
         wandb = self.wandb
         scalars = decoder_eval_scalars(summary, prefix)
         hist = [int(c) for c in summary.get("spec_accept_hist") or []]
-        acc = [float(a) for a in summary.get("spec_accept_cond") or []]
+        acc = [float(a) for a in summary.get("spec_accept_cond") or [] if _scalar(a)]
         payload: dict[str, Any] = dict(scalars)
         if hist:  # bins centred on 0, 1, 2, ... accepted drafts
             import numpy as np
@@ -200,6 +210,8 @@ class WandbLogger:
                 title="P(draft i accepted | drafts before it accepted)")
         self.run.log(payload, step=step)
         self.run.summary.update(scalars)
+        if summary.get("not_measured"):  # no number where nothing was measured: the reason
+            self.run.summary[f"{prefix}/not_measured"] = summary["not_measured"]
 
     def close(self) -> None:
         self.run.finish()

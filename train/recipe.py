@@ -16,7 +16,6 @@ import logging
 import math
 import os
 import random
-import shutil
 import time
 from pathlib import Path
 
@@ -39,6 +38,8 @@ from specdistill.train.config import TRAIN_RULES
 from specdistill.train.distributed import peer_failure_message
 from specdistill.train.final_eval import final_eval
 from specdistill.train.resume import check_resume_config
+from specdistill.train.rundir import (check_contents, check_disk_space, set_aside_unfinished,
+                                      write_config)
 from specdistill.train.runlock import RunLock
 from specdistill.train.batches import BatchIterator, first_conversations
 from specdistill.train.loggers import Loggers
@@ -50,7 +51,6 @@ from specdistill.train.report import write_report
 
 log = logging.getLogger(__name__)
 
-MIN_FREE_BYTES = 64 * 2**20  # config, metrics and logs of a run, before any checkpoint
 CKPT_BYTES_PER_PARAM = 16  # fp32 weights + Adam's two moments, + fp32 master weights (DeepSpeed)
 
 
@@ -193,11 +193,12 @@ class DistillRecipe:
                 raise PermissionError(f"cannot create run_dir {self.run_dir}: {e}; set run_dir=...") from e
             if not os.access(self.run_dir, os.W_OK):
                 raise PermissionError(f"run_dir {self.run_dir} is not writable; set run_dir=...")
+            RunLock(self.run_dir).check_free()  # a live job's run dir is refused first
+            check_contents(self.run_dir, self.cfg.resume)  # no other job's files, no other run's
             self.lock = RunLock(self.run_dir).acquire()  # one job per run dir
-            if not self.cfg.resume and ckpt.latest_checkpoint(self.run_dir) is not None:
-                raise FileExistsError(f"run_dir {self.run_dir} already holds checkpoints of another "
-                                      f"run: pass resume=true to continue it or a new run_dir=")
-            self._check_disk_space(MIN_FREE_BYTES)
+            if ckpt.latest_checkpoint(self.run_dir) is None:  # a fresh start: an earlier job's
+                set_aside_unfinished(self.run_dir)  # metrics become metrics.prev.jsonl
+            self._check_disk_space(0)
         self._resume_from = None
         if self.cfg.resume:  # every rank: verify before any heavy work, refuse a changed run
             self._resume_from = ckpt.resumable_checkpoint(self.run_dir)
@@ -206,23 +207,12 @@ class DistillRecipe:
         self.backend.barrier()
 
     def _write_config(self) -> None:
-        """Rank 0 writes the resolved config.yaml; the previous one is kept as config.prev.yaml."""
-        if self.backend.is_main:
-            path = self.run_dir / "config.yaml"
-            if path.is_file():
-                os.replace(path, self.run_dir / "config.prev.yaml")
-            path.write_text(OmegaConf.to_yaml(self.cfg, resolve=True))
+        if self.backend.is_main:  # only now: a refused job leaves the run's own config untouched
+            write_config(self.run_dir, self.cfg)
 
     def _check_disk_space(self, need: int) -> None:
-        """Fail before training when the run dir's disk cannot hold the rolling checkpoints."""
-        if not self.backend.is_main:
-            return
-        need = max(need, MIN_FREE_BYTES)
-        free = shutil.disk_usage(self.run_dir).free
-        if free < need:
-            raise OSError(f"only {free / 2**20:.0f} MiB free under {self.run_dir}; this run's "
-                          f"checkpoints (keep_last={self.tcfg.keep_last} + best + one being written) "
-                          f"need about {need / 2**20:.0f} MiB. Free space or set run_dir= to another disk.")
+        if self.backend.is_main:
+            check_disk_space(self.run_dir, need, self.tcfg.keep_last)
 
     def _resume(self) -> None:
         last = self._resume_from
@@ -332,6 +322,9 @@ class DistillRecipe:
                 return {}
             res = simulate_acceptance(self.target, self.drafter, self.eval_ds.select(range(n)),
                                       k=self.tcfg.eval_k, positions=8)
+        if res["sim_tau"] is None:
+            log.warning("simulated eval at step %d: not measured (no assistant position with a "
+                        "draft in %d eval conversations)", self.step, n)
         flat = {"eval/sim_tau": res["sim_tau"], "eval/k": self.tcfg.eval_k,
                 "eval/mean_accepted": res["mean_accepted"],
                 **{f"eval/acc_{i + 1}": a for i, a in enumerate(res["acceptance"])}}
@@ -343,7 +336,8 @@ class DistillRecipe:
     def save_checkpoint(self) -> None:
         """Collective: every rank writes its part of checkpoints/step-N/ (train/checkpoint.py);
         rank 0 keeps the best drafter by simulated tau in best/ and prunes old checkpoints."""
-        tau = float(self.last_eval.get("sim_tau", -1.0)) if getattr(self, "last_eval", None) else -1.0
+        tau = (getattr(self, "last_eval", None) or {}).get("sim_tau")
+        tau = -1.0 if tau is None else float(tau)  # None: the eval measured nothing
         is_best = tau > self.best_tau or len(self.eval_ds) == 0  # no eval data: best = latest
         self.best_tau = max(self.best_tau, tau)
         state = {"scheduler": self.scheduler.state_dict(), "data": self.batches.state_dict(),

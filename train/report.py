@@ -43,8 +43,9 @@ def simulated_evals(rows: list[dict[str, Any]]) -> list[tuple[int, float, list[f
     run that re-logged a step keeps the last one."""
     evals = {}
     for r in rows:
-        if "eval/sim_tau" in r:
-            acc = sorted((int(m.group(1)), v) for k, v in r.items() if (m := ACC_KEY.match(k)))
+        if isinstance(r.get("eval/sim_tau"), (int, float)):  # null: that eval measured nothing
+            acc = sorted((int(m.group(1)), float("nan") if v is None else v)
+                         for k, v in r.items() if (m := ACC_KEY.match(k)))
             evals[int(r["step"])] = (float(r["eval/sim_tau"]), [v for _, v in acc])
     return [(s, tau, acc) for s, (tau, acc) in sorted(evals.items())]
 
@@ -96,7 +97,7 @@ def plot_acceptance(path: Path, evals, final: dict | None) -> None:
     for step, _, acc in chosen:
         ax.plot(range(1, len(acc) + 1), acc, marker="o", label=f"simulated, step {step}")
     if final and final.get("spec_accept_cond"):
-        acc = final["spec_accept_cond"]
+        acc = [float("nan") if a is None else a for a in final["spec_accept_cond"]]  # None: not measured
         ax.plot(range(1, len(acc) + 1), acc, marker="s", lw=2, label="decoder (final eval)")
     ax.set(xlabel="draft position i", ylabel="P(accept i | 1..i-1 accepted)", ylim=(0, 1.02),
            title="acceptance by draft position")
@@ -108,7 +109,7 @@ def plot_lengths(path: Path, evals, final: dict | None) -> str:
     """Accepted drafts per round: the real decoder's histogram, else the distribution implied by
     the latest simulated eval. Returns what was plotted (for the report's caption)."""
     plt, fig, ax = _figure()
-    if final and final.get("spec_accept_hist"):
+    if final and sum(final.get("spec_accept_hist") or []):
         hist = final["spec_accept_hist"]
         total = sum(hist) or 1
         ax.bar(range(len(hist)), [h / total for h in hist], color="tab:blue")
@@ -161,9 +162,12 @@ def write_report(run_dir: Path) -> Path:
     evals = simulated_evals(rows)
     final, final_md = read_final(run_dir)
     shown: list[tuple[str, str]] = []  # (file name, caption)
-    if evals or final:
+    # a final eval that measured nothing (no decode round, no draft) has no curve to draw
+    final_acc = final and any(a is not None for a in final.get("spec_accept_cond") or [])
+    if evals or final_acc:
         plot_acceptance(plots / "acceptance_by_position.png", evals, final)
         shown.append(("acceptance_by_position.png", "per-position acceptance"))
+    if evals or (final and sum(final.get("spec_accept_hist") or [])):
         what = plot_lengths(plots / "accepted_length.png", evals, final)
         shown.append(("accepted_length.png", f"accepted length ({what})"))
     if evals:

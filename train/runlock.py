@@ -14,12 +14,14 @@ import socket
 import time
 from pathlib import Path
 
+from specdistill.drafters.cli import UserError
+
 log = logging.getLogger(__name__)
 LOCK = "run.lock"
 
 
-class RunDirLocked(RuntimeError):
-    """Another live job holds the run dir."""
+class RunDirLocked(UserError):
+    """Another live job holds the run dir (a user error: one line, exit 2 on the command line)."""
 
 
 def _alive(pid: int) -> bool:
@@ -63,18 +65,31 @@ class RunLock:
                                 self.path.parent, holder["pid"])
                     self.path.unlink(missing_ok=True)
                     continue
-                if holder is None:
-                    holder = {"pid": "?", "host": "?", "started": 0}
-                started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("started", 0)))
-                raise RunDirLocked(
-                    f"run_dir {self.path.parent} is in use by another job (pid {holder['pid']} on "
-                    f"{holder['host']}, started {started}); wait for it to finish or pick another "
-                    f"run_dir=. If that job is gone, delete {self.path}.")
+                raise self._locked(holder)
             with os.fdopen(fd, "w") as f:
                 json.dump(me, f)
             self.held = True
             return self
         raise RunDirLocked(f"could not take {self.path}: another job keeps re-creating it")
+
+    def _locked(self, holder: dict | None) -> RunDirLocked:
+        holder = holder or {"pid": "?", "host": "?", "started": 0}
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("started", 0)))
+        return RunDirLocked(
+            f"run_dir {self.path.parent} is in use by another job (pid {holder['pid']} on "
+            f"{holder['host']}, started {started}); wait for it to finish or pick another "
+            f"run_dir=. If that job is gone, delete {self.path}.")
+
+    def check_free(self) -> None:
+        """Without taking it: refuse when a live job holds the lock (a stale one of a dead process
+        on this host is left for acquire() to take over). For checks before the job starts."""
+        if not self.path.is_file():
+            return
+        holder = self._holder()
+        here = holder is not None and holder.get("host") == socket.gethostname()
+        if here and (holder.get("pid") == os.getpid() or not _alive(int(holder["pid"]))):
+            return
+        raise self._locked(holder)
 
     def release(self) -> None:
         if self.held:

@@ -44,7 +44,14 @@ def main(cfg: DictConfig) -> None:
 
     with user_errors("python -m decode.engine"):
         check_ranges(cfg, ENGINE_RULES)
+        from pathlib import Path
+
         from specdistill.decode.engine.check import run
+        from specdistill.drafters.outdir import refuse_nonempty
+
+        # Hydra writes nothing into `out` here (no .hydra/, logs to stdout): checked before the run
+        refuse_nonempty(Path(cfg.out), "out", "engine_check.json, engine_check.md, the served "
+                        "target and the engines' logs")
 
         run(cfg)
 

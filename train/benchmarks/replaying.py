@@ -63,7 +63,7 @@ def replay_answers(target, n_prompts: int, max_new_tokens: int, out: Path,
     path = out / f"replay_answers_{tag}{n_prompts}x{max_new_tokens}.json"
     if path.is_file():
         kept = json.loads(path.read_text())
-        if kept["target"] == target.source:
+        if kept["target"] == target.identity:
             return kept["rows"]
     rows = []
     for p in tqdm(load_prompts(kind, limit=n_prompts), desc="target answers"):
@@ -71,7 +71,7 @@ def replay_answers(target, n_prompts: int, max_new_tokens: int, out: Path,
         ans = generate(target, None, ids, max_new_tokens=max_new_tokens).tokens
         rows.append({"id": p.id, "prompt": ids.tolist(), "answer": ans.tolist()})
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"target": target.source, "rows": rows}))
+    tmp.write_text(json.dumps({"target": target.identity, "rows": rows}))
     os.replace(tmp, path)  # a crash never leaves half a file that a rerun would trust
     return rows
 

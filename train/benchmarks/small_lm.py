@@ -85,12 +85,12 @@ def table(rows: list[dict], k: int, replays: dict[str, dict] | None = None) -> s
                      f"{rep(r['run'], 'replay_tau')} | {rep(r['run'], 'alpha_t1')} | "
                      f"{r['train_s'] / 60:.1f} |")
     if rows:
-        g = max(rows, key=lambda r: r["tau"])
-        s = max(rows, key=lambda r: r["tau_t1"])
-        met = g["tau"] >= 3.0 and (g["speedup"] or 0) > 1.3
-        lines += ["", f"Best greedy (real decoder): {g['run']} (tau {g['tau']:.3f}, "
+        g = max(rows, key=lambda r: r["tau"] or 0.0)  # None: not measured
+        s = max(rows, key=lambda r: r["tau_t1"] or 0.0)
+        met = (g["tau"] or 0.0) >= 3.0 and (g["speedup"] or 0) > 1.3
+        lines += ["", f"Best greedy (real decoder): {g['run']} (tau {f(g['tau'])}, "
                   f"{f(g['speedup'], '.2f')}x); best at temperature 1: {s['run']} "
-                  f"(tau {s['tau_t1']:.3f})."]
+                  f"(tau {f(s['tau_t1'])})."]
         if replays:
             rg = max(replays.values(), key=lambda r: r["replay_tau"])
             ra = max(replays.values(), key=lambda r: r["alpha_t1"])

@@ -31,10 +31,11 @@ from specdistill.data.regenerate import self_distilled
 from specdistill.decode.simulate import simulate_acceptance
 from specdistill.drafters.base import TrainBatch, build_drafter, fit_draft_vocab
 from specdistill.drafters.target import cache_root, load_target
-from specdistill.drafters.cli import check_ranges
+from specdistill.drafters.cli import UserError
+from specdistill.drafters.ranges import check_ranges
 from specdistill.train import checkpoint as ckpt
 from specdistill.train.backends import build_backend
-from specdistill.train.config import TRAIN_RULES
+from specdistill.train.config import TrainConfig
 from specdistill.train.distributed import peer_failure_message
 from specdistill.train.final_eval import final_eval
 from specdistill.train.resume import check_resume_config
@@ -207,7 +208,7 @@ class DistillRecipe:
         need = max(need, MIN_FREE_BYTES)
         free = shutil.disk_usage(self.run_dir).free
         if free < need:
-            raise OSError(f"only {free / 2**20:.0f} MiB free under {self.run_dir}; this run's "
+            raise UserError(f"only {free / 2**20:.0f} MiB free under {self.run_dir}; this run's "
                           f"checkpoints (keep_last={self.tcfg.keep_last} + best + one being written) "
                           f"need about {need / 2**20:.0f} MiB. Free space or set run_dir= to another disk.")
 
@@ -354,7 +355,7 @@ class DistillRecipe:
 
 
 def run(cfg: DictConfig) -> None:
-    check_ranges(cfg, TRAIN_RULES)
+    check_ranges(cfg, TrainConfig)  # before any work
     recipe = DistillRecipe(cfg)
     try:
         recipe.setup()

@@ -14,12 +14,14 @@ import socket
 import time
 from pathlib import Path
 
+from specdistill.drafters.cli import UserError
+
 log = logging.getLogger(__name__)
 LOCK = "run.lock"
 
 
-class RunDirLocked(RuntimeError):
-    """Another live job holds the run dir."""
+class RunDirLocked(UserError):
+    """Another live job holds the run dir (a user error: one line, exit 2)."""
 
 
 def _alive(pid: int) -> bool:

@@ -94,7 +94,8 @@ def check_trained_target(folder, target) -> None:
         raise TargetMismatch(f"{folder} was trained for target {desc(saved)}; the given target is "
                              f"{desc(given)}: pass the target it was trained for (target=... / "
                              f"target.path=...), or a drafter trained for this one")
-    if saved.get("target") != given["target"]:
+    # the same file name is the same target: a GGUF file may lie elsewhere on another machine
+    if os.path.basename(saved.get("target", "")) != os.path.basename(given["target"]):
         logging.getLogger(__name__).warning(
             "%s was trained for target %s; decoding it with %s (same sizes): acceptance is only "
             "what it was trained for if these are the same weights", folder, saved.get("target"),

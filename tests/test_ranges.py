@@ -19,7 +19,7 @@ from specdistill.decode.config import BenchConfig, DecodeConfig
 from specdistill.decode.engine.__main__ import EngineCheckConfig
 from specdistill.drafters.base import CONFIGS
 from specdistill.drafters.cli import UserError
-from specdistill.drafters.ranges import Range, check_ranges, range_problems, schema_fields
+from specdistill.drafters.ranges import Range, check_ranges, range_problems, rng, schema_fields, unranged
 from specdistill.train import export, recipe
 from specdistill.train.config import TrainConfig, TrainerConfig
 
@@ -61,6 +61,19 @@ def test_every_numeric_setting_has_a_range_or_says_why():
     assert not missing, "numeric settings without a range (rng) or a reason (unranged): " + ", ".join(missing)
     assert not open_ended, "ranges need a number on both sides: " + ", ".join(open_ended)
     assert not default_outside, ", ".join(default_outside)
+
+
+def test_a_field_without_a_range_must_say_why():
+    @dataclasses.dataclass
+    class Toy:
+        steps: int = rng(3, 1, 10)  # in range
+        seed: int = unranged(0, "any integer seeds the toy")  # said why
+        forgot: float = 0.5  # neither: the coverage test above would name it
+
+    kinds = {k: ("range" in f.metadata, f.metadata.get("unranged")) for k, f in _numeric_fields(Toy)}
+    assert kinds == {"steps": (True, None), "seed": (False, "any integer seeds the toy"),
+                     "forgot": (False, None)}
+    assert range_problems({"steps": 11, "seed": -5, "forgot": 1e9}, Toy) == ["steps=11 is outside [1, 10]"]
 
 
 def test_every_settings_dataclass_is_reached_from_a_command():

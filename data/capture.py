@@ -15,7 +15,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -28,6 +28,7 @@ from specdistill.data import quiet
 from specdistill.data.dataset import DataConfig
 from specdistill.drafters.identity import differences
 from specdistill.drafters.target import TargetConfig
+from specdistill.drafters.ranges import MAX_BATCH, MAX_COUNT, MAX_LAYERS, rng
 
 log = logging.getLogger(__name__)
 
@@ -74,11 +75,11 @@ class CaptureConfig:
     target: Any = MISSING  # the target (conf/target/*.yaml)
     data: Any = MISSING  # the chat data (conf/data/*.yaml)
     out: str = MISSING  # output folder of the shards (give it to the trainer as trainer.features_dir)
-    layers: list[int] = field(default_factory=lambda: [-1])  # must equal the drafter's feature_layers
+    layers: list[int] = rng([-1], -1, MAX_LAYERS)  # must equal the drafter's feature_layers
     split: str = "train"  # train | eval
-    shard_size: int = 64  # conversations per shard file
-    batch_size: int = 4  # conversations per target forward
-    limit: Optional[int] = None  # only the first N conversations of the split
+    shard_size: int = rng(64, 1, MAX_COUNT)  # conversations per shard file
+    batch_size: int = rng(4, 1, MAX_BATCH)  # conversations per target forward
+    limit: Optional[int] = rng(None, 1, MAX_COUNT)  # only the first N conversations of the split
     dtype: str = "float32"  # storage dtype: float32 | bfloat16 (halves the disk)
     # run the target's forward under torch.autocast in this dtype (None = the target's own dtype):
     # bfloat16 is ~2.8x faster on CPUs with AVX512-BF16/AMX, features within ~1% of fp32
@@ -320,27 +321,64 @@ class CLISchema(CaptureConfig):
     data: DataConfig = MISSING
 
 
-def main() -> None:
-    import hydra
-    from hydra.core.config_store import ConfigStore
+def check_layers(layers, target, key: str = "layers") -> None:
+    """Refuse hidden-state indices the target does not have (0 = embeddings .. L = its last
+    layer, -1 = the final-normed state), naming the setting and the target's range."""
+    L = target.num_layers
+    bad = [i for i in layers if not (i == -1 or 0 <= i <= L)]
+    if bad:
+        raise ValueError(f"{key}={list(layers)}: {bad} are not hidden states of target "
+                         f"{target.source.split(' (')[0]} (0 = embeddings .. {L} = layer {L}, or "
+                         f"-1 = the final-normed state); use the drafter's feature layers")
 
-    from specdistill.drafters.cli import CONF_DIR
 
-    from specdistill.data.dataset import load_chat_dataset
+def run(cfg) -> Path:
+    """`python -m specdistill.data.capture` on a composed config: the settings and the data file
+    are checked before the target loads; then the split is captured into cfg.out."""
+    from specdistill.data.dataset import data_file, load_chat_dataset
+    from specdistill.drafters.ranges import check_ranges
     from specdistill.drafters.target import load_target
+
+    check_ranges(cfg, CLISchema)
+    if cfg.split not in ("train", "eval"):
+        raise ValueError(f"split={cfg.split!r}: use train or eval")
+    if not data_file(cfg.data).is_file():
+        raise FileNotFoundError(f"data file {data_file(cfg.data)} does not exist "
+                                f"(data.path={cfg.data.path!r})")
+    target = load_target(cfg.target, training=True)  # features for training: auto = float32
+    check_layers(cfg.layers, target)
+    data = load_chat_dataset(cfg.data, target.tokenizer)
+    rows = data.train if cfg.split == "train" else data.eval
+    if cfg.limit is not None:
+        rows = rows.select(range(min(cfg.limit, len(rows))))
+    out = capture_split(target, rows, cfg, Path(cfg.out), progress=not quiet())
+    print(f"captured {len(rows)} conversations of the {cfg.split} split into {out}")
+    return out
+
+
+def store_schema() -> None:
+    """Put the command line's schema in Hydra's ConfigStore (conf/capture.yaml starts from it)."""
+    from hydra.core.config_store import ConfigStore
 
     ConfigStore.instance().store(name="capture_schema", node=CLISchema)
 
+
+def main() -> None:
+    """The command line: the `out=` folder checked before Hydra creates it, user errors in one
+    line (drafters/cli.py)."""
+    import sys
+
+    import hydra
+
+    from specdistill.drafters.cli import CONF_DIR, check_out_dir_arg, user_errors
+
+    check_out_dir_arg("python -m specdistill.data.capture", sys.argv[1:], key="out")
+    store_schema()
+
     @hydra.main(config_path=CONF_DIR, config_name="capture", version_base="1.3")
     def _run(cfg) -> None:
-        target = load_target(cfg.target, training=True)  # features for training: auto = float32
-        data = load_chat_dataset(cfg.data, target.tokenizer)
-        rows = data.train if cfg.split == "train" else data.eval
-        if cfg.limit is not None:
-            rows = rows.select(range(min(cfg.limit, len(rows))))
-        out = capture_split(target, rows, cfg, Path(cfg.out),
-                            progress=not quiet())
-        print(f"captured {len(rows)} conversations of the {cfg.split} split into {out}")
+        with user_errors("python -m specdistill.data.capture"):
+            run(cfg)
 
     _run()
 

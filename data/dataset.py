@@ -40,6 +40,8 @@ from specdistill.data import quiet
 from specdistill.data.assets import asset_path
 from specdistill.data.chat import encode_chats
 from specdistill.data.sharegpt import Counts, DataFormatError, iter_conversations
+from specdistill.drafters.ranges import (MAX_BATCH, MAX_COUNT, MAX_TEMPERATURE, MAX_THREADS, MAX_TOKENS,
+                                         SEED, rng)
 from specdistill.drafters.target import file_sha256, cache_root
 
 log = logging.getLogger(__name__)
@@ -60,13 +62,16 @@ FEATURES = datasets.Features({
 class RegenerateSettings:
     """Self-distillation: the target writes the assistant answers itself (data/regenerate.py)."""
 
-    limit: Optional[int] = 1000  # source conversations to regenerate (None = all)
-    max_turns: int = 1  # assistant answers regenerated per conversation (later turns are cut)
-    batch_size: int = 8  # conversations per generate call
-    max_new_tokens: int = 512  # budget per answer
-    max_prompt_tokens: int = 1536  # conversations whose context is longer are skipped (counted)
-    temperature: float = 0.0  # 0 = greedy answers; > 0 samples (diversity)
-    seed: int = 0  # sampling seed
+    # source conversations to regenerate (None = all)
+    limit: Optional[int] = rng(1000, 1, MAX_COUNT)
+    # assistant answers regenerated per conversation (later turns are cut)
+    max_turns: int = rng(1, 1, 1000)
+    batch_size: int = rng(8, 1, MAX_BATCH)  # conversations per generate call
+    max_new_tokens: int = rng(512, 1, MAX_TOKENS)  # budget per answer
+    # conversations whose context is longer are skipped (counted)
+    max_prompt_tokens: int = rng(1536, 1, MAX_TOKENS)
+    temperature: float = rng(0.0, 0, MAX_TEMPERATURE)  # 0 = greedy answers; > 0 samples (diversity)
+    seed: int = rng(0, *SEED)  # sampling seed
     dtype: Optional[str] = None  # generate with a copy of the target in this dtype (None = target.dtype);
     # bfloat16: ~2.6x faster than float32 on CPUs with AVX512-BF16 (answers are bf16 greedy)
 
@@ -75,16 +80,16 @@ class RegenerateSettings:
 class SelfGenSettings:
     """data.selfgen: train on the target's own answers to the data's first user turns."""
 
-    prompts: Optional[int] = 1500  # conversations whose first user turn is answered (None = all)
-    max_new_tokens: int = 256  # answer budget (SmolLM2 often loops to it)
-    max_prompt_tokens: int = 384  # longer prompts are skipped (counted), not cut
-    batch_size: int = 32  # prompts per generation batch (one shard each)
+    prompts: Optional[int] = rng(1500, 1, MAX_COUNT)  # conversations whose first user turn is answered (None = all)
+    max_new_tokens: int = rng(256, 1, MAX_TOKENS)  # answer budget (SmolLM2 often loops to it)
+    max_prompt_tokens: int = rng(384, 1, MAX_TOKENS)  # longer prompts are skipped (counted), not cut
+    batch_size: int = rng(32, 1, MAX_BATCH)  # prompts per generation batch (one shard each)
     # the dtype the target generates in: auto = bfloat16 where the CPU/GPU runs it natively (what
     # `python -m decode` serves at, so the answers are the ones the drafter will be asked to draft)
     dtype: str = "auto"
-    temperature: float = 0.0  # 0 = greedy answers (the eval decodes greedily); > 0 samples
-    seed: int = 0  # sampling seed (row i of the store samples with seed + i)
-    compact_below: float = 0.75  # finished rows leave the batch once fewer than this share write
+    temperature: float = rng(0.0, 0, MAX_TEMPERATURE)  # 0 = greedy answers (the eval decodes greedily); > 0 samples
+    seed: int = rng(0, *SEED)  # sampling seed (row i of the store samples with seed + i)
+    compact_below: float = rng(0.75, 0, 1)  # finished rows leave the batch once fewer than this share write
     features_dtype: str = "bfloat16"  # storage of the hidden states: bfloat16 | float32
 
 
@@ -94,12 +99,16 @@ class DataConfig:
 
     kind: str = "sharegpt"  # "sharegpt" (packaged ShareGPT V3, or `path`) | "file" (needs `path`)
     path: Optional[str] = None  # .json/.jsonl/.parquet with ShareGPT or OpenAI records; None = packaged
-    max_length: int = 2048  # tokens per conversation; longer ones are cut, all-cut ones dropped
-    eval_fraction: float = 0.02  # share of conversations held out for eval, chosen by id hash
-    max_conversations: Optional[int] = None  # use only the first N kept conversations in file order
+    # tokens per conversation; longer ones are cut, all-cut ones dropped
+    max_length: int = rng(2048, 2, MAX_TOKENS)
+    # share of conversations held out for eval, chosen by id hash
+    eval_fraction: float = rng(0.02, 0, 1, hi_open=True)
+    # use only the first N kept conversations in file order
+    max_conversations: Optional[int] = rng(None, 1, MAX_COUNT)
     cache_dir: str = "~/.cache/specdistill"  # tokenised cache root (env SPECDISTILL_CACHE wins)
-    num_proc: int = 1  # processes for tokenisation (the Rust tokenizer already uses every core)
-    seed: int = 0  # salt of the id hash that picks the eval split
+    # processes for tokenisation (the Rust tokenizer already uses every core)
+    num_proc: int = rng(1, 1, MAX_THREADS)
+    seed: int = rng(0, *SEED)  # salt of the id hash that picks the eval split
     # set: train on the target's own answers to these conversations' user turns (regenerated once
     # into the cache, resumable) instead of the answers in the file; None: the file as written
     regenerate: Optional[RegenerateSettings] = None

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import IO, Any, Optional
 
 from specdistill.data.assets import asset_path
+from specdistill.data.sharegpt import not_utf8
 
 
 @dataclass(frozen=True)
@@ -63,18 +64,22 @@ def _read_jsonl(path: Path) -> list[tuple[int, dict[str, Any]]]:
     if not path.is_file():
         raise FileNotFoundError(f"prompt file {path} does not exist.")
     rows = []
-    with _open_text(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise PromptFormatError(f"{path}:{lineno}: not valid JSON ({e.msg}).") from e
-            if not isinstance(obj, dict):
-                raise PromptFormatError(f"{path}:{lineno}: expected a JSON object, got "
-                                        f"{type(obj).__name__}.")
-            rows.append((lineno, obj))
+    try:
+        with _open_text(path) as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise PromptFormatError(f"{path}:{lineno}: not valid JSON ({e.msg}).") from e
+                if not isinstance(obj, dict):
+                    raise PromptFormatError(f"{path}:{lineno}: expected a JSON object, got "
+                                            f"{type(obj).__name__}.")
+                rows.append((lineno, obj))
+    except UnicodeDecodeError:  # name the line and byte, as the chat data reader does
+        opener = gzip.open if path.suffix == ".gz" else open
+        raise PromptFormatError(str(not_utf8(path, opener))) from None
     return rows
 
 

@@ -24,7 +24,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from omegaconf import MISSING
@@ -247,23 +247,46 @@ class CLISchema(RegenerateConfig):
     data: DataConfig = MISSING
 
 
-def main() -> None:
-    import hydra
-    from hydra.core.config_store import ConfigStore
-
-    from specdistill.drafters.cli import CONF_DIR
-
+def run(cfg) -> dict:
+    """`python -m specdistill.data.regenerate` on a composed config: the settings and the data
+    file are checked (and its conversations read) before the target loads."""
+    from specdistill.drafters.ranges import check_ranges
     from specdistill.drafters.target import load_target
+
+    check_ranges(cfg, CLISchema)
+    src = data_file(cfg.data)
+    if not src.is_file():
+        raise FileNotFoundError(f"data file {src} does not exist (data.path={cfg.data.path!r})")
+    convs = list(iter_conversations(src, limit=cfg.limit))
+    target = load_target(cfg.target)
+    counts = regenerate(target, convs, cfg, Path(cfg.out), progress=not quiet())
+    print(f"regenerated into {cfg.out}: {counts}")
+    return counts
+
+
+def store_schema() -> None:
+    """Put the command line's schema in Hydra's ConfigStore (conf/regenerate.yaml starts from it)."""
+    from hydra.core.config_store import ConfigStore
 
     ConfigStore.instance().store(name="regenerate_schema", node=CLISchema)
 
+
+def main() -> None:
+    """The command line: the `out=` file's folder checked first, user errors in one line
+    (drafters/cli.py)."""
+    import sys
+
+    import hydra
+
+    from specdistill.drafters.cli import CONF_DIR, check_out_dir_arg, user_errors
+
+    check_out_dir_arg("python -m specdistill.data.regenerate", sys.argv[1:], key="out", file=True)
+    store_schema()
+
     @hydra.main(config_path=CONF_DIR, config_name="regenerate", version_base="1.3")
     def _run(cfg) -> None:
-        target = load_target(cfg.target)
-        convs = list(iter_conversations(data_file(cfg.data), limit=cfg.limit))
-        counts = regenerate(target, convs, cfg, Path(cfg.out),
-                            progress=not quiet())
-        print(f"regenerated into {cfg.out}: {counts}")
+        with user_errors("python -m specdistill.data.regenerate"):
+            run(cfg)
 
     _run()
 

@@ -25,20 +25,22 @@ is kept: those assistant turns are training targets with whatever context preced
 or the system prompt (the chat template may add its default one). They are real target-style text,
 and dropping them would lose a third of the data. Empty turns stay in place as context.
 
-A whole file that is not JSON, or is empty, raises DataFormatError naming the file; a bad record
-inside a readable file is counted, never fatal. A .json array record that is not valid JSON is
-skipped to the next record (counted as `corrupt_json`, logged with its byte offset): one broken
-record never takes the records after it along.
+A whole file that is not JSON, or is empty, raises DataFormatError naming the file; so does a
+file that is not UTF-8 (with the line and byte offset of the first bad byte). A bad record inside a
+readable file is counted, never fatal. A .json array record that is not valid JSON is skipped to
+the next record (counted as `corrupt_json`, logged with its byte offset): one broken record never
+takes the records after it along.
 """
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import logging
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import IO, Any, Callable, Iterator, Optional
 
 log = logging.getLogger(__name__)
 
@@ -243,6 +245,43 @@ def iter_parquet(path: Path, counts: Counts, batch_rows: int = 512) -> Iterator[
             yield row
 
 
+def first_invalid_utf8(raw: IO[bytes]) -> tuple[int, int, bytes]:
+    """(line number, byte offset, the bytes) of the first bytes of a binary stream that are not
+    UTF-8, read in chunks; (0, -1, b"") when it all decodes."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    line, offset = 1, 0
+    for chunk in iter(lambda: raw.read(CHUNK_CHARS), b""):
+        try:
+            decoder.decode(chunk)
+        except UnicodeDecodeError as e:
+            # the decoder may hold up to 3 bytes of an unfinished character from the last chunk
+            start = max(0, e.start - len(e.object) + len(chunk))
+            return line + chunk[:start].count(b"\n"), offset + start, chunk[start:start + 4]
+        line, offset = line + chunk.count(b"\n"), offset + len(chunk)
+    try:
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        return line, offset, b""
+    return 0, -1, b""
+
+
+def not_utf8(path: Path, opener: Callable[[Path], IO[bytes]] = open) -> "DataFormatError":
+    """The error for a file that does not decode as UTF-8: where, and the fix."""
+    with opener(path, "rb") as raw:
+        line, offset, bad = first_invalid_utf8(raw)
+    where = f"line {line}, byte offset {offset} ({bad!r})" if offset >= 0 else "somewhere"
+    return DataFormatError(f"{path}:{line}: not UTF-8 text at {where}; save the file as UTF-8 "
+                           f"(e.g. iconv -f latin1 -t utf-8) or remove the bad bytes")
+
+
+def _utf8_checked(records: Iterator[Any], path: Path) -> Iterator[Any]:
+    """`records` of a text file; a decoding error becomes DataFormatError naming line and byte."""
+    try:
+        yield from records
+    except UnicodeDecodeError:
+        raise not_utf8(path) from None
+
+
 def iter_records(path: str | Path, counts: Counts) -> Iterator[Any]:
     """Raw records of a .json / .jsonl / .parquet file (dispatch on the suffix)."""
     path = Path(path).expanduser()
@@ -250,9 +289,9 @@ def iter_records(path: str | Path, counts: Counts) -> Iterator[Any]:
         raise DataFormatError(f"data file {path} does not exist.")
     suffix = path.suffix.lower()
     if suffix == ".json":
-        return iter_json(path, counts)
+        return _utf8_checked(iter_json(path, counts), path)
     if suffix == ".jsonl":
-        return iter_jsonl(path, counts)
+        return _utf8_checked(iter_jsonl(path, counts), path)
     if suffix == ".parquet":
         return iter_parquet(path, counts)
     raise DataFormatError(f"{path}: unknown data file type {suffix!r}; use .json, .jsonl or .parquet.")

@@ -14,19 +14,25 @@ store_schemas("decode_schema", DecodeConfig)
 OUTPUTS = "config.yaml, result.json, result.md, .hydra/ and its log"  # what a decode writes
 
 
+def run(cfg: DictConfig) -> None:
+    """The job on a composed config: settings, ranges and the checkpoint are checked first
+    (decode/evaluate.py setup_run), then one sequence at a time or batch_size together."""
+    if cfg.batch_size > 1:  # B sequences per target forward
+        from specdistill.decode.batch_eval import run_batched
+
+        run_batched(cfg)
+    else:
+        from specdistill.decode.evaluate import run as run_one
+
+        run_one(cfg)
+
+
 @hydra.main(config_path=CONF_DIR, config_name="decode", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     from specdistill.drafters.cli import user_errors
 
     with user_errors("python -m decode"):
-        if cfg.batch_size > 1:  # B sequences per target forward (decode/batch.py); 1: decode/spec.py
-            from specdistill.decode.batch_eval import run_batched
-
-            run_batched(cfg)
-        else:
-            from specdistill.decode.evaluate import run
-
-            run(cfg)
+        run(cfg)
 
 
 def cli() -> None:

@@ -32,17 +32,21 @@ from transformers import DynamicCache
 
 from specdistill.data.prompts import load_prompts
 from specdistill.decode.batch import MODES
-from specdistill.decode.bench_batch import BATCH_SIZES, batch_markdown, batch_plot, run_batch_bench
+from specdistill.decode.bench_batch import batch_markdown, batch_plot, run_batch_bench
+from specdistill.decode.config import BenchConfig
 from specdistill.decode.evaluate import is_near_tie, render
 from specdistill.decode.metrics import RunMetrics
 from specdistill.decode.spec import GenerationResult, generate
-from specdistill.drafters.base import build_drafter, load_drafter
+from specdistill.drafters.base import build_drafter
 from specdistill.drafters.outdir import present
 from specdistill.drafters.precision import cast_drafter
+from specdistill.drafters.ranges import check_ranges, range_problems
+from specdistill.drafters.resolve import DrafterSource, load_resolved, resolve_drafter
 from specdistill.drafters.ngram import NgramConfig
 from specdistill.drafters.target import NATIVE_BF16_FLAGS, TargetConfig, cpu_flags, load_target
 
-CURVE_NS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+DEFAULTS = BenchConfig()  # the numeric options' defaults (and ranges: decode/config.py)
+CURVE_NS = tuple(DEFAULTS.curve_ns)
 PLAIN_EXACT = "plain (ours) exact"  # plain decoding with exact_verify: what " exact" modes match
 
 
@@ -137,9 +141,12 @@ def sized_tree(target, drafter, spec: str, n: int):
     try:
         total, depth, top_k = (int(x) for x in spec.split("/"))
     except ValueError:
-        raise SystemExit(f"--trees {spec!r}: give TOTAL/DEPTH/TOPK, e.g. 12/4/4") from None
+        raise ValueError(f"--trees {spec!r}: give TOTAL/DEPTH/TOPK, e.g. 12/4/4") from None
     sized = dataclasses.replace(drafter.cfg, tree_total_tokens=total, tree_depth=depth,
                                 tree_top_k=top_k)
+    bad = range_problems(sized, type(sized))
+    if bad:
+        raise ValueError(f"--trees {spec!r}: {'; '.join(bad)}")
 
     def run(ids):
         saved, drafter.cfg = drafter.cfg, sized
@@ -150,14 +157,17 @@ def sized_tree(target, drafter, spec: str, n: int):
     return run
 
 
-def load_drafters(target, ckpts: list[str], drafter_dtypes: list[str]) -> list:
-    """(label, drafter) per checkpoint and drafter dtype ("target" = the target's dtype). Where
-    two checkpoints hold the same kind of drafter, the labels name the run folder too, so the
-    modes stay apart (e.g. "eagle [eagle_v4k]")."""
+def load_drafters(target, ckpts: list[str], drafter_dtypes: list[str],
+                  sources: dict[str, DrafterSource] | None = None) -> list:
+    """(label, drafter) per checkpoint and drafter dtype ("target" = the target's dtype); each
+    --ckpt resolved and verified as `python -m decode ckpt=` does (`sources`: already resolved).
+    Where two checkpoints hold the same kind of drafter, the labels name the run folder too, so
+    the modes stay apart (e.g. "eagle [eagle_v4k]")."""
     out = []
     for path in ckpts:
+        source = (sources or {}).get(path) or resolve_drafter(path, setting="--ckpt")
         for dd in drafter_dtypes:
-            d = load_drafter(Path(path), target).eval()
+            d = load_resolved(source, target).eval()
             dtype = target.dtype if dd == "target" else getattr(torch, dd)
             cast_drafter(d, target, dtype)
             out.append((path, d, f"(drafter {str(dtype).removeprefix('torch.')})"))
@@ -240,11 +250,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "for 16-bit CPU forwards of few queries) and / or sdpa (torch's fused "
                          "kernel everywhere), each a separate column set, interleaved")
     ap.add_argument("--eval", default="mtbench")
-    ap.add_argument("--limit", type=int, default=10)
-    ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--k", type=int, default=5, help="chain draft length of our decoder")
-    ap.add_argument("--prompt-lookup", type=int, default=3, help="HF prompt_lookup_num_tokens")
-    ap.add_argument("--ckpt", action="append", default=[], help="trained drafter folder(s)")
+    d = DEFAULTS
+    ap.add_argument("--limit", type=int, default=d.limit)
+    ap.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    ap.add_argument("--k", type=int, default=d.k, help="chain draft length of our decoder")
+    ap.add_argument("--prompt-lookup", type=int, default=d.prompt_lookup,
+                    help="HF prompt_lookup_num_tokens")
+    ap.add_argument("--ckpt", action="append", default=[], help="trained drafter(s): a run dir, "
+                    "checkpoint, drafter or export folder (as `python -m decode ckpt=`)")
     ap.add_argument("--drafter-dtypes", nargs="+", default=["float32", "target"],
                     help="dtypes trained drafters run at (target = the target's dtype)")
     ap.add_argument("--tree", action="store_true", help="also run trained drafters with their tree")
@@ -252,24 +265,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "drafter mode with exact_verify (decode/kernels.py), checked against each other")
     ap.add_argument("--trees", nargs="+", default=[], metavar="TOTAL/DEPTH/TOPK",
                     help="also run trained drafters with EAGLE-2 trees of these sizes")
-    ap.add_argument("--ks", type=int, nargs="+", default=None,
+    ap.add_argument("--ks", type=int, nargs="+", default=d.ks,
                     help="chain draft lengths of trained drafters (default: --k)")
-    ap.add_argument("--confidences", type=float, nargs="+", default=[],
+    ap.add_argument("--confidences", type=float, nargs="+", default=d.confidences,
                     help="also every chain of --ks with these min_confidence values (the drafter "
                          "stops a chain at a draft below it: adaptive draft length)")
-    ap.add_argument("--curve-rounds", type=int, default=7, help="verify-cost curve rounds (0 = skip)")
-    ap.add_argument("--curve-ns", type=int, nargs="+", default=list(CURVE_NS))
-    ap.add_argument("--curve-context", type=int, default=300,
+    ap.add_argument("--curve-rounds", type=int, default=d.curve_rounds,
+                    help="verify-cost curve rounds (0 = skip)")
+    ap.add_argument("--curve-ns", type=int, nargs="+", default=d.curve_ns)
+    ap.add_argument("--curve-context", type=int, default=d.curve_context,
                     help="tokens in the KV cache of the verify-cost curve (MT-bench turns joined)")
     ap.add_argument("--curve-only", action="store_true", help="only the verify-cost curve")
     ap.add_argument("--modes", nargs="+", default=None,
                     help="only modes whose name starts with one of these (plain always runs)")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = the cores allowed)")
+    ap.add_argument("--threads", type=int, default=d.threads,
+                    help="torch threads (0 = the cores allowed)")
     ap.add_argument("--batch", action="store_true", help="the batched benchmark instead: "
                     "throughput and latency per batch size x mode (first dtype, first --ckpt or ngram)")
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=list(BATCH_SIZES))
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=d.batch_sizes)
     ap.add_argument("--batch-modes", nargs="+", default=list(MODES))
-    ap.add_argument("--batch-repeats", type=int, default=3, help="interleaved repeats (medians)")
+    ap.add_argument("--batch-repeats", type=int, default=d.batch_repeats,
+                    help="interleaved repeats (medians)")
     ap.add_argument("--batch-tree", action="store_true",
                     help="--batch: the drafter's trees instead of chains of --k")
     ap.add_argument("--batch-one-by-one", action="store_true",
@@ -303,9 +319,19 @@ def load_targets(args) -> dict:
     return targets
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    """The command line: every user error in one line (drafters/cli.py user_errors)."""
+    from specdistill.drafters.cli import user_errors
 
+    args = parse_args(argv)
+    with user_errors("python -m decode.bench"):
+        check_ranges(vars(args), BenchConfig)  # before any work
+        args.sources = {p: resolve_drafter(p, setting="--ckpt") for p in args.ckpt}  # verified
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
+    """The benchmark of parsed and checked arguments (args.sources: the --ckpt folders)."""
     # 1. one target per dtype (the same weights), and the machine facts that explain the numbers
     targets = load_targets(args)
     any_t = next(iter(targets.values()))
@@ -333,7 +359,8 @@ def main() -> None:
         print("\n".join(lines), flush=True)
     if not args.curve_only:
         # 3. every mode per dtype, interleaved prompt by prompt
-        modes = {dn: build_modes(t, load_drafters(t, args.ckpt, args.drafter_dtypes), args)
+        modes = {dn: build_modes(t, load_drafters(t, args.ckpt, args.drafter_dtypes, args.sources),
+                                 args)
                  for dn, t in targets.items()}
         if args.modes:  # e.g. a numerics run: plain and one drafter on many prompts
             keep = ("plain (ours)", *args.modes)
@@ -360,7 +387,8 @@ def main() -> None:
 
 def batch_main(target, prompts, args, head: list[str]) -> None:
     """--batch: decode/bench_batch.py's table and plot for one target and one drafter."""
-    drafter = (load_drafters(target, args.ckpt[:1], ["target"])[0][1] if args.ckpt
+    sources = getattr(args, "sources", None)
+    drafter = (load_drafters(target, args.ckpt[:1], ["target"], sources)[0][1] if args.ckpt
                else build_drafter(NgramConfig(), target))
     ids = [render(target, p.turns[:1], []) for p in prompts]
     rows = run_batch_bench(target, drafter, ids, batch_sizes=args.batch_sizes,

@@ -1,7 +1,9 @@
-"""Config schemas of `python -m decode` (Hydra structured configs, stored in the ConfigStore).
+"""Config schemas of `python -m decode` (Hydra structured configs, stored in the ConfigStore), and
+the numeric options of `python -m decode.bench` with their ranges.
 
 conf/decode.yaml picks one YAML per group; every merge is checked against these dataclasses, so a
-misspelt key or a wrong type fails at start with Hydra's message.
+misspelt key or a wrong type fails at start with Hydra's message, and a value out of its field's
+range with ours (drafters/ranges.py).
 """
 from __future__ import annotations
 
@@ -11,6 +13,9 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from specdistill.drafters.base import drafter_schema
+from specdistill.drafters.ranges import (MAX_BATCH, MAX_COUNT, MAX_DRAFT, MAX_TEMPERATURE, MAX_THREADS,
+                                         MAX_TOKENS, MAX_TREE, MAX_VOCAB, SEED, rng, sub)
 from specdistill.drafters.schemas import store_drafter_schemas
 from specdistill.drafters.target import TargetConfig
 
@@ -21,8 +26,8 @@ class EvalConfig:
 
     kind: str = "mtbench"  # mtbench | humaneval | jsonl
     path: Optional[str] = None  # the JSONL file for kind=jsonl
-    limit: Optional[int] = None  # only the first N prompts (None = all)
-    turns: int = 1  # MT-bench: 1 = first turns only, 2 = both turns
+    limit: Optional[int] = rng(None, 1, MAX_COUNT)  # only the first N prompts (None = all)
+    turns: int = rng(1, 1, 2)  # MT-bench: 1 = first turns only, 2 = both turns
 
 
 @dataclass
@@ -30,18 +35,20 @@ class DecodeConfig:
     """`python -m decode`: run a drafter through the lossless decoder on an eval set."""
 
     target: TargetConfig = MISSING
-    drafter: Any = MISSING  # the drafter's own schema (conf/drafter/<name>.yaml)
+    # the drafter's own schema (conf/drafter/<name>.yaml)
+    drafter: Any = sub(MISSING, drafter_schema)
     eval: EvalConfig = MISSING
     ckpt: Optional[str] = None  # trained drafter: a run dir, checkpoint or export folder
-    max_new_tokens: int = 256  # generation budget per prompt (turn)
-    temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0  # sampling: keep the k most likely tokens (0 = off)
-    top_p: float = 1.0  # sampling: nucleus mass (1.0 = off)
-    k: int = 5  # chain draft length (0 = plain target decoding)
+    max_new_tokens: int = rng(256, 1, MAX_TOKENS)  # generation budget per prompt (turn)
+    temperature: float = rng(0.0, 0, MAX_TEMPERATURE)  # 0 = greedy
+    top_k: int = rng(0, 0, MAX_VOCAB)  # sampling: keep the k most likely tokens (0 = off)
+    top_p: float = rng(1.0, 0, 1, lo_open=True)  # sampling: nucleus mass (1.0 = off)
+    k: int = rng(5, 0, MAX_DRAFT)  # chain draft length (0 = plain target decoding)
     tree: bool = False  # verify a draft tree (the drafter's static or dynamic tree) instead of a chain
-    min_confidence: float = 0.0  # adaptive draft length: stop drafting below this draft prob (0 = off)
+    # adaptive draft length: stop drafting below this draft prob (0 = off)
+    min_confidence: float = rng(0.0, 0, 1)
     compare_plain: bool = True  # also decode plainly: speedup and a token-identity check (greedy)
-    seed: int = 0  # sampling seed
+    seed: int = rng(0, *SEED)  # sampling seed
     # the drafter's dtype: target = the target's (bf16 drafting on native-bf16 CPUs), or a dtype
     # name; any dtype is lossless (the target verifies), it only changes drafting speed and tau
     drafter_dtype: str = "target"
@@ -50,7 +57,8 @@ class DecodeConfig:
     # for chains at a 16-bit target dtype, off when batch_size > 1 (exact rows cost 12-35% of the
     # batch's throughput there, decode/rows_exact.py); true | false
     exact_verify: str = "auto"
-    batch_size: int = 1  # sequences decoded together, one target forward per round (1 = one at a time)
+    # sequences decoded together, one target forward per round (1 = one at a time)
+    batch_size: int = rng(1, 1, MAX_BATCH)
     batch_mode: str = "verify_all"  # batch_size > 1: plain | verify_all | budgeted (decode/budget.py)
     run_dir: str = "runs/decode/${now:%Y-%m-%d_%H-%M-%S}"  # outputs: result JSON, markdown table
 
@@ -63,9 +71,21 @@ def store_schemas(primary_name: str | None = None, primary: type | None = None) 
         ConfigStore.instance().store(name=primary_name, node=primary)
 
 
-# Allowed ranges of numeric settings, checked before any work (drafters/cli.py check_ranges).
-DECODE_RULES = {
-    "max_new_tokens": (1, None), "temperature": (0, None), "top_k": (0, None),
-    "top_p": (0, 1, "open"), "k": (0, None), "min_confidence": (0, 1), "eval.limit": (1, None),
-    "eval.turns": (1, 2), "batch_size": (1, None),
-}
+@dataclass
+class BenchConfig:
+    """The numeric options of `python -m decode.bench` (argparse, decode/bench.py: --limit is
+    `limit`), their defaults and ranges; the other options are names and switches."""
+
+    limit: int = rng(10, 1, MAX_COUNT)  # prompts of the eval set
+    max_new_tokens: int = rng(256, 1, MAX_TOKENS)  # generation budget per prompt
+    k: int = rng(5, 1, MAX_DRAFT)  # chain draft length of our decoder
+    prompt_lookup: int = rng(3, 1, MAX_DRAFT)  # HF prompt_lookup_num_tokens
+    ks: Optional[list[int]] = rng(None, 1, MAX_DRAFT)  # chain draft lengths of trained drafters
+    confidences: list[float] = rng([], 0, 1)  # min_confidence values of extra chain modes
+    curve_rounds: int = rng(7, 0, 1000)  # verify-cost curve rounds (0 = skip)
+    # new tokens per timed forward of the verify-cost curve
+    curve_ns: list[int] = rng([1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64], 1, MAX_TREE)
+    curve_context: int = rng(300, 1, MAX_TOKENS)  # tokens in the KV cache of the curve
+    threads: int = rng(0, 0, MAX_THREADS)  # torch threads (0 = the cores allowed)
+    batch_sizes: list[int] = rng([1, 2, 4, 8, 16, 32], 1, MAX_BATCH)  # --batch: sequences together
+    batch_repeats: int = rng(3, 1, 1000)  # --batch: interleaved repeats (medians)

@@ -225,26 +225,29 @@ def decode_overrides(cfg: DictConfig, saved: Path) -> dict:
     return out
 
 
-def load_decode_drafter(cfg: DictConfig, target) -> Drafter | None:
-    """The drafter of a decode job: a trained one from `ckpt`, else built from the drafter config."""
-    from specdistill.drafters.base import build_drafter, load_drafter, trainable_drafters
+def load_decode_drafter(cfg: DictConfig, target, source=None) -> Drafter | None:
+    """The drafter of a decode job: a trained one from `ckpt` (`source`: its folder already
+    resolved by cfg_source), else built from the drafter config."""
+    from specdistill.drafters.base import build_drafter, trainable_drafters
+    from specdistill.drafters.resolve import load_resolved
 
     if cfg.ckpt:
-        folder = Path(cfg.ckpt)
-        for cand in (folder, folder / "best"):
-            if (cand / "drafter.json").is_file():
-                return load_drafter(cand, target, decode_overrides(cfg, cand / "drafter.json"))
-        if (folder / "config.json").is_file():  # an export folder (any format): drafters/export.py
-            from specdistill.drafters.export import load_export
-
-            return load_export(folder, target)
-        raise FileNotFoundError(f"ckpt={cfg.ckpt} holds no drafter.json (nor best/drafter.json); "
-                                f"give a training run dir, a checkpoint folder or an export folder")
+        source = source or cfg_source(cfg)
+        overrides = None if source.is_export else decode_overrides(cfg, source.folder / "drafter.json")
+        return load_resolved(source, target, overrides)
     if cfg.drafter.name in trainable_drafters():
         raise ValueError(f"drafter={cfg.drafter.name} is trained: give its weights with ckpt=<run dir, "
                          f"checkpoint or export folder> (an untrained {cfg.drafter.name} would only "
                          f"measure noise)")
     return build_drafter(cfg.drafter, target)
+
+
+def cfg_source(cfg: DictConfig):
+    """The verified drafter folder of `ckpt` (drafters/resolve.py): a run dir's reference drafter
+    (else the newest checkpoint that verifies, loudly), a checkpoint, drafter or export folder."""
+    from specdistill.drafters.resolve import resolve_drafter
+
+    return resolve_drafter(cfg.ckpt, setting="ckpt")
 
 
 def decode_drafter_dtype(setting: str, target) -> torch.dtype:
@@ -262,13 +265,14 @@ def decode_drafter_dtype(setting: str, target) -> torch.dtype:
 def setup_run(cfg: DictConfig) -> tuple[Path, Any, Drafter | None, SamplingParams]:
     """A decode job's start: check the settings, make the run dir (with config.yaml), load the
     target and the drafter (cast to drafter_dtype). Returns (run_dir, target, drafter, sampling)."""
-    from specdistill.decode.config import DECODE_RULES
-    from specdistill.drafters.cli import check_ranges
+    from specdistill.decode.config import DecodeConfig
     from specdistill.drafters.outdir import present
     from specdistill.drafters.precision import cast_drafter
+    from specdistill.drafters.ranges import check_ranges
     from specdistill.drafters.target import load_target
 
-    check_ranges(cfg, DECODE_RULES)
+    check_ranges(cfg, DecodeConfig)  # before any work
+    source = cfg_source(cfg) if cfg.ckpt else None  # missing or damaged: refused before any work
     run_dir = Path(cfg.run_dir)
     clash = present(run_dir, ("config.yaml", "result.json", "result.md", "checkpoints"))
     if clash:  # another job's folder (python -m decode refused it before Hydra ran)
@@ -277,7 +281,7 @@ def setup_run(cfg: DictConfig) -> tuple[Path, Any, Drafter | None, SamplingParam
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     target = load_target(cfg.target)
-    drafter = load_decode_drafter(cfg, target)
+    drafter = load_decode_drafter(cfg, target, source)
     if drafter is not None:
         drafter.to(target.device).eval()
         cast_drafter(drafter, target, decode_drafter_dtype(cfg.drafter_dtype, target))

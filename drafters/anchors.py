@@ -6,11 +6,15 @@ fraction in (0, 1) = that share of a row's candidate anchors, a whole number > 1
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
 
 from specdistill.drafters.base import TrainBatch
+
+log = logging.getLogger(__name__)
+_WARNED: set[tuple[str, int]] = set()  # (setting, value) already warned about in this process
 
 
 def check_anchor_share(drafter: str, setting: str, share: Optional[float]) -> None:
@@ -18,6 +22,19 @@ def check_anchor_share(drafter: str, setting: str, share: Optional[float]) -> No
     if share is not None and not (0 < share <= 1 or (share > 1 and float(share).is_integer())):
         raise ValueError(f"{drafter}: {setting} must be a fraction in (0, 1], a whole number of "
                          f"anchors > 1 or null (every anchor), got {share}")
+
+
+def capped_steps(setting: str, steps: int, T: int) -> int:
+    """Unrolled training steps of a batch of length T: `steps`, capped at T - 2 (step j predicts
+    token t + j + 1 of the batch), at least 1. A cap is said once per process (a short batch is
+    normal; a setting longer than data.max_length would never train its last steps)."""
+    n = max(1, min(steps, T - 2))
+    if n < steps and (setting, steps) not in _WARNED:
+        _WARNED.add((setting, steps))
+        log.warning("%s=%d is longer than a batch of %d tokens allows: %d steps trained there "
+                    "(said once; longer batches train more, up to data.max_length - 2)",
+                    setting, steps, T, n)
+    return n
 
 
 def draw_anchors(batch: TrainBatch, lo: int, hi: int, share: float) -> torch.Tensor:

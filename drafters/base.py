@@ -38,7 +38,8 @@ import torch
 from torch import nn
 
 from specdistill.drafters.folder import (CONFIG_FILE, DECODE_TIME_PREFIX, WEIGHTS_FILE,  # noqa: F401  (re-exported)
-                             config_dict, parse_config, save_drafter)
+                             TargetMismatch, check_trained_target, config_dict, parse_config,
+                             save_drafter)
 from specdistill.drafters.head import fit_draft_vocab  # noqa: F401  (re-exported)
 from specdistill.drafters.head import set_draft_vocab as _set_draft_vocab
 from specdistill.drafters.proposals import (ChainDraw, ChainProposal, DecodeState,  # noqa: F401  (re-exported)
@@ -333,6 +334,14 @@ def drafter_class(name: str) -> type[Drafter]:
     return DRAFTERS[name]
 
 
+def drafter_schema(cfg) -> type[DrafterConfig] | None:
+    """The registered schema of a drafter config in any form, by its `name` (None: unknown name,
+    refused with the known names when the drafter is built). The range check (drafters/ranges.py)
+    walks a `drafter` setting against it."""
+    name = cfg.get("name") if hasattr(cfg, "get") else getattr(cfg, "name", None)
+    return CONFIGS.get(name)
+
+
 def trainable_drafters() -> list[str]:
     """Names of the registered drafters that implement forward_train."""
     return sorted(n for n, c in DRAFTERS.items() if c.trainable())
@@ -355,7 +364,10 @@ def build_drafter(cfg, target) -> Drafter:
 def load_drafter(folder, target, decode_overrides: dict | None = None) -> Drafter:
     """Rebuild a saved drafter on `target` and load its weights strictly. `decode_overrides`
     replaces decode-time settings (the `tree_*` keys) of the saved config; any other key is
-    refused, since the weights were trained with it."""
+    refused, since the weights were trained with it. A drafter trained for another target is
+    refused with both targets named (folder.py check_trained_target; by its weights' shapes for a folder
+    saved before drafters recorded their target). Callers resolve and verify the folder first
+    (drafters/resolve.py)."""
     from safetensors.torch import load_file
 
     folder = Path(folder)
@@ -369,7 +381,16 @@ def load_drafter(folder, target, decode_overrides: dict | None = None) -> Drafte
             raise ValueError(f"drafter.{key} cannot change after training (only the decode-time "
                              f"{sorted(k for k in cfg if k.startswith(DECODE_TIME_PREFIX))} can)")
         cfg[key] = value
+    check_trained_target(folder, target)
     drafter = build_drafter(cfg, target)
     state = load_file(str(folder / WEIGHTS_FILE), device=str(target.device))
-    drafter.load_state_dict(state, strict=True)
+    try:
+        drafter.load_state_dict(state, strict=True)
+    except RuntimeError as e:  # e.g. "size mismatch for fc.weight: ... torch.Size([64, 128]) ..."
+        detail = next((ln.strip() for ln in str(e).splitlines() if "size mismatch" in ln), None)
+        if detail is None:
+            raise
+        raise TargetMismatch(f"{folder} does not fit target {target.source} (hidden "
+                             f"{target.hidden_size}, vocab {target.vocab_size}): {detail}; it was "
+                             f"trained for another target: pass that one (target=...)") from e
     return drafter

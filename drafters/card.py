@@ -24,6 +24,9 @@ class CardFacts:
     simulated: Optional[dict[str, Any]] = None
     training_config: Optional[dict[str, Any]] = None  # the run's resolved config
     engine_table: Optional[str] = None  # the job's own serving-engine check (decode/engine/)
+    # set when the exported drafter is NOT the one these measurements were taken with (the run's
+    # best/ was damaged: drafters/resolve.py): which checkpoint it is and why
+    fallback: Optional[str] = None
 
 
 def card_tags(layout, drafter_cls) -> list[str]:
@@ -35,6 +38,10 @@ def card_tags(layout, drafter_cls) -> list[str]:
 
 def _measured(facts: CardFacts) -> list[str]:
     lines = ["## Measured acceptance", ""]
+    if facts.fallback:
+        lines += [f"**Warning: this export is not the drafter measured below.** {facts.fallback}. "
+                  "The numbers below belong to the run's reference drafter; this one was not "
+                  "measured.", ""]
     if facts.final_table:
         s = facts.final or {}
         lines += [f"The real decoder on {s.get('eval', 'mtbench')} at the end of training "

@@ -1,14 +1,16 @@
-"""What every command line of specdistill shares: user errors as one clear line, and range checks
-of numeric settings before any work starts.
+"""What every command line of specdistill shares: user errors as one clear line, and the check
+of an output path before Hydra creates anything (numeric ranges: drafters/ranges.py).
 
-A mistake a user can make (a bad value, a missing file, a locked or damaged run dir) ends the
-command with one line — what went wrong, where, and the fix — and a non-zero exit code. The
-traceback is shown only with SPECDISTILL_DEBUG=1. Ctrl-C ends with a hint how to continue.
+A mistake a user can make (a bad value, a missing file, a locked or damaged run dir, a full disk)
+ends the command with one line — what went wrong, where, and the fix — and exit code 2. The
+traceback is shown only with SPECDISTILL_DEBUG=1. Ctrl-C ends with a hint how to continue. Every
+command goes through `user_errors`: train, decode, train.export, decode.engine, decode.bench,
+data.capture, data.regenerate.
 """
 from __future__ import annotations
 
 import contextlib
-import math
+import errno
 import os
 import sys
 from pathlib import Path
@@ -35,6 +37,14 @@ class UserError(RuntimeError):
     """An error the user caused and can fix; raised with a message that says how."""
 
 
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # a full disk or quota: the user's to fix, not a bug
+
+
+def _user_os_error(e: OSError) -> bool:
+    """OSErrors that are the user's to fix: the subclasses in _user_error_types, a full disk."""
+    return isinstance(e, _user_error_types()) or e.errno in _DISK_FULL
+
+
 @contextlib.contextmanager
 def user_errors(command: str, interrupt_hint: str | Callable[[], str] = "") -> Iterator[None]:
     """Run a command's body: a user error prints `<command>: error: <message>` and exits 2
@@ -49,53 +59,60 @@ def user_errors(command: str, interrupt_hint: str | Callable[[], str] = "") -> I
         hint = interrupt_hint() if callable(interrupt_hint) else interrupt_hint
         print(f"\n{command}: interrupted. {hint}".rstrip(), file=sys.stderr, flush=True)
         sys.exit(INTERRUPT_EXIT)
-    except _user_error_types() as e:
-        if debug:
+    except (*_user_error_types(), OSError) as e:
+        if debug or (isinstance(e, OSError) and not _user_os_error(e)):
             raise
         msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+        if isinstance(e, OSError) and e.errno in _DISK_FULL:
+            msg = (f"no space left on the disk of {e.filename or 'an output file'} ({e.strerror}): "
+                   f"free space, or write to another disk (run_dir= / out=)")
         print(f"{command}: error: {msg} ({type(e).__name__}; set {DEBUG_ENV}=1 for the traceback)",
               file=sys.stderr, flush=True)
         sys.exit(USAGE_EXIT)
 
 
-def check_ranges(cfg, rules: dict[str, tuple]) -> None:
-    """Check numeric settings: rules maps a dotted key to (lo, hi) with None for an open end, or
-    (lo, hi, "open") for lo < x. A missing key or a None value (= off / default) is skipped."""
-    from omegaconf import OmegaConf
-
-    bad = []
-    for key, rule in rules.items():
-        value = OmegaConf.select(cfg, key, default=None)
-        if value is None or isinstance(value, bool):
-            continue
-        lo, hi = rule[0], rule[1]
-        strict = len(rule) > 2 and rule[2] == "open"
-        if not isinstance(value, (int, float)) or math.isnan(value) \
-                or (lo is not None and (value <= lo if strict else value < lo)) \
-                or (hi is not None and value > hi):
-            left = "(" if strict else "["
-            rng = f"{left}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}]"
-            bad.append(f"{key}={value} is outside {rng}")
-    if bad:
-        raise UserError("invalid settings: " + "; ".join(bad))
-
-
-def check_out_dir_arg(command: str, argv: list[str], key: str = "run_dir") -> None:
+def check_out_dir_arg(command: str, argv: list[str], key: str = "run_dir", file: bool = False) -> None:
     """Before Hydra creates its output folder: a `key=<dir>` override that cannot be created
     (a read-only mount, /proc, a file in the way) ends the command with one line and exit 2,
-    instead of Hydra's traceback."""
+    instead of Hydra's traceback. file=True: `key` names an output file (its folder is checked,
+    and the path must not be a folder). The probe leaves nothing behind: the folders it created
+    are removed again while still empty (the command creates them when it writes)."""
     for arg in argv:
         if arg.startswith(f"{key}=") and "${" not in arg:
-            path = arg.split("=", 1)[1]
+            path = os.path.abspath(os.path.expanduser(arg.split("=", 1)[1]))
+            folder = os.path.dirname(path) if file else path
+            new = folder  # the topmost folder the probe creates
+            while not os.path.exists(os.path.dirname(new)) and os.path.dirname(new) != new:
+                new = os.path.dirname(new)
+            created = not os.path.exists(new)
             try:
-                os.makedirs(os.path.expanduser(path), exist_ok=True)
-                writable = os.access(os.path.expanduser(path), os.W_OK)
+                if file and os.path.isdir(path):
+                    raise IsADirectoryError(errno.EISDIR, "a folder, not a file")
+                os.makedirs(folder, exist_ok=True)
+                writable = os.access(folder, os.W_OK)
             except OSError as e:
                 reason = e.strerror
             else:
+                if created:
+                    _remove_empty(folder, up_to=new)
                 if writable:
                     return
                 reason = "not writable"
-            print(f"{command}: error: cannot create or write {key}={path} ({reason}); set {key}= "
-                  f"to a writable folder", file=sys.stderr, flush=True)
+            what = "write" if file else "create or write"
+            print(f"{command}: error: cannot {what} {key}={arg.split('=', 1)[1]} ({reason}); set "
+                  f"{key}= to a writable {'file path' if file else 'folder'}", file=sys.stderr,
+                  flush=True)
             sys.exit(USAGE_EXIT)
+
+
+def _remove_empty(folder: str, up_to: str) -> None:
+    """rmdir `folder` and its parents up to `up_to`, stopping at the first that is not empty (a
+    folder another process, e.g. another rank, has written into meanwhile is never removed)."""
+    while True:
+        try:
+            os.rmdir(folder)
+        except OSError:
+            return
+        if folder == up_to:
+            return
+        folder = os.path.dirname(folder)

@@ -47,6 +47,7 @@ from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm, Ll
                                                       rotate_half)
 
 from specdistill.drafters.anchors import check_anchor_share, draw_anchors
+from specdistill.drafters.ranges import MAX_COUNT, MAX_DRAFT, MAX_LAYERS, MAX_TREE, MAX_VOCAB, rng
 from specdistill.drafters.attention import block_attention, few_query, grouped_attention
 from specdistill.drafters.base import (ChainProposal, DecodeState, Drafter, DrafterConfig, DraftPrediction,
                            ExportLayout, TrainBatch, register)
@@ -68,19 +69,25 @@ class DFlashConfig(DrafterConfig):
     name: str = "dflash"  # registry key
     # target hidden_states indices fused as context; None = EAGLE-3's (2, L//2, L-3), so eagle3,
     # peagle and dflash train on one capture
-    aux_layers: Optional[list[int]] = None
-    num_layers: int = 1  # draft layers (the paper: 5 on 8B targets)
-    block_size: int = 8  # slot 0 = the last committed token: block_size - 1 drafts per forward
-    draft_vocab_size: Optional[int] = None  # pruned LM head size (None = target's head, frozen)
-    mask_token_id: Optional[int] = None  # id whose (frozen) embedding fills the block (None = V - 1)
-    loss_gamma: float = 4.0  # draft i weighs exp(-(i - 1) / gamma) (DFlash: 4 for blocks of 8)
-    loss_weights: Optional[list[float]] = None  # one per draft (block_size - 1); overrides gamma
+    aux_layers: Optional[list[int]] = rng(None, 0, MAX_LAYERS)
+    num_layers: int = rng(1, 1, MAX_LAYERS)  # draft layers (the paper: 5 on 8B targets)
+    # slot 0 = the last committed token: block_size - 1 drafts per forward
+    block_size: int = rng(8, 2, MAX_DRAFT)
+    # pruned LM head size (None = target's head, frozen)
+    draft_vocab_size: Optional[int] = rng(None, 1, MAX_VOCAB)
+    # id whose (frozen) embedding fills the block (None = V - 1)
+    mask_token_id: Optional[int] = rng(None, 0, MAX_VOCAB)
+    # draft i weighs exp(-(i - 1) / gamma) (DFlash: 4 for blocks of 8)
+    loss_gamma: float = rng(4.0, 0, 1000, lo_open=True)
+    # one per draft (block_size - 1); overrides gamma
+    loss_weights: Optional[list[float]] = rng(None, 0, 1000)
     # anchors per row trained each step: null = every position; a fraction in (0, 1) = that share
     # of the row's anchors with a scored token in the block; a whole number > 1 = that many
-    anchors: Optional[float] = None
-    tree_top_k: int = 8  # dynamic tree over the per-position distributions: children per node
-    tree_depth: int = 6  # levels (capped at block_size - 1)
-    tree_total_tokens: int = 60  # nodes kept for verification
+    anchors: Optional[float] = rng(None, 0, MAX_COUNT, lo_open=True)
+    # dynamic tree over the per-position distributions: children per node
+    tree_top_k: int = rng(8, 1, MAX_DRAFT)
+    tree_depth: int = rng(6, 1, MAX_DRAFT)  # levels (capped at block_size - 1)
+    tree_total_tokens: int = rng(60, 1, MAX_TREE)  # nodes kept for verification
     tree_sampled: bool = True  # sampling: draw the tree's children from q (else top-k, deterministic)
 
 

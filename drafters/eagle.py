@@ -43,6 +43,7 @@ from specdistill.drafters.base import (ChainProposal, DecodeState, Drafter, Draf
 from specdistill.drafters.cache import DraftCache, additive_mask
 from specdistill.drafters.export_formats import WEIGHTS, llama_layer_config, speculators_config
 from specdistill.drafters.head import head_logits, init_draft_head
+from specdistill.drafters.ranges import MAX_DRAFT, MAX_LAYERS, MAX_TREE, MAX_VOCAB, rng
 from specdistill.drafters.rows import RowsTogether
 from specdistill.drafters.sampling import SamplingParams
 from specdistill.drafters.tree import dynamic_tree, in_target_vocab
@@ -53,23 +54,28 @@ class EagleConfig(DrafterConfig):
     """EAGLE drafter settings."""
 
     name: str = "eagle"  # registry key
-    feature_layer: int = -1  # target hidden state read and predicted (-1 = final-normed, EAGLE-1)
+    # target hidden state read and predicted (-1 = final-normed, EAGLE-1)
+    feature_layer: int = rng(-1, -1, MAX_LAYERS)
     # pruned LM head size (None = the target's head, frozen). For SmolLM2 the full head (49152 x 576
     # = 28 M weights) is 21% of the whole target and would dominate the drafter's step; a trainable
     # head over the 8192 most frequent training tokens costs a sixth of that, and rare tokens it
     # cannot propose are rarely accepted anyway. null = the layout serving engines load.
-    draft_vocab_size: Optional[int] = 8192
-    num_layers: int = 1  # decoder layers of the drafter
-    init_from_target_layer: Optional[int] = None  # copy this target layer's weights (None = random)
+    draft_vocab_size: Optional[int] = rng(8192, 1, MAX_VOCAB)
+    num_layers: int = rng(1, 1, MAX_LAYERS)  # decoder layers of the drafter
+    # copy this target layer's weights (None = random)
+    init_from_target_layer: Optional[int] = rng(None, 0, MAX_LAYERS)
     # RMSNorm on fc's output before layer 0's attention. false = the EAGLE-1 layout the serving
     # engines load (vLLM, SGLang and speculators drop layer 0's input_layernorm), so the head can
     # be exported to them exactly (ENGINE_NEEDS below)
     input_norm: bool = True
-    train_unroll: int = 1  # training-time test steps (1 = teacher forced; k>1 adds shifts 2..k)
-    unroll_decay: float = 0.8  # loss weight of unrolled step j is unroll_decay ** (j - 1)
-    tree_top_k: int = 8  # EAGLE-2 tree: children per expanded node and nodes expanded per level
-    tree_depth: int = 6  # EAGLE-2 tree: levels grown
-    tree_total_tokens: int = 60  # EAGLE-2 tree: nodes kept for verification
+    # training-time test steps (1 = teacher forced; k>1 adds shifts 2..k)
+    train_unroll: int = rng(1, 1, MAX_DRAFT)
+    # loss weight of unrolled step j is unroll_decay ** (j - 1)
+    unroll_decay: float = rng(0.8, 0, 1)
+    # EAGLE-2 tree: children per expanded node and nodes expanded per level
+    tree_top_k: int = rng(8, 1, MAX_DRAFT)
+    tree_depth: int = rng(6, 1, MAX_DRAFT)  # EAGLE-2 tree: levels grown
+    tree_total_tokens: int = rng(60, 1, MAX_TREE)  # EAGLE-2 tree: nodes kept for verification
     # sampling: draw the tree's children from the warped q (False: EAGLE-2's top-k candidates,
     # verified as deterministic drafts; both lossless)
     tree_sampled: bool = True

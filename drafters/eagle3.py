@@ -36,12 +36,14 @@ from torch import nn
 from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding,
                                                       apply_rotary_pos_emb)
 
+from specdistill.drafters.anchors import capped_steps
 from specdistill.drafters.attention import few_query, grouped_attention, ttt_attention
 from specdistill.drafters.base import DrafterConfig, DraftPrediction, ExportLayout, TrainBatch, register
 from specdistill.drafters.eagle import Eagle, drafter_llama_config
 from specdistill.drafters.export_formats import (WEIGHTS, ExportError, cast, llama_layer_config,
                                      speculators_config, torch_dtype)
 from specdistill.drafters.head import head_logits
+from specdistill.drafters.ranges import MAX_DRAFT, MAX_LAYERS, MAX_TREE, MAX_VOCAB, rng
 from specdistill.drafters.vocab import d2t_to_offsets, offsets_to_d2t, t2d_mask
 
 
@@ -51,20 +53,21 @@ class Eagle3Config(DrafterConfig):
 
     name: str = "eagle3"  # registry key
     # target hidden_states indices (low, mid, high); None = the engines' (2, L//2, L-3)
-    aux_layers: Optional[list[int]] = None
-    draft_vocab_size: Optional[int] = None  # pruned LM head size (None = target's head, frozen)
-    num_layers: int = 1  # decoder layers; layer 0 reads [embed; feature], the others are plain
+    aux_layers: Optional[list[int]] = rng(None, 0, MAX_LAYERS)
+    draft_vocab_size: Optional[int] = rng(None, 1, MAX_VOCAB)  # pruned head (None: target's, frozen)
+    num_layers: int = rng(1, 1, MAX_LAYERS)  # layer 0 reads [embed; feature], the others are plain
     # copy this target layer's weights (None = random); layer 0's q/k/v get them in both halves
-    init_from_target_layer: Optional[int] = None
+    init_from_target_layer: Optional[int] = rng(None, 0, MAX_LAYERS)
     norm_before_residual: bool = False  # residual = hidden_norm(feature) (false: the raw feature)
     norm_before_fc: bool = False  # RMSNorm(3H) over the concatenated aux states before fc
     fc_norm: bool = False  # EAGLE-3.1: an RMSNorm per aux layer before fc
     norm_output: bool = False  # EAGLE-3.1: feed the final-normed output back to the next step
-    ttt_length: int = 7  # training-time test steps (EAGLE-3 recipe: 7)
-    ttt_decay: float = 0.8  # loss weight of step j is ttt_decay ** (j - 1) (SpecForge: 0.8)
-    tree_top_k: int = 8  # EAGLE-2 tree: children per expanded node and nodes expanded per level
-    tree_depth: int = 6  # EAGLE-2 tree: levels grown
-    tree_total_tokens: int = 60  # EAGLE-2 tree: nodes kept for verification
+    ttt_length: int = rng(7, 1, MAX_DRAFT)  # training-time test steps (EAGLE-3 recipe: 7)
+    ttt_decay: float = rng(0.8, 0, 1)  # loss weight of step j: ttt_decay ** (j - 1) (SpecForge 0.8)
+    # EAGLE-2 tree: children per expanded node and nodes expanded per level
+    tree_top_k: int = rng(8, 1, MAX_DRAFT)
+    tree_depth: int = rng(6, 1, MAX_DRAFT)  # EAGLE-2 tree: levels grown
+    tree_total_tokens: int = rng(60, 1, MAX_TREE)  # EAGLE-2 tree: nodes kept for verification
     # sampling: draw the tree's children from the warped q (False: EAGLE-2's top-k candidates,
     # verified as deterministic drafts; both lossless)
     tree_sampled: bool = True
@@ -218,7 +221,7 @@ class Eagle3(Eagle):  # registered at the end of the module, with its export lay
         causal = (pos[None, :] <= pos[:, None])[None, None] & keys  # (B, 1, T, T)
         store: list[list] = [[] for _ in self.layers]  # per layer: (k, v) of each step
         h, preds = self.fuse(feats), []
-        for j in range(1, max(1, min(steps, T - 2)) + 1):
+        for j in range(1, capped_steps("drafter.ttt_length", steps, T) + 1):
             if own_tokens and preds:  # the previous step's draft at each anchor, as target ids
                 d = preds[-1].logits.detach().argmax(-1)  # (B, T)
                 tok = d if self.d2t is None else self.d2t[d]

@@ -11,8 +11,10 @@ Every tensor-layout export is
      against the layout of a freshly built drafter of the same config on the same target, the
      draft vocab maps against each other and the target's tokenizer, and the layout's own checks;
   3. read back (load_export) and compared with the source drafter's weights, exactly;
-  4. given a model card (drafters/card.py), then renamed to `out`: a crash never leaves half an
-     export. A self-saving layout (e.g. small_lm's causal_lm) does 2-3 itself in its `save`.
+  4. given a model card (drafters/card.py) and a MANIFEST.json (size and sha256 of every file,
+     checked whenever the folder is read back: drafters/manifest.py), then renamed to `out`:
+     a crash never leaves half an export. A self-saving layout (e.g. small_lm's causal_lm) does 2-3
+     itself in its `save`.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from specdistill.drafters.base import (Drafter, ExportContext, ExportLayout, bui
                            drafter_class, parse_config)
 from specdistill.drafters.card import CardFacts, model_card
 from specdistill.drafters.export_formats import EXPORT_DTYPES, ExportError, cast, torch_dtype
+from specdistill.drafters.manifest import verify, write_manifest
 
 VERSION = "0.1.0"
 
@@ -57,18 +60,28 @@ def full_config(drafter_cfg) -> dict[str, Any]:
 
 
 def read_export(folder) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
-    """config.json and every weights file (*.safetensors, *.pt) of an export folder."""
+    """config.json and every weights file (*.safetensors, *.pt) of an export folder, verified
+    against its MANIFEST.json first (an export written before manifests: unreadable files named)."""
     from safetensors.torch import load_file
 
     folder = Path(folder)
     if not (folder / "config.json").is_file():
         raise ExportError(f"{folder} has no config.json: not an export folder")
+    damage = verify(folder)
+    if damage:
+        raise ExportError(f"export {folder} is damaged: {'; '.join(damage)}; export it again")
     try:
         config = json.loads((folder / "config.json").read_text())
     except json.JSONDecodeError as e:
         raise ExportError(f"{folder}/config.json is not valid JSON: {e}") from e
-    files = {f.name: load_file(str(f)) for f in folder.glob("*.safetensors")}
-    files.update({f.name: torch.load(f, weights_only=True) for f in folder.glob("*.pt")})
+    files = {}
+    for f in sorted([*folder.glob("*.safetensors"), *folder.glob("*.pt")]):
+        try:
+            files[f.name] = load_file(str(f)) if f.suffix == ".safetensors" else \
+                torch.load(f, weights_only=True)
+        except Exception as e:  # safetensors' SafetensorError, torch's RuntimeError / pickle errors
+            raise ExportError(f"export {folder}: {f.name} cannot be read ({type(e).__name__}: "
+                              f"{e}); it is damaged: export it again") from e
     return config, files
 
 
@@ -253,6 +266,7 @@ def export_drafter(drafter: Drafter, drafter_cfg, target, fmt: str, out, *, dtyp
         files = sorted((f.name, f.stat().st_size) for f in tmp.iterdir())
         (tmp / "README.md").write_text(model_card(layout, cls, meta, facts, result["parity"],
                                                   files, license))  # 4
+        write_manifest(tmp)
 
     try:
         write_folder(out, fill)

@@ -6,14 +6,19 @@ A saved drafter is a folder with
                        the frozen target's weights: drafters keep references to target modules
                        outside their module tree, so `state_dict()` cannot reach them;
   drafter.json         its config as a dict, including `name`.
+The safetensors metadata also records the target it was trained on (`target_facts`), so loading it
+on another target is refused with both named (drafters/base.py load_drafter).
 Each file is replaced atomically (written next to it, then renamed); whole-folder commits (a
 checkpoint, an export) go through drafters/atomic.py.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
+
+from specdistill.drafters.cli import UserError
 
 DECODE_TIME_PREFIX = "tree_"  # drafter settings that only shape decoding (tree size), not weights
 WEIGHTS_FILE = "drafter.safetensors"
@@ -46,8 +51,55 @@ def save_drafter(drafter, cfg, folder) -> None:
             json.dump(meta, f, indent=2, sort_keys=True)
             f.write("\n")
 
-    _atomic_write(folder / WEIGHTS_FILE, lambda tmp: save_file(state, tmp, metadata={"name": drafter.name}))
+    meta_st = {"name": drafter.name, **target_facts(getattr(drafter, "target", None))}
+    _atomic_write(folder / WEIGHTS_FILE, lambda tmp: save_file(state, tmp, metadata=meta_st))
     _atomic_write(folder / CONFIG_FILE, write_json)
+
+
+def target_facts(target) -> dict[str, str]:
+    """What a saved drafter records of its target (strings: safetensors metadata): where it came
+    from and the sizes its weights depend on. {} without a target."""
+    if target is None:
+        return {}
+    return {"target": target.source.split(" (")[0], "target_hidden_size": str(target.hidden_size),
+            "target_vocab_size": str(target.vocab_size), "target_num_layers": str(target.num_layers)}
+
+
+def saved_target_facts(folder) -> dict[str, str]:
+    """The target facts a saved drafter recorded ({} for a folder saved before they were)."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(folder) / WEIGHTS_FILE), framework="pt") as f:
+        meta = f.metadata() or {}
+    return {k: v for k, v in meta.items() if k.startswith("target")}
+
+
+class TargetMismatch(UserError):
+    """A saved drafter was trained for another target than the one given (sizes differ)."""
+
+
+def check_trained_target(folder, target) -> None:
+    """Refuse a saved drafter whose recorded target differs from `target` in a size its weights
+    depend on (hidden size, vocabulary, layers), naming both; the same sizes under another name
+    only warn (the same weights may come from a GGUF file or a hub id)."""
+    saved, given = saved_target_facts(folder), target_facts(target)
+    if not saved:
+        return
+    sizes = [k for k in ("target_hidden_size", "target_vocab_size", "target_num_layers")
+             if k in saved and saved[k] != given[k]]
+    if sizes:
+        def desc(f):
+            return (f"{f.get('target')} (hidden {f.get('target_hidden_size')}, vocab "
+                    f"{f.get('target_vocab_size')}, {f.get('target_num_layers')} layers)")
+        raise TargetMismatch(f"{folder} was trained for target {desc(saved)}; the given target is "
+                             f"{desc(given)}: pass the target it was trained for (target=... / "
+                             f"target.path=...), or a drafter trained for this one")
+    # the same file name is the same target: a GGUF file may lie elsewhere on another machine
+    if os.path.basename(saved.get("target", "")) != os.path.basename(given["target"]):
+        logging.getLogger(__name__).warning(
+            "%s was trained for target %s; decoding it with %s (same sizes): acceptance is only "
+            "what it was trained for if these are the same weights", folder, saved.get("target"),
+            given["target"])
 
 
 def config_dict(cfg) -> dict:

@@ -27,6 +27,7 @@ from specdistill.drafters.base import (ChainProposal, DecodeState, Drafter, Draf
                            ExportLayout, TrainBatch, TreeProposal, register)
 from specdistill.drafters.export_formats import WEIGHTS, cast, torch_dtype
 from specdistill.drafters.head import head_logits, init_draft_head
+from specdistill.drafters.ranges import MAX_DRAFT, MAX_LAYERS, MAX_VOCAB, rng
 from specdistill.drafters.sampling import SamplingParams
 from specdistill.drafters.tree import StaticTree, static_tree
 
@@ -46,14 +47,16 @@ class MedusaConfig(DrafterConfig):
     """Medusa drafter settings."""
 
     name: str = "medusa"  # registry key
-    num_heads: int = 4  # heads; head k predicts the token k+2 after the last processed position
-    num_layers: int = 1  # residual blocks per head
-    draft_vocab_size: Optional[int] = None  # pruned shared head size (None = target's head, frozen)
-    head_decay: float = 0.8  # loss weight of head k is head_decay ** k (Medusa's 0.8)
+    # heads; head k predicts the token k+2 after the last processed position
+    num_heads: int = rng(4, 1, MAX_DRAFT)
+    num_layers: int = rng(1, 1, MAX_LAYERS)  # residual blocks per head
+    # pruned shared head size (None = target's head, frozen)
+    draft_vocab_size: Optional[int] = rng(None, 1, MAX_VOCAB)
+    head_decay: float = rng(0.8, 0, 1)  # loss weight of head k is head_decay ** k (Medusa's 0.8)
     # static tree: list of rank paths, or that list as a string; paths deeper than num_heads or
     # with a rank >= tree_top_k are dropped (with their descendants)
     tree_choices: Any = field(default_factory=lambda: [list(c) for c in DEFAULT_TREE])
-    tree_top_k: int = 10  # candidates taken per depth for the static tree
+    tree_top_k: int = rng(10, 1, MAX_DRAFT)  # candidates taken per depth for the static tree
 
 
 class MedusaResBlock(nn.Module):

@@ -17,16 +17,19 @@ import torch
 from specdistill.drafters.base import (ChainProposal, DecodeState, Drafter, DrafterConfig, TreeProposal,
                            parse_config, register)
 from specdistill.drafters.sampling import SamplingParams
+from specdistill.drafters.ranges import MAX_DRAFT, MAX_TREE, rng
 
 
 @dataclass
 class NgramConfig(DrafterConfig):
     name: str = "ngram"
-    max_ngram: int = 3  # longest suffix matched against earlier text (tried first)
-    min_ngram: int = 1  # shortest suffix tried before giving up on a round
-    tree_depth: int = 5  # tokens per continuation in a tree proposal
-    tree_branches: int = 4  # distinct continuations merged into a tree proposal
-    max_matches: int = 8  # most recent occurrences per n-gram considered for a tree
+    # longest suffix matched against earlier text (tried first)
+    max_ngram: int = rng(3, 1, MAX_DRAFT)
+    min_ngram: int = rng(1, 1, MAX_DRAFT)  # shortest suffix tried before giving up on a round
+    tree_depth: int = rng(5, 1, MAX_DRAFT)  # tokens per continuation in a tree proposal
+    tree_branches: int = rng(4, 1, MAX_DRAFT)  # distinct continuations merged into a tree proposal
+    # most recent occurrences per n-gram considered for a tree
+    max_matches: int = rng(8, 1, MAX_TREE)
 
 
 @register("ngram", NgramConfig)

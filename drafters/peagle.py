@@ -60,7 +60,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from specdistill.drafters.anchors import check_anchor_share, draw_anchors
+from specdistill.drafters.anchors import capped_steps, check_anchor_share, draw_anchors
 from specdistill.drafters.base import (ChainProposal, DecodeState, DraftPrediction, Drafter,
                                       ExportLayout, TrainBatch, register)
 from specdistill.drafters.attention import ttt_attention
@@ -68,6 +68,7 @@ from specdistill.drafters.eagle3 import (Eagle3, Eagle3Config, engine_config, en
                              state_from_engine)
 from specdistill.drafters.export_formats import WEIGHTS, torch_dtype
 from specdistill.drafters.parallel import ParallelDrafts
+from specdistill.drafters.ranges import MAX_COUNT, MAX_DRAFT, MAX_VOCAB, rng
 
 
 @dataclass
@@ -76,14 +77,15 @@ class PeagleConfig(Eagle3Config):
 
     name: str = "peagle"  # registry key
     # draft positions trained: the real one + ttt_length - 1 masks; the largest k it drafts
-    ttt_length: int = 8
-    mask_token_id: Optional[int] = None  # id whose embedding mask positions read (None = V - 1)
+    ttt_length: int = rng(8, 1, MAX_DRAFT)
+    # id whose embedding mask positions read (None = V - 1)
+    mask_token_id: Optional[int] = rng(None, 0, MAX_VOCAB)
     # loss weight per draft position (ttt_length values); None = ttt_decay ** (position - 1)
-    loss_weights: Optional[list[float]] = None
+    loss_weights: Optional[list[float]] = rng(None, 0, 1000)
     # anchors per row whose masks (draft positions 2..) are trained, drawn each step (P-EAGLE's
     # COD sampling, flat): null or 1.0 = every anchor; a fraction in (0, 1) = that share of the
     # row's anchors; a whole number > 1 = that many. Draft position 1 trains at every anchor.
-    mask_anchors: Optional[float] = None
+    mask_anchors: Optional[float] = rng(None, 0, MAX_COUNT, lo_open=True)
 
 
 # == Export: vLLM's EAGLE-3 loader with parallel drafting (llama_eagle3.py @00bd1493): eagle3's ==
@@ -216,7 +218,7 @@ class Peagle(ParallelDrafts, Eagle3):
                              f"{self.feature_layers} (width {3 * H}); "
                              f"got {getattr(feats, 'shape', None)}")
         B, T = ids.shape
-        J = max(1, min(self.cfg.ttt_length, T - 2))
+        J = capped_steps("drafter.ttt_length", self.cfg.ttt_length, T)
         pos = torch.arange(T, device=ids.device)
         keys = batch.attention_mask[:, None, None, :].bool()  # (B, 1, 1, T): padding never seen
         causal = (pos[None, :] <= pos[:, None])[None, None] & keys  # (B, 1, T, T)

@@ -43,6 +43,7 @@ from specdistill.drafters.head import Shared, init_draft_head
 from specdistill.drafters.hf_export import CAUSAL_LM
 from specdistill.drafters.sampling import SamplingParams
 from specdistill.drafters.tree import dynamic_tree, in_target_vocab
+from specdistill.drafters.ranges import MAX_DRAFT, MAX_LAYERS, MAX_TREE, MAX_VOCAB, rng
 
 SOURCES = ("target_layers", "pretrained", "fresh")
 
@@ -51,9 +52,10 @@ SOURCES = ("target_layers", "pretrained", "fresh")
 class LoraSettings:
     """LoRA through peft on the drafter's decoder layers (r = 0: full fine-tuning)."""
 
-    r: int = 0  # adapter rank; 0 = no LoRA, every drafter weight except frozen embeddings trains
-    alpha: int = 16  # scale of the adapter output is alpha / r
-    dropout: float = 0.0  # dropout on the adapter input (training only)
+    # adapter rank; 0 = no LoRA, every drafter weight except frozen embeddings trains
+    r: int = rng(0, 0, 4096)
+    alpha: int = rng(16, 1, 65536)  # scale of the adapter output is alpha / r
+    dropout: float = rng(0.0, 0, 1, hi_open=True)  # dropout on the adapter input (training only)
     target_modules: list[str] = field(default_factory=lambda: [  # module names given adapters
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
 
@@ -64,17 +66,22 @@ class SmallLmConfig(DrafterConfig):
 
     name: str = "small_lm"  # registry key
     source: str = "target_layers"  # target_layers | pretrained | fresh (module docstring)
-    num_layers: int = 2  # target_layers / fresh: decoder layers (pretrained: the model's own)
-    layer_stride: Optional[int] = None  # target_layers: copy layers 0, m, 2m, ... (None = first n)
-    layers: Optional[list[int]] = None  # target_layers: copy exactly these (sets num_layers)
+    # target_layers / fresh: decoder layers (pretrained: the model's own)
+    num_layers: int = rng(2, 1, MAX_LAYERS)
+    # target_layers: copy layers 0, m, 2m, ... (None = first n)
+    layer_stride: Optional[int] = rng(None, 1, MAX_LAYERS)
+    # target_layers: copy exactly these (sets num_layers)
+    layers: Optional[list[int]] = rng(None, 0, MAX_LAYERS)
     pretrained: Optional[str] = None  # pretrained: HF id or local folder with the same tokenizer
     fresh_config: dict[str, Any] = field(default_factory=dict)  # fresh: target-config overrides
     freeze_embeddings: bool = True  # embeddings + LM head frozen (the target's, shared: not saved)
     lora: LoraSettings = field(default_factory=LoraSettings)  # LoRA adapters (lora.r > 0)
-    draft_vocab_size: Optional[int] = None  # pruned LM head over the Vd most frequent tokens
-    tree_top_k: int = 8  # dynamic tree: children per expanded node and nodes expanded per level
-    tree_depth: int = 6  # dynamic tree: levels grown
-    tree_total_tokens: int = 60  # dynamic tree: nodes kept for verification
+    # pruned LM head over the Vd most frequent tokens
+    draft_vocab_size: Optional[int] = rng(None, 1, MAX_VOCAB)
+    # dynamic tree: children per expanded node and nodes expanded per level
+    tree_top_k: int = rng(8, 1, MAX_DRAFT)
+    tree_depth: int = rng(6, 1, MAX_DRAFT)  # dynamic tree: levels grown
+    tree_total_tokens: int = rng(60, 1, MAX_TREE)  # dynamic tree: nodes kept for verification
     # sampling: draw the tree's children from the warped q (False: EAGLE-2's top-k candidates,
     # verified as deterministic drafts; both lossless)
     tree_sampled: bool = True

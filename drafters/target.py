@@ -26,6 +26,7 @@ from specdistill.drafters.attention import use_few_query_attention
 from specdistill.drafters.identity import architecture, folder_identity, parameters_sha256
 from specdistill.drafters.precision import (DTYPES, NATIVE_BF16_FLAGS, DtypeChoice, available_cores,  # noqa: F401
                                 cpu_flags, idle_cores, resolve_dtype, set_threads)
+from specdistill.drafters.ranges import MAX_THREADS, SEED, rng
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +44,12 @@ class TargetConfig:
     tokenizer: Optional[str] = None  # tokenizer source when it differs from `path` (e.g. tiny)
     random_init: bool = False  # build a random-init model from `model_config` (tests; no weights)
     model_config: dict[str, Any] = field(default_factory=dict)  # LlamaConfig fields for random_init
-    seed: int = 0  # seed of the random init
+    seed: int = rng(0, *SEED)  # seed of the random init
     # auto = bfloat16 where the hardware runs it natively (CPU flags avx512_bf16 / amx_bf16, or a
     # CUDA device with bf16), float32 elsewhere; training always resolves auto to float32
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    threads: int = 0  # torch CPU threads (0 = torch's, capped at the idle cores allowed: idle_cores)
+    # torch CPU threads (0 = torch's, capped at the idle cores allowed: idle_cores)
+    threads: int = rng(0, 0, MAX_THREADS)
     device: str = "cpu"  # "cpu", "cuda", "cuda:1", ...
     revision: Optional[str] = None  # HF revision (branch, tag or commit) for hub ids
     trust_remote_code: bool = False  # allow custom modelling code from the hub

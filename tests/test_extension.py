@@ -129,7 +129,7 @@ def test_a_drafter_in_one_module_and_one_yaml(toy_folder, tiny_target_cfg):
            f"run_dir={run}"]
     done = subprocess.run(cmd, cwd=toy_folder, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    saved, _ = resolve_drafter(run)
+    saved = resolve_drafter(run).folder
     assert json.loads((saved / "drafter.json").read_text())["draft_vocab_size"] == 256  # the YAML's
 
     # 2. registers in this process too: importing the package finds every drafters/ folder

@@ -253,8 +253,10 @@ def test_bench_runs_a_trained_drafter_at_each_dtype_losslessly(tiny_run, tiny_ta
     modes["eagle (drafter float32) tree 6/3/2"](ids)
     assert calls and all(len(c.tokens) <= 6 for c in calls)
     assert d.cfg.tree_total_tokens != 6
-    with pytest.raises(SystemExit, match="TOTAL/DEPTH/TOPK"):
+    with pytest.raises(ValueError, match="TOTAL/DEPTH/TOPK"):
         bench.sized_tree(t, d, "6x3", 10)
+    with pytest.raises(ValueError, match=r"tree_depth=0 is outside \[1, 64\]"):
+        bench.sized_tree(t, d, "6/0/2", 10)
 
 
 @pytest.mark.parametrize("name", ["eagle", "eagle3", "peagle", "medusa", "small_lm"])
@@ -319,7 +321,8 @@ def test_bench_labels_two_runs_of_one_drafter_apart(monkeypatch):
 
     from specdistill.decode import bench
 
-    monkeypatch.setattr(bench, "load_drafter", lambda path, target: _Stub(path))
+    monkeypatch.setattr(bench, "resolve_drafter", lambda path, setting: path)
+    monkeypatch.setattr(bench, "load_resolved", lambda path, target: _Stub(path))
     monkeypatch.setattr(bench, "cast_drafter", lambda d, target, dtype: None)
     target = SimpleNamespace(dtype=torch.bfloat16)
     two = bench.load_drafters(target, ["runs/a/eagle/best", "runs/a/eagle_v4k/best"], ["target"])

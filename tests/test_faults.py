@@ -13,11 +13,13 @@ import pytest
 import torch
 
 from specdistill.decode import evaluate as ev
-from specdistill.drafters.cli import UserError, check_ranges
+from specdistill.drafters.cli import UserError
+from specdistill.drafters.ranges import check_ranges
 from specdistill.train import checkpoint as ckpt
-from specdistill.train.config import TRAIN_RULES
+from specdistill.train.config import TrainConfig
 from specdistill.train.recipe import DistillRecipe
 from specdistill.train.runlock import RunDirLocked, RunLock
+from procs import pythonpath, run_cli
 from test_train import chat_file, make_cfg  # noqa: F401  (fixture + config helper)
 from test_train import run as _train
 
@@ -131,30 +133,27 @@ def test_two_jobs_started_together_one_is_refused(tmp_path):
 
 
 def test_numeric_settings_are_checked_with_key_and_range(tmp_path, chat_file):  # noqa: F811
-    for bad, text in [("trainer.batch_size=-2", "trainer.batch_size=-2 is outside [1, inf]"),
-                      ("trainer.max_steps=0", "trainer.max_steps=0 is outside [1, inf]"),
+    for bad, text in [("trainer.batch_size=-2", "trainer.batch_size=-2 is outside [1, 4096]"),
+                      ("trainer.max_steps=0", "trainer.max_steps=0 is outside [1, 1000000000]"),
                       ("trainer.on_policy_fraction=1.5", "trainer.on_policy_fraction=1.5 is outside [0, 1]"),
-                      ("trainer.lr=0", "trainer.lr=0.0 is outside (0, inf]")]:
+                      ("trainer.lr=0", "trainer.lr=0.0 is outside (0, 1]")]:
         with pytest.raises(UserError, match=text.replace("[", r"\[").replace("(", r"\(")):
-            check_ranges(make_cfg(tmp_path, chat_file, bad), TRAIN_RULES)
-    check_ranges(make_cfg(tmp_path, chat_file), TRAIN_RULES)  # the defaults pass
+            check_ranges(make_cfg(tmp_path, chat_file, bad), TrainConfig)
+    check_ranges(make_cfg(tmp_path, chat_file), TrainConfig)  # the defaults pass
 
 
 def _cli(*args, timeout=300):
-    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
-    env.pop("SPECDISTILL_DEBUG", None)
-    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return run_cli(*args, timeout=timeout)
 
 
 def test_cli_user_errors_are_one_line_and_exit_2(tmp_path):
     res = _cli("train", "target=tiny", "trainer=smoke", "trainer.batch_size=-2",
                f"run_dir={tmp_path / 'run'}")
     assert res.returncode == 2
-    assert "python -m train: error: invalid settings: trainer.batch_size=-2 is outside [1, inf]" in res.stderr
+    assert "python -m train: error: invalid settings: trainer.batch_size=-2 is outside [1, 4096]" in res.stderr
     assert "Traceback" not in res.stderr and "SPECDISTILL_DEBUG=1" in res.stderr
     res = _cli("decode", "target=tiny", "drafter=ngram", "eval.limit=0", f"run_dir={tmp_path / 'd'}")
-    assert res.returncode == 2 and "eval.limit=0 is outside [1, inf]" in res.stderr
+    assert res.returncode == 2 and "eval.limit=0 is outside [1, 1000000000]" in res.stderr
     for cmd in ("train", "decode"):  # an uncreatable run_dir (case 15): one line, before Hydra
         res = _cli(cmd, "target=tiny", "run_dir=/proc/specdistill-run")
         assert res.returncode == 2 and "Traceback" not in res.stderr
@@ -163,7 +162,7 @@ def test_cli_user_errors_are_one_line_and_exit_2(tmp_path):
 
 def test_ctrl_c_says_how_to_resume(tmp_path, chat_file):  # noqa: F811
     run = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": pythonpath(), "HF_HUB_OFFLINE": "1"}
     p = subprocess.Popen([sys.executable, "-m", "train", "target=tiny", "data=jsonl",
                           f"data.path={chat_file}", "data.max_length=128", "trainer=smoke",
                           "trainer.max_steps=100000", "trainer.final_eval=null", "logger=jsonl",

@@ -6,11 +6,11 @@ and what the backend needs to resume (train/backends.py `save_state`: `optimizer
 DeepSpeed's per-rank shards under `deepspeed/`). It is written into a hidden staging folder,
 flushed, marked COMPLETE and renamed into place: a crash (kill -9, a full disk) at any moment
 leaves either the previous checkpoints or the new one, never half of one, and only folders with
-COMPLETE are ever resumed from.
+COMPLETE are ever resumed from. The layout (best/, checkpoints/step-*), the manifest and its check
+live in drafters/resolve.py, where every reader of a drafter folder finds them.
 """
 from __future__ import annotations
 
-import json
 import logging
 import random
 import shutil
@@ -20,54 +20,20 @@ from typing import Any
 import torch
 
 from specdistill.drafters.atomic import commit_folder, staging_dir, write_folder
-from specdistill.drafters.target import file_sha256
 from specdistill.drafters.base import CONFIG_FILE, WEIGHTS_FILE, save_drafter
+from specdistill.drafters.cli import UserError
+# the folder layout and its verification are shared with every reader (decode, export, bench):
+from specdistill.drafters.resolve import (BEST, CHECKPOINTS, COMPLETE, MANIFEST,  # noqa: F401
+                                          DrafterSource, complete_checkpoints, drafter_problems,
+                                          is_complete_drafter, reference_drafter, resolve_drafter,
+                                          verify, write_manifest)
 
-COMPLETE = "COMPLETE"
 STATE = "trainer_state.pt"
-MANIFEST = "MANIFEST.json"  # every file's size and sha256, written before COMPLETE
 log = logging.getLogger(__name__)
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError):
     """No checkpoint of a run verifies; the message lists each damaged one and why."""
-
-
-def _files(folder: Path) -> list[Path]:
-    """Every file under `folder` except the manifest and the COMPLETE marker, sorted."""
-    return sorted(p for p in folder.rglob("*") if p.is_file() and p.name not in (MANIFEST, COMPLETE))
-
-
-def write_manifest(folder: Path) -> None:
-    """Record size and sha256 of every file in `folder` (called on the staging folder)."""
-    entries = {p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "sha256": file_sha256(p)}
-               for p in _files(folder)}
-    (folder / MANIFEST).write_text(json.dumps(entries, indent=1, sort_keys=True) + "\n")
-
-
-def verify(folder: Path, required: tuple[str, ...] = ()) -> list[str]:
-    """What is wrong with a committed folder (checkpoint, best/): [] when every file the manifest
-    vouches for is there with its size and hash, and every `required` file exists. A folder written
-    before manifests existed is checked for `required` files only."""
-    folder = Path(folder)
-    problems = [f"{folder / f}: missing" for f in required if not (folder / f).is_file()]
-    if not (folder / MANIFEST).is_file():
-        return problems
-    try:
-        entries = json.loads((folder / MANIFEST).read_text())
-    except (OSError, ValueError) as e:
-        return problems + [f"{folder / MANIFEST}: unreadable ({e})"]
-    for rel, want in sorted(entries.items()):
-        f = folder / rel
-        if not f.is_file():
-            if f"{f}: missing" not in problems:
-                problems.append(f"{f}: missing")
-        elif f.stat().st_size != want["size"]:
-            problems.append(f"{f}: {f.stat().st_size} bytes, the manifest says {want['size']} "
-                            f"(truncated or overwritten)")
-        elif file_sha256(f) != want["sha256"]:
-            problems.append(f"{f}: content differs from the manifest's sha256 (corrupted)")
-    return problems
 
 
 def rng_state() -> dict[str, Any]:
@@ -129,55 +95,9 @@ def publish_best(ckpt: Path, dest: Path) -> Path:
                                                  for f in (WEIGHTS_FILE, CONFIG_FILE)])
 
 
-def complete_checkpoints(run_dir: Path) -> list[Path]:
-    """Every complete checkpoint, oldest first (half-written staging folders are ignored)."""
-    folder = Path(run_dir) / "checkpoints"
-    if not folder.is_dir():
-        return []
-    found = [p for p in folder.glob("step-*") if (p / COMPLETE).is_file()]  # damage: verify()
-    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
-
-
 def latest_checkpoint(run_dir: Path) -> Path | None:
     ckpts = complete_checkpoints(run_dir)
     return ckpts[-1] if ckpts else None
-
-
-def is_complete_drafter(folder: Path) -> bool:
-    """A committed drafter folder (a checkpoint or best/): COMPLETE marker, both drafter files,
-    and every file its manifest vouches for intact (verify)."""
-    folder = Path(folder)
-    return (folder / COMPLETE).is_file() and not verify(folder, (CONFIG_FILE, WEIGHTS_FILE))
-
-
-def reference_drafter(run_dir: Path) -> Path | None:
-    """The drafter a run's final eval measured: best/, else the latest complete checkpoint."""
-    best = Path(run_dir) / "best"
-    if is_complete_drafter(best):
-        return best
-    return next((c for c in reversed(complete_checkpoints(run_dir)) if is_complete_drafter(c)), None)
-
-
-def resolve_drafter(path) -> tuple[Path, Path | None]:
-    """A run dir, checkpoint, best/ or saved-drafter folder -> (the drafter folder to use, the run
-    dir it lies in or None). A run dir gives its reference drafter (best/, else the latest
-    complete checkpoint); a half-written folder is refused."""
-    p = Path(path).expanduser()
-    if (p / CONFIG_FILE).is_file():
-        inside = p.name == "best" or p.parent.name == "checkpoints"
-        if inside and not is_complete_drafter(p):
-            raise FileNotFoundError(f"{p} is not a complete checkpoint (no {COMPLETE} marker): a "
-                                    f"crash interrupted it; use the run dir or another checkpoint")
-        run_dir = p.parent if p.name == "best" else p.parent.parent if inside else None
-    else:
-        run_dir, p = p, reference_drafter(p)
-        if p is None:
-            raise FileNotFoundError(f"{run_dir} holds no drafter: expected a training run dir "
-                                    f"(best/ or checkpoints/step-*/ with {COMPLETE}) or a folder "
-                                    f"with {CONFIG_FILE}")
-    if run_dir is not None and not (run_dir / "config.yaml").is_file():
-        run_dir = None
-    return p, run_dir
 
 
 REQUIRED = (WEIGHTS_FILE, CONFIG_FILE, STATE)  # every checkpoint has these, whatever the backend

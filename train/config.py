@@ -7,6 +7,9 @@ from typing import Any, Optional
 from omegaconf import MISSING, OmegaConf
 
 from specdistill.data.dataset import DataConfig
+from specdistill.drafters.base import drafter_schema
+from specdistill.drafters.ranges import (MAX_BATCH, MAX_COUNT, MAX_DRAFT, MAX_SECONDS, MAX_TEMPERATURE,
+                                         MAX_TOKENS, SEED, rng, sub)
 from specdistill.drafters.target import TargetConfig
 from specdistill.train.distributed import job_run_id, rank_zero_log
 
@@ -21,53 +24,64 @@ class TrainerConfig:
     """How long and how the drafter trains."""
 
     backend: str = "torch"  # torch (single process or DDP under torchrun) | deepspeed (ZeRO)
-    dist_timeout_s: int = 1800  # a collective waiting longer fails the job (a dead or hung rank)
-    max_steps: int = 1000  # optimizer steps
-    batch_size: int = 4  # conversations per micro-batch per process
-    grad_accum: int = 1  # micro-batches per optimizer step
+    # a collective waiting longer fails the job (a dead or hung rank)
+    dist_timeout_s: int = rng(1800, 1, MAX_SECONDS)
+    max_steps: int = rng(1000, 1, MAX_COUNT)  # optimizer steps
+    batch_size: int = rng(4, 1, MAX_BATCH)  # conversations per micro-batch per process
+    grad_accum: int = rng(1, 1, MAX_BATCH)  # micro-batches per optimizer step
     # sort each run of this many global batches by length before batching (0 = plain shuffle):
     # batches of similar lengths pad less (train/batches.py)
-    group_by_length: int = 0
-    lr: float = 3e-4  # peak learning rate (AdamW)
-    weight_decay: float = 0.0  # AdamW weight decay
-    warmup_steps: int = 50  # linear warm-up, then cosine decay to min_lr_ratio * lr
-    min_lr_ratio: float = 0.1  # floor of the cosine schedule, as a fraction of lr
-    grad_clip: float = 1.0  # max global grad norm (0 = off)
+    group_by_length: int = rng(0, 0, MAX_COUNT)
+    lr: float = rng(3e-4, 0, 1, lo_open=True)  # peak learning rate (AdamW)
+    weight_decay: float = rng(0.0, 0, 1)  # AdamW weight decay
+    # linear warm-up, then cosine decay to min_lr_ratio * lr
+    warmup_steps: int = rng(50, 0, MAX_COUNT)
+    min_lr_ratio: float = rng(0.1, 0, 1)  # floor of the cosine schedule, as a fraction of lr
+    grad_clip: float = rng(1.0, 0, 1e6)  # max global grad norm (0 = off)
     precision: str = "fp32"  # fp32 | bf16 (autocast for the drafter; the target runs in target.dtype)
     loss: str = "forward_kl"  # forward_kl | reverse_kl | jsd | tv | nla | lk_hybrid | hard_ce (train/losses.py)
-    loss_temperature: float = 1.0  # temperature of the target (and draft) distributions in the loss
-    feature_weight: float = 1.0  # weight of the feature regression (EAGLE) next to the divergence
-    eval_k: int = 5  # draft length of the evals (simulated and real decoder)
+    # temperature of the target (and draft) distributions in the loss
+    loss_temperature: float = rng(1.0, 0.1, MAX_TEMPERATURE)
+    # weight of the feature regression (EAGLE) next to the divergence
+    feature_weight: float = rng(1.0, 0, 1000)
+    eval_k: int = rng(5, 1, MAX_DRAFT)  # draft length of the evals (simulated and real decoder)
     features: str = "online"  # online: target forward every step | offline: capture once, reuse every epoch
     # the target's training forwards (offline capture, online, on-policy batches) under torch.autocast: bfloat16 (None = target.dtype)
     capture_autocast: Optional[str] = None
     features_dir: Optional[str] = None  # offline: a `python -m specdistill.data.capture` out folder (None = auto, in the cache)
     # train on the first N conversations of the train split only (None = all): data-scaling studies
     # (tokens vs passes) on ONE capture of the whole split; the draft vocabulary is fitted to them
-    train_conversations: Optional[int] = None
-    on_policy_fraction: float = 0.0  # share of micro-batches replaced by drafter-written text (train/on_policy.py)
-    on_policy_max_new_tokens: int = 64  # tokens the drafter samples per on-policy continuation
-    on_policy_temperature: float = 1.0  # sampling temperature of on-policy continuations (0 = greedy)
-    on_policy_start_step: int = 0  # optimizer steps on fixed data only before on-policy batches start
+    train_conversations: Optional[int] = rng(None, 1, MAX_COUNT)
+    # share of micro-batches replaced by drafter-written text (train/on_policy.py)
+    on_policy_fraction: float = rng(0.0, 0, 1)
+    # tokens the drafter samples per on-policy continuation
+    on_policy_max_new_tokens: int = rng(64, 1, MAX_TOKENS)
+    # sampling temperature of on-policy continuations (0 = greedy)
+    on_policy_temperature: float = rng(1.0, 0, MAX_TEMPERATURE)
+    # optimizer steps on fixed data only before on-policy batches start
+    on_policy_start_step: int = rng(0, 0, MAX_COUNT)
     # on-policy distillation of chain heads (train/on_policy_heads.py): from this fraction of
     # max_steps on, each step drafts on the drafter's own tokens and the target scores the drafts
     # (None = off; 0 = every step). Drafters with forward_own (eagle3)
-    on_policy_heads_start: Optional[float] = None
-    on_policy_heads_depth: int = 2  # draft steps unrolled on the drafter's own tokens (>= 2)
-    on_policy_heads_anchors: float = 0.25  # share of answer positions whose drafts are scored
-    eval_every: int = 200  # steps between held-out evals (0 = only at the end)
-    save_every: int = 200  # steps between checkpoints (0 = only at the end)
-    keep_last: int = 2  # rolling checkpoints kept (the best one is always kept)
-    log_every: int = 10  # steps between log lines
-    eval_conversations: int = 64  # held-out conversations per eval
+    on_policy_heads_start: Optional[float] = rng(None, 0, 1)
+    # draft steps unrolled on the drafter's own tokens (>= 2)
+    on_policy_heads_depth: int = rng(2, 2, 16)
+    # share of answer positions whose drafts are scored
+    on_policy_heads_anchors: float = rng(0.25, 1e-3, 1)
+    eval_every: int = rng(200, 0, MAX_COUNT)  # steps between held-out evals (0 = only at the end)
+    save_every: int = rng(200, 0, MAX_COUNT)  # steps between checkpoints (0 = only at the end)
+    keep_last: int = rng(2, 1, 1000)  # rolling checkpoints kept (the best one is always kept)
+    log_every: int = rng(10, 1, MAX_COUNT)  # steps between log lines
+    eval_conversations: int = rng(64, 1, MAX_COUNT)  # held-out conversations per eval
     final_eval: Optional[str] = "mtbench"  # real-decoder eval at the end (None = skip)
-    final_eval_limit: int = 20  # prompts of the final eval
-    final_eval_max_new_tokens: int = 128  # generation budget of the final eval
+    final_eval_limit: int = rng(20, 1, MAX_COUNT)  # prompts of the final eval
+    final_eval_max_new_tokens: int = rng(128, 1, MAX_TOKENS)  # generation budget of the final eval
     # after the final eval: export the best drafter in a layout this serving engine reads, load it
     # there (decode/engine/) and compare its acceptance with ours on the same prompts (vllm;
     # None = off). An engine that cannot be installed here is skipped with the reason logged
     engine_check: Optional[str] = None
-    engine_check_limit: Optional[int] = None  # prompts of the engine check (None = final_eval_limit)
+    # prompts of the engine check (None = final_eval_limit)
+    engine_check_limit: Optional[int] = rng(None, 1, MAX_COUNT)
 
 
 @dataclass
@@ -76,13 +90,17 @@ class DeepSpeedConfig:
     backend). Batch size, gradient accumulation, clipping and bf16 come from `trainer` and the
     optimizer is the recipe's AdamW, so both backends train the same job."""
 
-    zero_stage: int = 2  # 2 = shard gradients + optimizer state | 3 = also the drafter's parameters
+    # 2 = shard gradients + optimizer state | 3 = also the drafter's parameters
+    zero_stage: int = rng(2, 2, 3)
     overlap_comm: bool = False  # overlap gradient reduction with the backward pass (GPU)
     contiguous_gradients: bool = True  # copy gradients into one buffer as they are produced
-    reduce_bucket_size: int = 50_000_000  # elements per gradient reduce bucket
-    allgather_bucket_size: int = 50_000_000  # ZeRO-2: elements per parameter all-gather bucket
-    stage3_prefetch_bucket_size: int = 5_000_000  # ZeRO-3: elements prefetched ahead of use
-    stage3_param_persistence_threshold: int = 10_000  # ZeRO-3: smaller params stay unpartitioned
+    reduce_bucket_size: int = rng(50_000_000, 1, 10**12)  # elements per gradient reduce bucket
+    # ZeRO-2: elements per parameter all-gather bucket
+    allgather_bucket_size: int = rng(50_000_000, 1, 10**12)
+    # ZeRO-3: elements prefetched ahead of use
+    stage3_prefetch_bucket_size: int = rng(5_000_000, 0, 10**12)
+    # ZeRO-3: smaller params stay unpartitioned
+    stage3_param_persistence_threshold: int = rng(10_000, 0, 10**12)
     extra: dict[str, Any] = field(default_factory=dict)  # merged into the DeepSpeed JSON config last
 
 
@@ -108,7 +126,8 @@ class TrainConfig:
 
     target: TargetConfig = MISSING
     data: DataConfig = MISSING
-    drafter: Any = MISSING  # the drafter's own schema (conf/drafter/<name>.yaml)
+    # the drafter's own schema (conf/drafter/<name>.yaml)
+    drafter: Any = sub(MISSING, drafter_schema)
     trainer: TrainerConfig = MISSING
     logger: LoggerConfig = MISSING
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)  # trainer.backend=deepspeed only
@@ -116,29 +135,8 @@ class TrainConfig:
     # (RUN_ID, torchrun --rdzv-id, SLURM_JOB_ID), else its start time (train/distributed.py: run_id)
     run_dir: str = "runs/train/${run_id:}"
     resume: bool = False  # continue from the latest complete checkpoint in run_dir
-    seed: int = 0  # seeds torch, the data order and sampling
+    seed: int = rng(0, *SEED)  # seeds torch, the data order and sampling
 
-
-# Allowed ranges of numeric settings, checked before any work (drafters/cli.py check_ranges):
-# (lo, hi) inclusive, None = open end, "open" = lo excluded.
-TRAIN_RULES = {
-    "trainer.max_steps": (1, None), "trainer.batch_size": (1, None), "trainer.grad_accum": (1, None),
-    "trainer.group_by_length": (0, None), "trainer.on_policy_heads_start": (0, 1),
-    "trainer.on_policy_heads_depth": (2, 16), "trainer.on_policy_heads_anchors": (1e-3, 1),
-    "trainer.lr": (0, None, "open"), "trainer.weight_decay": (0, None),
-    "trainer.warmup_steps": (0, None), "trainer.min_lr_ratio": (0, 1), "trainer.grad_clip": (0, None),
-    "trainer.loss_temperature": (0, None, "open"), "trainer.feature_weight": (0, None),
-    "trainer.eval_k": (1, None), "trainer.on_policy_fraction": (0, 1),
-    "trainer.on_policy_max_new_tokens": (1, None), "trainer.on_policy_temperature": (0, None),
-    "trainer.on_policy_start_step": (0, None), "trainer.eval_every": (0, None),
-    "trainer.save_every": (0, None), "trainer.keep_last": (1, None), "trainer.log_every": (1, None),
-    "trainer.eval_conversations": (1, None), "trainer.final_eval_limit": (1, None),
-    "trainer.train_conversations": (1, None),
-    "trainer.final_eval_max_new_tokens": (1, None), "trainer.dist_timeout_s": (1, None),
-    "trainer.engine_check_limit": (1, None),
-    "data.max_length": (2, None), "data.eval_fraction": (0, 1), "data.max_conversations": (1, None),
-    "data.num_proc": (1, None),
-}
 
 # Settings that may change when a run resumes (everything else must match the checkpoint's run):
 # how long it runs (a new max_steps stretches the cosine schedule to the new end from the current

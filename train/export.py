@@ -6,8 +6,11 @@
     python -m train.export run=<run> format=hf out=exports/eagle parity=true parity_limit=10
 
 `run` is a training run dir (its best/ drafter, else the latest complete checkpoint: the one the
-final eval measured; train/checkpoint.py resolve_drafter) or a checkpoint / drafter folder. The
-formats are the layouts the drafter's module registered (drafters/base.py ExportLayout).
+final eval measured) or a checkpoint / drafter folder, verified against its MANIFEST.json first
+(drafters/resolve.py). A run dir whose best/ is damaged exports the newest checkpoint that
+verifies, with a warning, and the model card says which checkpoint it is and that the card's
+numbers were not measured with it (parity is then refused). The formats are the layouts the
+drafter's module registered (drafters/base.py ExportLayout).
 
 Parity: before the export is committed, its folder is loaded back by our decoder (load_export) and
 decodes the run's final-eval prompts with the final eval's settings (eval set, k, budget, greedy).
@@ -26,12 +29,12 @@ from typing import Any, Callable, Optional
 
 from omegaconf import MISSING, OmegaConf
 
-from specdistill.drafters.base import load_drafter
 from specdistill.drafters.card import CardFacts
 from specdistill.drafters.export import ExportError, export_drafter, layout_for, full_config, load_export
 from specdistill.drafters.hub import PushError, push_to_hub
+from specdistill.drafters.ranges import MAX_COUNT, MAX_DRAFT, check_ranges, rng
 from specdistill.drafters.target import TargetConfig, load_target
-from specdistill.train.checkpoint import reference_drafter, resolve_drafter
+from specdistill.drafters.resolve import load_resolved, reference_drafter, resolve_drafter
 
 HF_IDS = {"packaged:smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}  # packaged target -> Hub id
 
@@ -47,15 +50,18 @@ class ExportConfig:
     dtype: str = "float32"  # float32 | bfloat16 | float16 (float32 keeps greedy parity exact)
     base_model: Optional[str] = None  # card/Hub base_model (None = the target's Hub id, if it has one)
     license: str = "apache-2.0"  # card license
-    k: Optional[int] = None  # speculative tokens in configs and usage lines (None = the run's eval_k)
+    # speculative tokens in configs and usage lines (None = the run's eval_k)
+    k: Optional[int] = rng(None, 1, MAX_DRAFT)
     push_to_hub: Optional[str] = None  # org/name: upload after exporting (token: HF_TOKEN)
     private: bool = True  # create the Hub repo private
     parity: bool = False  # decode MT-bench with the reloaded export before committing it
-    parity_limit: Optional[int] = None  # parity prompts (None = all of the run's final eval)
+    # parity prompts (None = all of the run's final eval)
+    parity_limit: Optional[int] = rng(None, 1, MAX_COUNT)
     # load the export in this serving engine before committing it (decode/engine/: vllm) and
     # refuse it unless the engine's acceptance equals our decoder's on the same text
     engine_check: Optional[str] = None
-    engine_check_limit: Optional[int] = None  # prompts (None = the run's final eval's, else 20)
+    # prompts (None = the run's final eval's, else 20)
+    engine_check_limit: Optional[int] = rng(None, 1, MAX_COUNT)
     target: Optional[TargetConfig] = None  # the target (None = the run's config.yaml target)
 
 
@@ -64,6 +70,7 @@ class RunInfo:
     """What the export job knows about the training run it exports from."""
 
     drafter_dir: Path  # the saved drafter exported (drafter.json + drafter.safetensors)
+    source: Any = None  # how `run` resolved (drafters/resolve.py DrafterSource)
     run_dir: Optional[Path] = None  # the training run dir, when the drafter lies in one
     config: Optional[dict] = None  # the run's config.yaml
     final_rows: Optional[list] = None  # final_eval/result.json per-prompt rows
@@ -101,14 +108,18 @@ def last_simulated_eval(metrics: Path) -> Optional[dict[str, Any]]:
 def read_run(path) -> RunInfo:
     """A run dir or drafter folder -> the drafter to export and its run's config and results."""
     try:
-        drafter_dir, run_dir = resolve_drafter(path)
+        source = resolve_drafter(path, setting="run")
     except FileNotFoundError as e:
         raise ExportError(str(e)) from None
-    info = RunInfo(drafter_dir=drafter_dir, run_dir=run_dir)
+    if source.is_export:
+        raise ExportError(f"run={path} is already an export: export from the training run dir or "
+                          f"a checkpoint folder")
+    drafter_dir, run_dir = source.folder, source.run_dir
+    info = RunInfo(drafter_dir=drafter_dir, source=source, run_dir=run_dir)
     if run_dir is None:
         return info
-    info.config = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=False)
-    info.facts = CardFacts(training_config=info.config,
+    info.config = source.run_config
+    info.facts = CardFacts(training_config=info.config, fallback=source.fallback,
                            simulated=last_simulated_eval(run_dir / "metrics.jsonl"))
     if (run_dir / "final_eval" / "result.json").is_file():
         result = json.loads((run_dir / "final_eval" / "result.json").read_text())
@@ -217,13 +228,14 @@ def target_config(cfg, info: RunInfo):
 def run_export(cfg, check: Callable | None = None) -> dict:
     """The export job: resolve the run, load target and drafter, export (+ parity), optionally push.
     check(folder, target, info) -> parity dict; None = measure_parity when cfg.parity."""
+    check_ranges(cfg, ExportConfig)  # before any work
     info = read_run(cfg.run)
     dcfg = json.loads((info.drafter_dir / "drafter.json").read_text())
     layout_for(cfg.format, full_config(dcfg))  # refuse an unsupported format before loading anything
     run_cfg = info.config or {}
     tcfg = target_config(cfg, info)
     target = load_target(tcfg, training=True)  # auto = float32: exports copy target weights exactly
-    drafter = load_drafter(info.drafter_dir, target).eval()
+    drafter = load_resolved(info.source, target).eval()
     if check is None and (cfg.parity or cfg.get("engine_check")):
         def check(folder, target, info):  # parity, then the engine: one card section each
             parts = [measure_parity(folder, target, info, cfg.parity_limit)] if cfg.parity else []
@@ -245,13 +257,19 @@ def run_export(cfg, check: Callable | None = None) -> dict:
     return result
 
 
+def store_schema() -> None:
+    """Put ExportConfig in Hydra's ConfigStore (conf/export.yaml starts from it)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="export_schema", node=ExportConfig)
+
+
 def main() -> None:
     import hydra
-    from hydra.core.config_store import ConfigStore
 
     from specdistill.drafters.cli import CONF_DIR
 
-    ConfigStore.instance().store(name="export_schema", node=ExportConfig)
+    store_schema()
 
     @hydra.main(config_path=CONF_DIR, config_name="export", version_base="1.3")
     def _run(cfg) -> None:

@@ -31,10 +31,11 @@ from specdistill.data.selfgen import build_selfgen
 from specdistill.decode.simulate import simulate_acceptance
 from specdistill.drafters.base import TrainBatch, build_drafter, fit_draft_vocab
 from specdistill.drafters.target import cache_root, load_target
-from specdistill.drafters.cli import check_ranges
+from specdistill.drafters.cli import UserError
+from specdistill.drafters.ranges import check_ranges
 from specdistill.train import checkpoint as ckpt
 from specdistill.train.backends import build_backend
-from specdistill.train.config import TRAIN_RULES
+from specdistill.train.config import TrainConfig
 from specdistill.train.distributed import peer_failure_message
 from specdistill.train.final_eval import final_eval
 from specdistill.train.resume import check_resume_config
@@ -369,7 +370,7 @@ class DistillRecipe:
 
 
 def run(cfg: DictConfig) -> None:
-    check_ranges(cfg, TRAIN_RULES)
+    check_ranges(cfg, TrainConfig)  # before any work
     recipe = DistillRecipe(cfg)
     try:
         recipe.setup()

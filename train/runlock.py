@@ -21,7 +21,7 @@ LOCK = "run.lock"
 
 
 class RunDirLocked(UserError):
-    """Another live job holds the run dir (a user error: one line, exit 2 on the command line)."""
+    """Another live job holds the run dir (a user error: one line, exit 2)."""
 
 
 def _alive(pid: int) -> bool:

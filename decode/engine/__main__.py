@@ -11,6 +11,7 @@ from omegaconf import MISSING, DictConfig
 
 from specdistill.drafters.cli import CONF_DIR
 from specdistill.decode.config import EvalConfig
+from specdistill.drafters.ranges import MAX_DRAFT, MAX_SECONDS, MAX_THREADS, MAX_TOKENS, rng
 from specdistill.drafters.target import TargetConfig
 
 
@@ -22,37 +23,50 @@ class EngineCheckConfig:
     engine: str = "vllm"  # the serving engine: vllm
     target: TargetConfig = MISSING  # the export's target (conf/target/*.yaml)
     eval: EvalConfig = MISSING  # the prompts (first turns)
-    max_new_tokens: int = 128  # generation budget per prompt
-    k: Optional[int] = None  # draft tokens per round (None = the export's speculative_tokens)
+    max_new_tokens: int = rng(128, 1, MAX_TOKENS)  # generation budget per prompt
+    # draft tokens per round (None = the export's speculative_tokens)
+    k: Optional[int] = rng(None, 1, MAX_DRAFT)
     # also decode with our own decoder (its tau and outputs beside the engine's; a replay of our
     # decoder on the engine's text is always measured)
     ours: bool = True
-    threads: Optional[int] = None  # engine compute threads (None = every core this process may use)
-    timeout_s: int = 1800  # an engine step (install, load, one prompt) taking longer fails the check
+    # engine compute threads (None = every core this process may use)
+    threads: Optional[int] = rng(None, 1, MAX_THREADS)
+    # an engine step (install, load, one prompt) taking longer fails the check
+    timeout_s: int = rng(1800, 1, MAX_SECONDS)
     out: str = "runs/engine/${now:%Y-%m-%d_%H-%M-%S}"  # engine_check.json + .md, the engines' logs
 
 
 ConfigStore.instance().store(name="engine_schema", node=EngineCheckConfig)
 
-ENGINE_RULES = {"max_new_tokens": (1, None), "k": (1, None), "eval.limit": (1, None),
-                "threads": (1, None), "timeout_s": (1, None)}
+
+def run(cfg: DictConfig) -> None:
+    """The check, after the settings' ranges and the export folder (verified against its
+    manifest: drafters/resolve.py) pass, before anything loads."""
+    from specdistill.drafters.cli import UserError
+    from specdistill.drafters.ranges import check_ranges
+    from specdistill.drafters.resolve import resolve_drafter
+
+    check_ranges(cfg, EngineCheckConfig)
+    if not resolve_drafter(cfg.export, setting="export").is_export:
+        raise UserError(f"export={cfg.export} is a trained drafter, not an export: export it "
+                        f"first (python -m train.export run={cfg.export} format=vllm out=...)")
+    from specdistill.decode.engine.check import run as check
+
+    check(cfg)
 
 
 @hydra.main(config_path=CONF_DIR, config_name="engine", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    from specdistill.drafters.cli import check_ranges, user_errors
+    from specdistill.drafters.cli import user_errors
 
     with user_errors("python -m decode.engine"):
-        check_ranges(cfg, ENGINE_RULES)
         from pathlib import Path
 
-        from specdistill.decode.engine.check import run
         from specdistill.drafters.outdir import refuse_nonempty
 
         # Hydra writes nothing into `out` here (no .hydra/, logs to stdout): checked before the run
         refuse_nonempty(Path(cfg.out), "out", "engine_check.json, engine_check.md, the served "
                         "target and the engines' logs")
-
         run(cfg)
 
 

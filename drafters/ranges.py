@@ -89,7 +89,7 @@ def sub(default: Any, schema_of: Callable[[Any], Optional[type]]) -> Any:
 # ---------------------------------------------------------------------------------------------
 # Walking a schema
 # ---------------------------------------------------------------------------------------------
-def _strip_optional(tp: Any) -> Any:
+def strip_optional(tp: Any) -> Any:
     args = typing.get_args(tp)
     if typing.get_origin(tp) is typing.Union and type(None) in args:
         rest = [a for a in args if a is not type(None)]
@@ -99,7 +99,7 @@ def _strip_optional(tp: Any) -> Any:
 
 def field_kind(tp: Any) -> str:
     """"number" (int / float), "numbers" (a list of them), "schema" (a dataclass) or "other"."""
-    tp = _strip_optional(tp)
+    tp = strip_optional(tp)
     if tp in (int, float):
         return "number"
     if typing.get_origin(tp) is list and typing.get_args(tp) and typing.get_args(tp)[0] in (int, float):
@@ -119,7 +119,7 @@ def schema_fields(schema: type, prefix: str = "") -> Iterator[tuple[str, datacla
         key = f"{prefix}{f.name}"
         yield key, f, kind, tp
         if kind == "schema":
-            yield from schema_fields(_strip_optional(tp), key + ".")
+            yield from schema_fields(strip_optional(tp), key + ".")
 
 
 def _get(node: Any, name: str) -> Any:
@@ -149,7 +149,7 @@ def range_problems(cfg: Any, schema: type, prefix: str = "") -> list[str]:
             if sub_schema is not None:
                 bad += range_problems(value, sub_schema, key + ".")
         elif kind == "schema":
-            bad += range_problems(value, _strip_optional(hints[f.name]), key + ".")
+            bad += range_problems(value, strip_optional(hints[f.name]), key + ".")
         elif "range" in f.metadata and kind in ("number", "numbers"):
             items = [(key, value)] if kind == "number" else \
                 [(f"{key}[{i}]", v) for i, v in enumerate(value)]

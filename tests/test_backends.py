@@ -14,6 +14,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import specdistill.train.__main__  # noqa: F401  (stores the schemas, registers the resolvers)
+from specdistill.drafters.cli import UserError
 from specdistill.train import backends, distributed
 from specdistill.train.batches import BatchIterator
 from specdistill.train.deepspeed_backend import deepspeed_config
@@ -187,7 +188,7 @@ def test_a_full_disk_is_refused_before_training(tmp_path, monkeypatch):
     free = {"bytes": 10 * 2**20}  # 10 MiB: not even the logs fit
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(*real(p)[:2], free["bytes"]))
     r = DistillRecipe(_cfg(tmp_path))
-    with pytest.raises(OSError, match="only 10 MiB free.*need about 64 MiB"):
+    with pytest.raises(UserError, match="only 10 MiB free.*need about 64 MiB"):
         r.setup()
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
     # room for the logs but not for this drafter's checkpoints: refused once its size is known

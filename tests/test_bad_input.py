@@ -140,7 +140,7 @@ def test_an_unwritable_out_is_refused_before_hydra_and_the_probe_leaves_nothing(
 # -- full disk, busy run dir ----------------------------------------------------------------------
 def test_a_full_disk_is_one_line_and_other_os_errors_are_not_hidden(tmp_path, chat_file, capsys,  # noqa: F811
                                                                      monkeypatch):
-    from specdistill.train import recipe
+    from specdistill.train import recipe, rundir
 
     def full():
         raise OSError(errno.ENOSPC, "No space left on device", "/runs/x/checkpoints/step-2")
@@ -150,7 +150,7 @@ def test_a_full_disk_is_one_line_and_other_os_errors_are_not_hidden(tmp_path, ch
     with pytest.raises(ConnectionRefusedError):  # a bug or an outage, not the user's: traceback
         with user_errors("cmd"):
             raise ConnectionRefusedError(errno.ECONNREFUSED, "refused")
-    monkeypatch.setattr(recipe.shutil, "disk_usage", lambda p: SimpleNamespace(free=2**20))
+    monkeypatch.setattr(rundir.shutil, "disk_usage", lambda p: SimpleNamespace(free=2**20))
     r = recipe.DistillRecipe(make_cfg(tmp_path, chat_file, "trainer.max_steps=2"))
     try:
         err = _one_line(capsys, r.setup)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import yaml
 
+from specdistill.drafters.cli import UserError
 from specdistill.drafters.outdir import listing, override, present
 from specdistill.train import checkpoint as ckpt
 from specdistill.train.runlock import RunLock
@@ -149,7 +150,7 @@ def check_disk_space(run_dir: Path, need: int, keep_last: int) -> None:
     need = max(need, MIN_FREE_BYTES)
     free = shutil.disk_usage(run_dir).free
     if free < need:
-        raise OSError(f"only {free / 2**20:.0f} MiB free under {run_dir}; this run's checkpoints "
+        raise UserError(f"only {free / 2**20:.0f} MiB free under {run_dir}; this run's checkpoints "
                       f"(keep_last={keep_last} + best + one being written) need about "
                       f"{need / 2**20:.0f} MiB. Free space or set run_dir= to another disk.")
 

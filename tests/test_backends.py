@@ -194,7 +194,7 @@ def test_a_full_disk_is_refused_before_training(tmp_path, monkeypatch):
     # room for the logs but not for this drafter's checkpoints: refused once its size is known
     free["bytes"] = 65 * 2**20
     r = DistillRecipe(_cfg(tmp_path, "trainer.keep_last=100"))
-    with pytest.raises(OSError, match=r"keep_last=100 \+ best.*need about \d+ MiB"):
+    with pytest.raises(UserError, match=r"keep_last=100 \+ best.*need about \d+ MiB"):
         r.setup()
     assert not hasattr(r, "batches")  # before the data iterator, let alone a training step
 

@@ -91,8 +91,8 @@ def test_a_given_vllm_python_that_does_not_exist_is_a_one_line_reason(monkeypatc
 @pytest.fixture
 def fake_env(monkeypatch, tmp_path):
     real = ve.worker_env
-    monkeypatch.setattr(ve, "worker_env", lambda threads: {
-        **real(threads), "PYTHONPATH": str(FAKE), "FAKE_VLLM_LOGS": str(tmp_path / "logs")})
+    monkeypatch.setattr(ve, "worker_env", lambda threads, timeout=1800: {
+        **real(threads, timeout), "PYTHONPATH": str(FAKE), "FAKE_VLLM_LOGS": str(tmp_path / "logs")})
 
 
 def test_plain_and_speculative_engines_take_the_prompts_in_turn(fake_env, tmp_path):
@@ -116,6 +116,17 @@ def test_an_export_the_engine_refuses_is_a_result_with_its_own_words(fake_env, t
     run = ve.run_vllm(Path(sys.executable), tmp_path, export, 2, [[1, 2]], [4], [0], "float32",
                       64, tmp_path / "logs", plain=False)
     assert not run["loaded"] and "fake refusal: unknown weight midlayer.foo" in run["error"]
+
+
+def test_an_engine_that_dies_while_decoding_is_a_result_with_its_own_words(fake_env, tmp_path):
+    export = _export_config(tmp_path, "eagle3", "vllm")
+    (export / "DIE").write_text("TimeoutError: RPC call to execute_model timed out.")
+    run = ve.run_vllm(Path(sys.executable), tmp_path, export, 2, [[1, 2]], [4], [0], "float32",
+                      64, tmp_path / "logs")
+    assert run["loaded"] and run["failed_engine"] == "spec"
+    assert "RPC call to execute_model timed out" in run["error"]
+    # an engine step may take as long as the check allows (vLLM's own default: 300 s)
+    assert ve.worker_env(None, 900)["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] == "900"
 
 
 # -- the real engine ---------------------------------------------------------------------------------

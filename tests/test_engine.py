@@ -154,39 +154,15 @@ PROMPTS, TOKENS, K = 3, 48, 3
 
 
 def overfit(target, cfg: dict, steps: int = 60):
-    """A drafter trained on the target's own greedy answers to the check's prompts: it gets most
-    drafts right, so a layout the engine reads differently shows as lost acceptance."""
-    from specdistill.data.capture import target_logits
+    """A drafter trained on the target's own greedy answers to the check's prompts (the engine
+    matrix's overfit): it gets most drafts right, so a layout the engine reads differently shows
+    as lost acceptance."""
     from specdistill.data.prompts import load_prompts
     from specdistill.decode.evaluate import render
-    from specdistill.decode.spec import generate
-    from specdistill.drafters.base import TrainBatch, build_drafter, fit_draft_vocab
-    from specdistill.train.losses import distill_loss
+    from specdistill.train.benchmarks.engine_matrix import greedy_answers, overfit as fit
 
-    torch.manual_seed(0)
-    d = build_drafter(cfg, target)
     prompts = [render(target, p.turns[:1], []) for p in load_prompts("mtbench", limit=PROMPTS)]
-    seqs = [torch.cat([x, generate(target, None, x, max_new_tokens=TOKENS).tokens])[None]
-            for x in prompts]
-    if cfg.get("draft_vocab_size"):
-        counts = torch.bincount(torch.cat([s[0] for s in seqs]), minlength=target.vocab_size)
-        fit_draft_vocab(d, counts.float(), always_include=target.eos_token_ids)
-    batches = []
-    for s in seqs:
-        out = target.forward(s, layers=(*d.feature_layers, -1), logits=False)
-        H = target.hidden_size
-        feats, final = out.features[..., :-H], out.features[..., -H:]
-        ones = torch.ones_like(s)
-        batches.append(TrainBatch(s, ones, ones, target_logits(target, final, d.d2t).clone(),
-                                  feats.clone() if d.feature_layers != (-1,) else final.clone()))
-    opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=3e-3)
-    for step in range(steps):
-        b = batches[step % len(batches)]
-        loss, _ = distill_loss(d.forward_train(b), b)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return d.eval()
+    return fit(target, cfg, greedy_answers(target, prompts, TOKENS), steps)
 
 
 def export(d, cfg, target, fmt, folder):

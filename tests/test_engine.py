@@ -91,8 +91,8 @@ def test_a_given_vllm_python_that_does_not_exist_is_a_one_line_reason(monkeypatc
 @pytest.fixture
 def fake_env(monkeypatch, tmp_path):
     real = ve.worker_env
-    monkeypatch.setattr(ve, "worker_env", lambda threads: {
-        **real(threads), "PYTHONPATH": str(FAKE), "FAKE_VLLM_LOGS": str(tmp_path / "logs")})
+    monkeypatch.setattr(ve, "worker_env", lambda threads, timeout=1800: {
+        **real(threads, timeout), "PYTHONPATH": str(FAKE), "FAKE_VLLM_LOGS": str(tmp_path / "logs")})
 
 
 def test_plain_and_speculative_engines_take_the_prompts_in_turn(fake_env, tmp_path):
@@ -116,6 +116,17 @@ def test_an_export_the_engine_refuses_is_a_result_with_its_own_words(fake_env, t
     run = ve.run_vllm(Path(sys.executable), tmp_path, export, 2, [[1, 2]], [4], [0], "float32",
                       64, tmp_path / "logs", plain=False)
     assert not run["loaded"] and "fake refusal: unknown weight midlayer.foo" in run["error"]
+
+
+def test_an_engine_that_dies_while_decoding_is_a_result_with_its_own_words(fake_env, tmp_path):
+    export = _export_config(tmp_path, "eagle3", "vllm")
+    (export / "DIE").write_text("TimeoutError: RPC call to execute_model timed out.")
+    run = ve.run_vllm(Path(sys.executable), tmp_path, export, 2, [[1, 2]], [4], [0], "float32",
+                      64, tmp_path / "logs")
+    assert run["loaded"] and run["failed_engine"] == "spec"
+    assert "RPC call to execute_model timed out" in run["error"]
+    # an engine step may take as long as the check allows (vLLM's own default: 300 s)
+    assert ve.worker_env(None, 900)["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] == "900"
 
 
 # -- the real engine ---------------------------------------------------------------------------------
@@ -143,39 +154,15 @@ PROMPTS, TOKENS, K = 3, 48, 3
 
 
 def overfit(target, cfg: dict, steps: int = 60):
-    """A drafter trained on the target's own greedy answers to the check's prompts: it gets most
-    drafts right, so a layout the engine reads differently shows as lost acceptance."""
-    from specdistill.data.capture import target_logits
+    """A drafter trained on the target's own greedy answers to the check's prompts (the engine
+    matrix's overfit): it gets most drafts right, so a layout the engine reads differently shows
+    as lost acceptance."""
     from specdistill.data.prompts import load_prompts
     from specdistill.decode.evaluate import render
-    from specdistill.decode.spec import generate
-    from specdistill.drafters.base import TrainBatch, build_drafter, fit_draft_vocab
-    from specdistill.train.losses import distill_loss
+    from specdistill.train.benchmarks.engine_matrix import greedy_answers, overfit as fit
 
-    torch.manual_seed(0)
-    d = build_drafter(cfg, target)
     prompts = [render(target, p.turns[:1], []) for p in load_prompts("mtbench", limit=PROMPTS)]
-    seqs = [torch.cat([x, generate(target, None, x, max_new_tokens=TOKENS).tokens])[None]
-            for x in prompts]
-    if cfg.get("draft_vocab_size"):
-        counts = torch.bincount(torch.cat([s[0] for s in seqs]), minlength=target.vocab_size)
-        fit_draft_vocab(d, counts.float(), always_include=target.eos_token_ids)
-    batches = []
-    for s in seqs:
-        out = target.forward(s, layers=(*d.feature_layers, -1), logits=False)
-        H = target.hidden_size
-        feats, final = out.features[..., :-H], out.features[..., -H:]
-        ones = torch.ones_like(s)
-        batches.append(TrainBatch(s, ones, ones, target_logits(target, final, d.d2t).clone(),
-                                  feats.clone() if d.feature_layers != (-1,) else final.clone()))
-    opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=3e-3)
-    for step in range(steps):
-        b = batches[step % len(batches)]
-        loss, _ = distill_loss(d.forward_train(b), b)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return d.eval()
+    return fit(target, cfg, greedy_answers(target, prompts, TOKENS), steps)
 
 
 def export(d, cfg, target, fmt, folder):

@@ -116,8 +116,10 @@ def engine_check(export_dir: Path, target, drafter=None, *, engine: str = "vllm"
         return _write(summary, [], out_dir)
     summary.update(loaded=run["loaded"], error=run["error"], engine_version=run["version"],
                    speculative_config=run["speculative_config"], load_s=run["load_s"])
-    if not run["loaded"]:
-        summary.update(error_detail=run.get("error_detail"), verdict="refused by the engine")
+    if not run["loaded"] or run["error"]:  # refused, or loaded and then failed while decoding
+        summary.update(error_detail=run.get("error_detail"), failed_engine=run.get("failed_engine"),
+                       verdict="refused by the engine" if not run["loaded"]
+                       else "failed while decoding")
         return _write(summary, [], out_dir)
     mine = {r["id"]: r for r in (ours or []) if r.get("turn", 1) == 1}  # first turns, by prompt
     plains = run["plain"] or [None] * len(prompts)
@@ -240,6 +242,8 @@ def check_markdown(s: dict) -> str:
             f"x {s['max_new_tokens']} tokens)")
     if not s.get("loaded"):
         return f"{head}\n\nnot loaded: {s.get('error')}"
+    if s.get("verdict") == "failed while decoding":
+        return f"{head}\n\nloaded, then the {s.get('failed_engine')} engine failed: {s.get('error')}"
     rows = [("verdict", s["verdict"] + ("" if not s["problems"] else ": " + "; ".join(s["problems"]))),
             ("engine speculative == engine plain", "not measured" if s["spec_equals_plain"] is None
              else f"{s['spec_equals_plain']}/{s['prompts']} ({s['spec_differs_at_near_tie']} more "

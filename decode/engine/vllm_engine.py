@@ -119,13 +119,15 @@ class Worker:
         self.log.close()
 
 
-def worker_env(threads: int | None) -> dict[str, str]:
-    """The environment of a vLLM process: offline, no usage stats, a small KV cache, and the
-    compute threads bound to the cores this process may use."""
+def worker_env(threads: int | None, timeout: float = 1800) -> dict[str, str]:
+    """The environment of a vLLM process: offline, no usage stats, a small KV cache, the compute
+    threads bound to the cores this process may use, and one engine step allowed the check's own
+    timeout (vLLM's default of 300 s kills the engine on a machine loaded many times over)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHONPATH", "VIRTUAL_ENV"))}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
                DO_NOT_TRACK="1", VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GB),
-               TOKENIZERS_PARALLELISM="false")
+               TOKENIZERS_PARALLELISM="false",
+               VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS=str(int(timeout)))
     cores = sorted(os.sched_getaffinity(0))
     if threads:
         cores = cores[:threads]
@@ -140,9 +142,10 @@ def run_vllm(python: Path, target_dir: Path, export_dir: Path, k: int, prompts: 
              timeout: float = 1800) -> dict[str, Any]:
     """Decode `prompts` (token ids) greedily in vLLM with the export, and plainly (plain=True),
     interleaved prompt by prompt. Returns {"loaded", "error", "version", "load_s", "plain",
-    "spec"}; a failed load is a result ("loaded": False with vLLM's own error), not an exception."""
+    "spec"}; a failed load is a result ("loaded": False with vLLM's own error), not an exception,
+    and so is an engine that loads and then fails while decoding ("loaded": True, "error")."""
     spec_cfg = speculative_config(export_dir, k)
-    env = worker_env(threads)
+    env = worker_env(threads, timeout)
     base = {"model": str(target_dir), "dtype": dtype, "max_model_len": max_model_len, "seed": 0}
     settings = {"plain": {**base, "speculative_config": None},
                 "spec": {**base, "speculative_config": spec_cfg}}
@@ -161,15 +164,26 @@ def run_vllm(python: Path, target_dir: Path, export_dir: Path, k: int, prompts: 
                 return out
             out["version"], out["load_s"][name] = r["vllm"], r["load_s"]
         out["loaded"] = True
-        # a first short request per process: one-time costs stay out of the measured prompts
+        _decode(workers, prompts, max_new_tokens, stop_ids, timeout, out)
+        return out
+    finally:
         for w in workers.values():
+            w.close()
+
+
+def _decode(workers: dict[str, Worker], prompts: list[list[int]], max_new_tokens: list[int],
+            stop_ids: list[int], timeout: float, out: dict[str, Any]) -> None:
+    """Every prompt through every loaded engine, in turn, into out[name]; an engine that fails
+    while decoding leaves its words and log tail in out (error, error_detail, failed_engine)."""
+    name = None
+    try:
+        # a first short request per process: one-time costs stay out of the measured prompts
+        for name, w in workers.items():
             w.generate(prompts[0][:16], 4, stop_ids, timeout)
         t0 = time.perf_counter()
         for ids, n in zip(prompts, max_new_tokens):
             for name, w in workers.items():  # plain, then speculative: A B A B ...
                 out[name].append(w.generate(ids, n, stop_ids, timeout))
         out["wall_s"] = time.perf_counter() - t0
-        return out
-    finally:
-        for w in workers.values():
-            w.close()
+    except EngineUnavailable as e:
+        out.update(error=str(e), error_detail=workers[name].log_tail(), failed_engine=name)

@@ -1,7 +1,8 @@
 """A stand-in for vLLM's offline API (tests/test_engine.py): the worker protocol, counters and
 interleaving are tested without an engine. Greedy "output": token t+1 = (last token + 1) mod 97.
 A speculative engine counts one round per 2 new tokens with the first of its k drafts accepted.
-A folder holding REFUSE is refused with that file's text, as vLLM refuses a checkpoint."""
+A folder holding REFUSE is refused with that file's text, as vLLM refuses a checkpoint; one
+holding DIE loads and then fails every request with that file's text."""
 import json
 import os
 from dataclasses import dataclass
@@ -38,6 +39,8 @@ class LLM:
         self.drafts = self.accepted = 0
 
     def generate(self, prompts, params, use_tqdm=False):
+        if self.spec and (Path(self.spec["model"]) / "DIE").is_file():
+            raise RuntimeError((Path(self.spec["model"]) / "DIE").read_text())
         ids = prompts[0]["prompt_token_ids"]
         out = [(ids[-1] + i + 1) % 97 for i in range(params.max_tokens)]
         if self.spec:

@@ -45,7 +45,7 @@ def _export(tmp_path, drafter="eagle3", fmt="vllm") -> Path:
 
 @pytest.mark.parametrize("drafter, fmt, want", [
     ("eagle3", "vllm", ("draft-eagle3", True)), ("eagle3", "speculators", ("draft-eagle3", True)),
-    ("small_lm", "causal_lm", ("draft-simple", False))])
+    ("dflash", "vllm", ("draft-dflash", True)), ("small_lm", "causal_lm", ("draft-simple", False))])
 def test_each_export_is_served_with_the_spec_type_llamacpp_reads_it_by(tmp_path, drafter, fmt, want):
     assert le.spec_type(_export(tmp_path, drafter, fmt)) == want
 

@@ -130,7 +130,8 @@ def engine_check(export_dir: Path, target, drafter=None, *, engine: str = "vllm"
         summary.update(loaded=False, error=str(e), verdict="engine unavailable")
         return _write(summary, [], out_dir)
     summary.update(loaded=run["loaded"], error=run["error"], engine_version=run["version"],
-                   speculative_config=run["speculative_config"], load_s=run["load_s"])
+                   speculative_config=run["speculative_config"], load_s=run["load_s"],
+                   engine_threads=run.get("threads", threads))
     if not run["loaded"]:
         summary.update(error_detail=run.get("error_detail"), verdict="refused by the engine")
         return _write(summary, [], out_dir)

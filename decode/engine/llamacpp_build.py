@@ -120,6 +120,18 @@ def _fetch_source(root: Path, timeout: float) -> Path:
     return root / "src" / "llama.cpp"
 
 
+def _prune(root: Path, source: Path) -> None:
+    """Keep what a check runs (~20 MB of 270): llama-server, and the converter with its own
+    modules (conversion/, gguf-py/); the object files and the rest of the source go."""
+    for f in (root / "build").iterdir():
+        if f.name != "bin":
+            shutil.rmtree(f) if f.is_dir() else f.unlink()
+    keep = {"convert_hf_to_gguf.py", "conversion", "gguf-py", "LICENSE", "requirements"}
+    for f in source.iterdir():
+        if f.name not in keep:
+            shutil.rmtree(f) if f.is_dir() else f.unlink()
+
+
 def llamacpp_build(cache_root: Path, timeout: float = 7200) -> LlamaCpp:
     """llama.cpp b11434 built under <cache>/engines/llamacpp-b11434/ on first use (steps in the
     module docstring; ~25 min on 2 cores), or $SPECDISTILL_LLAMACPP_DIR. EngineUnavailable with
@@ -152,8 +164,9 @@ def llamacpp_build(cache_root: Path, timeout: float = 7200) -> LlamaCpp:
              "creating the converter's virtualenv", 300)
         _run([str(venv / "bin" / "python"), "-m", "pip", "--disable-pip-version-check", "install",
               "-q", "--no-deps", *CONVERTER_REQUIREMENTS], "pip install sentencepiece", 900)
-        server = build / "bin" / "llama-server"
-        version = _server_version(server)
+        _prune(root, source)
+        # the sdist has no git metadata: llama-server calls itself "0.6.0-dev (build 0, ...)"
+        version = f"{LLAMACPP_BUILD} ({_server_version(build / 'bin' / 'llama-server')})"
         (root / COMPLETE).write_text(f"{version}\n{LLAMACPP_PACKAGE}=={LLAMACPP_VERSION}\n"
                                      f"build_s={t_build:.0f}\n")  # 4.
         log.info("llama.cpp %s built in %.0f s", version, time.perf_counter() - t0)

@@ -55,8 +55,11 @@ from specdistill.decode.engine.vllm_engine import Generation
 
 # (drafter, export format) -> llama-server's --spec-type for its GGUF, and whether the converter
 # needs the target's folder (--target-model-dir)
+# (DFlash: llama.cpp reads the z-lab layout without a d2t, i.e. a full-vocabulary head only, and
+# decodes an anchor + k mask block, so it matches the trained block at k = block_size - 1 only)
 SPEC_TYPES = {("eagle3", "vllm"): ("draft-eagle3", True),
               ("eagle3", "speculators"): ("draft-eagle3", True),
+              ("dflash", "vllm"): ("draft-dflash", True),
               ("small_lm", "causal_lm"): ("draft-simple", False)}
 OUTTYPE = "f32"  # GGUF weights: f32 keeps llama.cpp's numbers next to our fp32 decoder's
 COUNTERS = {"llamacpp:spec_decode_num_drafts_total": "drafts",
@@ -255,12 +258,19 @@ def run_llamacpp(build: LlamaCpp, target_gguf: Path, draft_gguf: Path, spec: str
                  timeout: float = 1800) -> dict[str, Any]:
     """Decode `prompts` greedily in llama-server with the draft, and plainly (plain=True),
     interleaved prompt by prompt. Returns run_vllm's dict: {"loaded", "error", "version",
-    "load_s", "plain", "spec", "speculative_config"}; a refused load is a result, not a raise."""
-    threads = threads or len(os.sched_getaffinity(0))
+    "load_s", "plain", "spec", "speculative_config"}; a refused load is a result, not a raise.
+
+    threads=None: the cores the load average leaves idle (drafters/precision.py idle_cores):
+    ggml's threads spin at a barrier after every op, so one descheduled thread stalls the rest;
+    on the shared 2-core machine at load ~12, SmolLM2 f32 decoded at 0.06-0.2 tokens/s with 2
+    threads and 3.7 with 1."""
+    from specdistill.drafters.precision import idle_cores
+
+    threads = threads or idle_cores()
     spec_args = server_args(target_gguf, draft_gguf, spec, k, n_ctx)
     out: dict[str, Any] = {"engine": "llamacpp", "loaded": False, "error": None,
                            "version": build.version, "load_s": {}, "plain": [], "spec": [],
-                           "speculative_config": " ".join(spec_args[4:])}
+                           "speculative_config": " ".join(spec_args[4:]), "threads": threads}
     servers: dict[str, Server] = {}
     try:
         if plain:

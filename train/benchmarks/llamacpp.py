@@ -15,7 +15,8 @@ For each drafter of --layouts (default: eagle3 as `vllm` and `speculators`, smal
      engine=llamacpp: llama.cpp's converter, llama-server plain and speculative interleaved,
      its counters against our decoder replayed on its text) at each k, with our decoder's own
      run on the same prompts beside it (--no-ours skips that);
-  3. one table: <out>/llamacpp.md and llamacpp.json.
+  3. one table: <out>/llamacpp.md and llamacpp.json (rows of an earlier run into the same --out
+     kept, unless measured again).
 """
 from __future__ import annotations
 
@@ -72,9 +73,11 @@ def overfit(target, cfg: dict, seqs: list[torch.Tensor], steps: int, lr: float =
     return d.eval()
 
 
-def drafter_for(name: str, target, seqs, steps: int, given: Optional[str]):
-    """(drafter, its config, where it came from): loaded from a given path or trained now."""
-    from specdistill.drafters.base import load_drafter
+def drafter_for(name: str, target, seqs, steps: int, given: Optional[str], out: Path,
+                stamp: dict):
+    """(drafter, its config, where it came from): loaded from a given path, from an earlier run's
+    <out>/drafters/<name>/ trained with the same settings (`stamp`), or trained now."""
+    from specdistill.drafters.base import load_drafter, save_drafter
 
     if given:
         from specdistill.train.checkpoint import resolve_drafter
@@ -82,10 +85,17 @@ def drafter_for(name: str, target, seqs, steps: int, given: Optional[str]):
         folder, _ = resolve_drafter(given)
         return (load_drafter(folder, target).eval(),
                 json.loads((folder / "drafter.json").read_text()), f"trained ({folder})")
+    cfg, folder = CONFIGS[name], out / "drafters" / name
+    stamp = {**stamp, "cfg": cfg, "steps": steps}
+    if (folder / "overfit.json").is_file() and json.loads((folder / "overfit.json").read_text()) == stamp:
+        return load_drafter(folder, target).eval(), cfg, f"overfit on the check's own answers, " \
+                                                         f"{steps} steps (reused {folder})"
     t0 = time.perf_counter()
-    d = overfit(target, CONFIGS[name], seqs(), steps)
-    return d, CONFIGS[name], f"overfit on the check's own answers, {steps} steps in " \
-                             f"{time.perf_counter() - t0:.0f} s"
+    d = overfit(target, cfg, seqs(), steps)
+    save_drafter(d, cfg, folder)
+    (folder / "overfit.json").write_text(json.dumps(stamp, indent=1))
+    return d, cfg, f"overfit on the check's own answers, {steps} steps in " \
+                   f"{time.perf_counter() - t0:.0f} s"
 
 
 def run(target, pairs: list[tuple[str, str]], ks: list[int], prompts: int, tokens: int, steps: int,
@@ -108,10 +118,15 @@ def run(target, pairs: list[tuple[str, str]], ks: list[int], prompts: int, token
                            for x in ids)
         return answers
 
-    rows, drafters = [], {}
+    done = out / "llamacpp.json"  # an earlier run's rows stay unless measured again here
+    redo = {(n, f, k) for n, f in pairs for k in ks}
+    rows = [r for r in (json.loads(done.read_text()) if done.is_file() else [])
+            if (r["drafter"], r["format"], r["k"]) not in redo]
+    drafters = {}
     for name, fmt in pairs:
         if name not in drafters:  # 1.
-            drafters[name] = drafter_for(name, target, seqs, steps, given.get(name))
+            drafters[name] = drafter_for(name, target, seqs, steps, given.get(name), out,
+                                         {"prompts": prompts, "tokens": tokens})
         d, cfg, source = drafters[name]
         folder = out / "exports" / f"{name}-{fmt}"
         export_drafter(d, cfg, target, fmt, folder, speculative_tokens=max(ks), overwrite=True)

@@ -14,7 +14,8 @@ whose real-decoder tau on a few prompts is within noise.
 
 One difference by construction: the decoder's last round of an answer that ends at EOS may
 accept drafts past the EOS that the target agrees with (counted before the cut); the replay does
-not know the target's tokens after EOS and stops at it.
+not know the target's tokens after EOS and stops at it, unless past_eos=True (the target's greedy
+continuation stands in for them).
 
 `draft_acceptance` adds, at every answer position, the expected acceptance of one sampled draft,
 E[min(1, p/q)] = sum_x min(p(x), q(x)) at the given sampling settings: the per-draft acceptance
@@ -69,7 +70,8 @@ def greedy_continuation(target, ids: torch.Tensor, n: int) -> torch.Tensor:
 
 @torch.inference_mode()
 def replay_greedy(target, drafter: Drafter, prompt: torch.Tensor, answer: torch.Tensor, *, k: int,
-                  max_new_tokens: int, past_budget: bool = False) -> Replay:
+                  max_new_tokens: int, past_budget: bool = False, past_eos: bool = False
+                  ) -> Replay:
     """Replay greedy chain decoding with `drafter` (k drafts a round) on the target's greedy
     `answer` (N,) to `prompt` (P,), generated with `max_new_tokens` (the decoder's draft budget
     depends on it). Returns the per-round accepted and drafted counts.
@@ -77,7 +79,9 @@ def replay_greedy(target, drafter: Drafter, prompt: torch.Tensor, answer: torch.
     past_budget=True replays a serving engine's bookkeeping instead of our decoder's: every round
     drafts k, near the budget and after an EOS too, and a draft past the answer's end counts as
     accepted when it is the target's greedy token there (vLLM's counters count those; our decoder
-    never drafts what it could not commit)."""
+    never drafts what it could not commit). past_eos=True keeps our decoder's budget but compares
+    drafts past the answer's end (after an EOS) with the target's greedy continuation, as our
+    decoder and llama.cpp count a round that accepts past an EOS before the output is cut."""
     P, N = len(prompt), len(answer)
     if N > max_new_tokens:
         raise ValueError(f"the answer has {N} tokens, more than max_new_tokens={max_new_tokens}")
@@ -88,7 +92,7 @@ def replay_greedy(target, drafter: Drafter, prompt: torch.Tensor, answer: torch.
     # the target runs only for the features a drafter reads (none for a small LM)
     feats = _target_pass(target, drafter, ids)[1] if drafter.feature_layers else None
     known = answer.to(dev)  # the target's tokens a draft is compared with
-    if past_budget:
+    if past_budget or (past_eos and N < max_new_tokens):  # an answer cut by the budget has no past
         known = torch.cat([known, greedy_continuation(target, ids, k).to(dev)])
     drafter.reset()
     accepted, drafted = [], []

@@ -116,3 +116,20 @@ def test_past_budget_replays_an_engines_bookkeeping(target):
     assert ours.accepted == res.accepted and ours.drafted[-1] < k  # the decoder's capped tail
     assert len(engine.accepted) == len(ours.accepted)  # the same rounds (same committed text)
     assert engine.drafted == [k] * len(engine.accepted) and engine.accepted == engine.drafted
+
+
+def test_past_eos_counts_the_drafts_the_target_agrees_with_after_an_eos(target):
+    """Our decoder (and llama.cpp) verifies a round's drafts in one forward and counts those the
+    target agrees with before cutting the output at an EOS; past_eos=True replays that count from
+    the target's greedy continuation, so even the last round equals the decoder's."""
+    prompt = torch.tensor(PROMPTS[0])
+    out = generate(target, None, prompt, max_new_tokens=12).tokens
+    j = next(j for j in range(2, 10) if int(out[j]) not in out[:j].tolist())
+    eos_target = Target(target.model, StubTokenizer(eos=int(out[j])), "tiny+eos")
+    res = generate(eos_target, NoisyOracle(target, noise=0.0), prompt, max_new_tokens=30, k=3)
+    plain = replay_greedy(eos_target, NoisyOracle(target, noise=0.0), prompt, res.tokens, k=3,
+                          max_new_tokens=30)
+    rep = replay_greedy(eos_target, NoisyOracle(target, noise=0.0), prompt, res.tokens, k=3,
+                        max_new_tokens=30, past_eos=True)
+    assert rep.accepted == res.accepted and rep.drafted == res.drafted
+    assert sum(rep.accepted) > sum(plain.accepted)  # teeth: the last round accepted past the EOS

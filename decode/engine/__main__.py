@@ -20,7 +20,7 @@ class EngineCheckConfig:
     """`python -m decode.engine` (conf/engine.yaml)."""
 
     export: str = MISSING  # an export folder written by `python -m train.export`
-    engine: str = "vllm"  # the serving engine: vllm
+    engine: str = "vllm"  # the serving engine: vllm | llamacpp
     target: TargetConfig = MISSING  # the export's target (conf/target/*.yaml)
     eval: EvalConfig = MISSING  # the prompts (first turns)
     max_new_tokens: int = rng(128, 1, MAX_TOKENS)  # generation budget per prompt

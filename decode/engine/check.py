@@ -28,6 +28,13 @@ decoder never drafts past its budget. The replay therefore runs with vLLM's book
 greedy continuation), and our decoder's own tau, with its own bookkeeping, is reported beside it.
 Acceptance per position i = rounds whose drafts 1..i were all accepted / rounds: vLLM's
 accepted_per_pos[i] / num_drafts, our replay's unconditional rate at position i.
+
+llama.cpp (engine=llamacpp, decode/engine/llamacpp_engine.py) keeps our decoder's budget instead:
+a draft is capped at the tokens still to generate minus one, a round with no room drafts nothing
+and is not counted (num_drafts counts verification steps), and a round's accepted drafts are
+counted before the output is cut at an EOS. Its replay therefore runs with our budget, compares
+past an EOS with the target's greedy continuation (past_eos=True) and counts the rounds that
+drafted; llama-server's p-min early stop is off, so every such round drafts min(k, room) tokens.
 """
 from __future__ import annotations
 
@@ -46,7 +53,9 @@ from specdistill.decode.replay import replay_greedy
 
 log = logging.getLogger(__name__)
 
-ENGINES = ("vllm",)
+ENGINES = ("vllm", "llamacpp")
+# how each engine counts rounds and drafts, as replay_greedy options (module docstring)
+REPLAY = {"vllm": {"past_budget": True}, "llamacpp": {"past_eos": True}}
 TAU_TOLERANCE = 0.02  # |engine tau / replay tau - 1| allowed (the serving issue's goal)
 ACCEPT_TOLERANCE = 0.10  # engine accepted drafts >= (1 - this) x the replay's, when it has >= 20
 MIN_ACCEPTED = 20
@@ -105,17 +114,24 @@ def engine_check(export_dir: Path, target, drafter=None, *, engine: str = "vllm"
                                "max_new_tokens": max_new_tokens}
     meta = json.loads((export_dir / "config.json").read_text())["specdistill"]
     summary.update(drafter=meta["drafter"]["name"], format=meta["format"])
+    n_ctx = max(len(x) for x in ids) + max_new_tokens + 2 * k + 16
     try:  # 2.
-        python = vllm_python(cache)
         folder = target_dir or served_target(target, out_dir / "target")
-        run = run_vllm(python, folder, export_dir, k, [x.tolist() for x in ids], budgets, stop,
-                       dtype, max_model_len=max(len(x) for x in ids) + max_new_tokens + k + 8,
-                       logs=out_dir, plain=plain, threads=threads, timeout=timeout)
+        if engine == "vllm":
+            run = run_vllm(vllm_python(cache), folder, export_dir, k, [x.tolist() for x in ids],
+                           budgets, stop, dtype, max_model_len=n_ctx, logs=out_dir, plain=plain,
+                           threads=threads, timeout=timeout)
+        else:
+            from specdistill.decode.engine.llamacpp_engine import run_export
+
+            run = run_export(export_dir, folder, cache, k, [x.tolist() for x in ids], budgets,
+                             n_ctx, out_dir, plain=plain, threads=threads, timeout=timeout)
     except EngineUnavailable as e:
         summary.update(loaded=False, error=str(e), verdict="engine unavailable")
         return _write(summary, [], out_dir)
     summary.update(loaded=run["loaded"], error=run["error"], engine_version=run["version"],
-                   speculative_config=run["speculative_config"], load_s=run["load_s"])
+                   speculative_config=run["speculative_config"], load_s=run["load_s"],
+                   engine_threads=run.get("threads", threads))
     if not run["loaded"] or run["error"]:  # refused, or loaded and then failed while decoding
         summary.update(error_detail=run.get("error_detail"), failed_engine=run.get("failed_engine"),
                        verdict="refused by the engine" if not run["loaded"]
@@ -123,24 +139,27 @@ def engine_check(export_dir: Path, target, drafter=None, *, engine: str = "vllm"
         return _write(summary, [], out_dir)
     mine = {r["id"]: r for r in (ours or []) if r.get("turn", 1) == 1}  # first turns, by prompt
     plains = run["plain"] or [None] * len(prompts)
-    rows = [_compare(target, drafter, p, x, n, a, b, k, mine.get(p.id))
+    rows = [_compare(target, drafter, p, x, n, a, b, k, mine.get(p.id), engine)
             for p, x, n, a, b in zip(prompts, ids, budgets, plains, run["spec"])]
     summary.update(_summarise(rows, k, mine))
     return _write(summary, rows, out_dir)
 
 
 def _compare(target, drafter, prompt, ids: torch.Tensor, budget: int,
-             plain: Optional[Generation], spec: Generation, k: int, mine: Optional[dict]) -> dict:
+             plain: Optional[Generation], spec: Generation, k: int, mine: Optional[dict],
+             engine: str = "vllm") -> dict:
     """One prompt: engine outputs against each other, against our decoder's (`mine`: its result
     row, when given), and the replay of our decoder on the engine's speculative text (3.)."""
     replay = replay_greedy(target, drafter, ids, torch.tensor(spec.ids, dtype=torch.long), k=k,
-                           max_new_tokens=budget, past_budget=True)  # the engine's bookkeeping
+                           max_new_tokens=budget, **REPLAY[engine])  # the engine's bookkeeping
+    # the engines count a round only when it drafted (vLLM's always do: past_budget)
+    per_round = [n for n, m in zip(replay.accepted, replay.drafted) if m > 0]
     row = {"id": prompt.id, "prompt_tokens": len(ids), "engine_spec_ids": spec.ids,
            "engine_spec_s": spec.seconds,
            "engine": {"rounds": spec.drafts, "draft_tokens": spec.draft_tokens,
                       "accepted": spec.accepted, "accepted_per_pos": spec.accepted_per_pos},
-           "replay": {"rounds": len(replay.accepted), "accepted": sum(replay.accepted),
-                      "drafted": sum(replay.drafted), "per_round": replay.accepted}}
+           "replay": {"rounds": len(per_round), "accepted": sum(per_round),
+                      "drafted": sum(replay.drafted), "per_round": per_round}}
     if plain is None:  # acceptance only (plain=False)
         return row
     row.update(engine_plain_ids=plain.ids, engine_plain_s=plain.seconds,
@@ -300,12 +319,14 @@ def engine_format(drafter, engine: str = "vllm") -> tuple[Optional[str], str]:
     config meets (an EAGLE-1 head trained with the pruned vocabulary has none, say why)."""
     import dataclasses
 
+    from specdistill.decode.engine.llamacpp_engine import SPEC_TYPES
     from specdistill.decode.engine.vllm_engine import METHODS
 
     if engine not in ENGINES:
         return None, f"engine={engine!r}: engines this check runs: {', '.join(ENGINES)}"
     dcfg = dataclasses.asdict(drafter.cfg)
-    served = [fmt for (name, fmt) in METHODS if name == drafter.name and fmt in drafter.layouts]
+    readers = METHODS if engine == "vllm" else SPEC_TYPES
+    served = [fmt for (name, fmt) in readers if name == drafter.name and fmt in drafter.layouts]
     reasons = []
     for fmt in served:
         why = drafter.layouts[fmt].refusal(dcfg)

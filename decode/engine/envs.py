@@ -103,19 +103,30 @@ def vllm_python(cache_root: Path, timeout: float = 1800) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m decode.engine.envs vllm`: install (or find) the engine's environment, print it."""
+    """`python -m decode.engine.envs vllm|llamacpp`: install or build (or find) the engine's
+    environment, print where it is."""
     import argparse
 
     from specdistill.drafters.cli import USAGE_EXIT
     from specdistill.drafters.target import TargetConfig, cache_root
 
     p = argparse.ArgumentParser(prog="python -m decode.engine.envs", description=main.__doc__)
-    p.add_argument("engine", choices=["vllm"])
+    p.add_argument("engine", choices=["vllm", "llamacpp"])
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    # run as __main__, this module's EngineUnavailable is not the one the package raises
+    from specdistill.decode.engine.envs import EngineUnavailable as Unavailable
+
+    cache = cache_root(TargetConfig(path="packaged:smollm2"))
     try:
-        print(vllm_python(cache_root(TargetConfig(path="packaged:smollm2"))))
-    except EngineUnavailable as e:
+        if args.engine == "llamacpp":
+            from specdistill.decode.engine.llamacpp_build import llamacpp_build
+
+            build = llamacpp_build(cache)
+            print(f"{build.server}\n{build.converter}\n{build.version}")
+        else:
+            print(vllm_python(cache))
+    except (EngineUnavailable, Unavailable) as e:
         print(f"python -m decode.engine.envs: error: {e}", file=sys.stderr)
         return USAGE_EXIT
     return 0

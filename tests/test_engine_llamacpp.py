@@ -22,6 +22,7 @@ from specdistill.decode.engine import check as chk
 from specdistill.decode.engine import llamacpp_build as lb
 from specdistill.decode.engine import llamacpp_engine as le
 from specdistill.decode.engine.envs import EngineUnavailable
+from test_engine import _export_config  # an export folder's config.json only
 
 FAKE = Path(__file__).with_name("fake_llamacpp")
 
@@ -35,24 +36,16 @@ def fake(monkeypatch, tmp_path):
                        Path(sys.executable), "version: 0 (fake)")
 
 
-def _export(tmp_path, drafter="eagle3", fmt="vllm") -> Path:
-    folder = tmp_path / f"{drafter}-{fmt}"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"specdistill": {"drafter": {"name": drafter},
-                                                                    "format": fmt}}))
-    return folder
-
-
 @pytest.mark.parametrize("drafter, fmt, want", [
     ("eagle3", "vllm", ("draft-eagle3", True)), ("eagle3", "speculators", ("draft-eagle3", True)),
     ("dflash", "vllm", ("draft-dflash", True)), ("small_lm", "causal_lm", ("draft-simple", False))])
 def test_each_export_is_served_with_the_spec_type_llamacpp_reads_it_by(tmp_path, drafter, fmt, want):
-    assert le.spec_type(_export(tmp_path, drafter, fmt)) == want
+    assert le.spec_type(_export_config(tmp_path, drafter, fmt)) == want
 
 
 def test_a_format_llamacpp_is_not_given_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="it serves: eagle3 as format=vllm"):
-        le.spec_type(_export(tmp_path, "eagle", "vllm"))
+        le.spec_type(_export_config(tmp_path, "eagle", "vllm"))
 
 
 def test_the_speculative_server_drafts_a_fixed_k_with_f32_caches():
@@ -104,7 +97,7 @@ def test_the_export_and_the_target_go_through_the_converter(fake, tmp_path, monk
     target = tmp_path / "target"
     target.mkdir()
     (target / "config.json").write_text("{}")
-    export = _export(tmp_path)
+    export = _export_config(tmp_path, "eagle3", "vllm")
     run = le.run_export(export, target, tmp_path / "cache", 2, [[1, 2, 3]], [6], 64,
                         tmp_path / "out", threads=1, timeout=60)
     assert run["loaded"] and len(run["spec"]) == 1

@@ -76,6 +76,14 @@ ARMS: dict[str, tuple[str, list[str]]] = {
     "e3t1_sg3k": ("EAGLE-3 ttt 1, own answers to 3000 prompts", [
         "drafter=eagle3", "drafter.ttt_length=1", "data=sharegpt_selfgen",
         "data.selfgen.prompts=3000"]),
+    # the candidate default job at the 45-minute budget: 1200 prompts (~250 k answer tokens,
+    # ~17 min of generation at 250 tokens/s on 2 cores) leave the training its 1000 steps
+    "e3t1_sg1200": ("EAGLE-3 ttt 1, own answers to 1200 prompts", [
+        "drafter=eagle3", "drafter.ttt_length=1", "data=sharegpt_selfgen",
+        "data.selfgen.prompts=1200"]),
+    "e3t1_sg1200_op": ("EAGLE-3 ttt 1, own answers to 1200 prompts, on-policy heads in the last 20%", [
+        "drafter=eagle3", "drafter.ttt_length=1", "data=sharegpt_selfgen",
+        "data.selfgen.prompts=1200", "trainer.on_policy_heads_start=0.8"]),
     "dflash_sg": ("DFlash (conf/drafter/dflash.yaml) on the target's own answers", [
         "drafter=dflash", "data=sharegpt_selfgen"]),
 }

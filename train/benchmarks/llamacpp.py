@@ -29,6 +29,8 @@ from typing import Any, Optional
 
 import torch
 
+from specdistill.train.benchmarks.engine_matrix import overfit  # one overfit drafter for both
+
 log = logging.getLogger(__name__)
 
 # drafter -> its config for the overfit drafter (the default job's pruned 8192-token head for
@@ -40,37 +42,6 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "small_lm": {"name": "small_lm"},
 }
 LAYOUTS = ("eagle3:vllm", "eagle3:speculators", "dflash:vllm", "small_lm:causal_lm")
-
-
-def overfit(target, cfg: dict, seqs: list[torch.Tensor], steps: int, lr: float = 3e-3):
-    """A drafter of config `cfg` trained for `steps` AdamW steps on `seqs` (prompt + the target's
-    greedy answer, (1, T) each), one sequence a step: it learns those answers nearly by heart."""
-    from specdistill.data.capture import target_logits
-    from specdistill.drafters.base import TrainBatch, build_drafter, fit_draft_vocab
-    from specdistill.train.losses import distill_loss
-
-    torch.manual_seed(0)
-    d = build_drafter(cfg, target)
-    if cfg.get("draft_vocab_size"):  # the answers' own tokens first, as the recipe's counts do
-        counts = torch.bincount(torch.cat([s[0] for s in seqs]), minlength=target.vocab_size)
-        fit_draft_vocab(d, counts.float(), always_include=target.eos_token_ids)
-    H, layers, batches = target.hidden_size, tuple(d.feature_layers or ()), []
-    for s in seqs:
-        with torch.no_grad():
-            out = target.forward(s, layers=(*layers, -1), logits=False)
-        feats, final = out.features[..., :-H], out.features[..., -H:]  # (1, T, F), (1, T, H)
-        ones = torch.ones_like(s)
-        features = None if not layers else final.clone() if layers == (-1,) else feats.clone()
-        batches.append(TrainBatch(s, ones, ones, target_logits(target, final, d.d2t).clone(),
-                                  features))
-    opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=lr)
-    for step in range(steps):
-        b = batches[step % len(batches)]
-        loss, _ = distill_loss(d.forward_train(b), b)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return d.eval()
 
 
 def drafter_for(name: str, target, seqs, steps: int, given: Optional[str], out: Path,

@@ -84,6 +84,14 @@ ARMS: dict[str, tuple[str, list[str]]] = {
     "e3t1_sg1200_op": ("EAGLE-3 ttt 1, own answers to 1200 prompts, on-policy heads in the last 20%", [
         "drafter=eagle3", "drafter.ttt_length=1", "data=sharegpt_selfgen",
         "data.selfgen.prompts=1200", "trainer.on_policy_heads_start=0.8"]),
+    "e3t1_sg1200_s2k": ("EAGLE-3 ttt 1, own answers to 1200 prompts (run as :2000 steps)", [
+        "drafter=eagle3", "drafter.ttt_length=1", "data=sharegpt_selfgen",
+        "data.selfgen.prompts=1200"]),
+    # own answers are short rows (~1,300 target tokens a batch of 4 against ~3,500 for ShareGPT's
+    # multi-turn conversations): batch 12 trains on as many answer tokens a step
+    "e3t1_sg1200_b12": ("EAGLE-3 ttt 1, own answers to 1200 prompts, batch 12", [
+        "drafter=eagle3", "drafter.ttt_length=1", "data=sharegpt_selfgen",
+        "data.selfgen.prompts=1200", "trainer.batch_size=12"]),
     "dflash_sg": ("DFlash (conf/drafter/dflash.yaml) on the target's own answers", [
         "drafter=dflash", "data=sharegpt_selfgen"]),
 }

@@ -92,6 +92,9 @@ ARMS: dict[str, tuple[str, list[str]]] = {
     "e3t1_sg1200_b12": ("EAGLE-3 ttt 1, own answers to 1200 prompts, batch 12", [
         "drafter=eagle3", "drafter.ttt_length=1", "data=sharegpt_selfgen",
         "data.selfgen.prompts=1200", "trainer.batch_size=12"]),
+    "e3t1_sg1200_b8": ("EAGLE-3 ttt 1, own answers to 1200 prompts, batch 8", [
+        "drafter=eagle3", "drafter.ttt_length=1", "data=sharegpt_selfgen",
+        "data.selfgen.prompts=1200", "trainer.batch_size=8"]),
     "dflash_sg": ("DFlash (conf/drafter/dflash.yaml) on the target's own answers", [
         "drafter=dflash", "data=sharegpt_selfgen"]),
 }

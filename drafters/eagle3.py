@@ -39,10 +39,11 @@ from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm, Ll
 from specdistill.drafters.anchors import capped_steps
 from specdistill.drafters.attention import few_query, grouped_attention, ttt_attention
 from specdistill.drafters.base import DrafterConfig, DraftPrediction, ExportLayout, TrainBatch, register
-from specdistill.drafters.eagle import Eagle, drafter_llama_config
+from specdistill.drafters.drafting import CausalDrafter
 from specdistill.drafters.export_formats import (WEIGHTS, ExportError, cast, llama_layer_config,
                                      speculators_config, torch_dtype)
 from specdistill.drafters.head import head_logits
+from specdistill.drafters.parts import default_aux_layers, drafter_llama_config, finish_init
 from specdistill.drafters.ranges import MAX_DRAFT, MAX_LAYERS, MAX_TREE, MAX_VOCAB, rng
 from specdistill.drafters.vocab import d2t_to_offsets, offsets_to_d2t, t2d_mask
 
@@ -71,14 +72,6 @@ class Eagle3Config(DrafterConfig):
     # sampling: draw the tree's children from the warped q (False: EAGLE-2's top-k candidates,
     # verified as deterministic drafts; both lossless)
     tree_sampled: bool = True
-
-
-def default_aux_layers(num_layers: int) -> list[int]:
-    """The engines' default: inputs of layers (2, L//2, L-3). Shallower targets (tests) take
-    (1, L//2, L-1), which every engine can still name, and below 4 layers the embeddings, the
-    middle and the last hidden state (no engine export then)."""
-    L = num_layers
-    return [2, L // 2, L - 3] if L >= 7 else [1, L // 2, L - 1] if L >= 4 else [0, L // 2, L]
 
 
 # == The network: fusion, decoder layers, head. Attention is passed in (`attend`), so the same ==
@@ -132,15 +125,23 @@ class Eagle3Layer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class Eagle3(Eagle):  # registered at the end of the module, with its export layouts
-    """EAGLE-3 drafter: fc over three target layers + decoder layer(s) + final norm + LM head.
-    The network is its own; the decode plumbing (reset, _sync, propose, propose_tree) is Eagle's,
-    driven through `_inputs` and `_layers`."""
+def layer_from_target(i: int, state: dict) -> dict:
+    """init_from_target_layer (drafters/parts.py): layer 0's 2H-wide q/k/v take the target's
+    weights in both halves [W | W] over [embed; feature], its hidden_norm the target's input norm."""
+    if i > 0:
+        return state
+    state = {k: torch.cat([v, v], dim=1) if k.split(".")[-2] in ("q_proj", "k_proj", "v_proj")
+             else v for k, v in state.items()}
+    return {**state, "hidden_norm.weight": state["input_layernorm.weight"]}
 
-    tags = ()  # not Eagle's "eagle1"
+
+class Eagle3(CausalDrafter):  # registered at the end of the module, with its export layouts
+    """EAGLE-3 drafter: fc over three target layers + decoder layer(s) + final norm + LM head.
+    Decoding is drafters/drafting.py's, driven through `project` (the fusion), `inputs`,
+    `backbone` and `head`."""
 
     def __init__(self, cfg: Eagle3Config, target) -> None:
-        super(Eagle, self).__init__(target.vocab_size, cfg, target)  # not Eagle's: other modules
+        super().__init__(target.vocab_size, cfg, target)
         L = target.num_layers
         aux = list(cfg.aux_layers) if cfg.aux_layers is not None else default_aux_layers(L)
         if len(aux) != 3 or not all(0 <= i <= L for i in aux):
@@ -162,16 +163,7 @@ class Eagle3(Eagle):  # registered at the end of the module, with its export lay
         self.norm = LlamaRMSNorm(H, eps=lc.rms_norm_eps)
         with torch.no_grad():  # the head reads what the target's head reads: start from its norm
             self.norm.weight.copy_(target.model.model.norm.weight.float())
-        self._finish_init(cfg, target)  # Eagle's: draft head, init_from_target_layer, device, cache
-
-    def _from_target_layer(self, i: int, state: dict) -> dict:
-        """init_from_target_layer (Eagle's loop): layer 0's 2H-wide q/k/v take the target's weights
-        in both halves [W | W] over [embed; feature], its hidden_norm the target's input norm."""
-        if i > 0:
-            return state
-        state = {k: torch.cat([v, v], dim=1) if k.split(".")[-2] in ("q_proj", "k_proj", "v_proj")
-                 else v for k, v in state.items()}
-        return {**state, "hidden_norm.weight": state["input_layernorm.weight"]}
+        finish_init(self, cfg, target, layer_from_target)  # draft head, start layer, device, reset
 
     # -- the network ------------------------------------------------------------------------------
     def fuse(self, feats: torch.Tensor) -> torch.Tensor:
@@ -235,16 +227,19 @@ class Eagle3(Eagle):  # registered at the end of the module, with its export lay
                                          inputs=tok if own_tokens else None))
         return preds
 
-    # -- decoding: Eagle's plumbing (reset, _sync, propose, propose_tree) over these two hooks ---
-    def _inputs(self, tokens: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
-        """tokens (B, Q) target ids, feats (B, Q, 3H) target features or (B, Q, H) the drafter's own
-        state (the engines tell them apart by width too) -> [embed; fused feature] (B, Q, 2H)."""
-        h = self.fuse(feats) if feats.shape[-1] != self.target.hidden_size else feats
-        emb = self.target.embed_tokens()(tokens).to(h.dtype)  # (B, Q, H), frozen
-        return torch.cat([emb, h.to(self.fc.weight.dtype)], dim=-1)
+    # -- decoding: drafters/drafting.py drives these (project, inputs, backbone, head) ----------
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """Target features (B, Q, 3H) -> the drafter's states (B, Q, H): the fusion."""
+        return self.fuse(features)
 
-    def _layers(self, x, positions, mask, cache=None) -> torch.Tensor:
-        """x (B, Q, 2H) from _inputs at positions (B, Q), additive mask (B, 1, Q, K) or None (=
+    def inputs(self, tokens: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+        """tokens (B, Q) target ids, states (B, Q, H) (fused target features or the drafter's own)
+        -> [embed; state] (B, Q, 2H)."""
+        emb = self.target.embed_tokens()(tokens).to(states.dtype)  # (B, Q, H), frozen
+        return torch.cat([emb, states.to(self.fc.weight.dtype)], dim=-1)
+
+    def backbone(self, x, positions, mask, cache=None) -> torch.Tensor:
+        """x (B, Q, 2H) from inputs at positions (B, Q), additive mask (B, 1, Q, K) or None (=
         attend to the whole cache), through the drafter's KV cache -> next state (B, Q, H)."""
         def attend(i: int) -> Attend:
             def run(q, k, v):

@@ -62,13 +62,15 @@ from torch import nn
 
 from specdistill.drafters.anchors import capped_steps, check_anchor_share, draw_anchors
 from specdistill.drafters.base import (ChainProposal, DecodeState, DraftPrediction, Drafter,
-                                      ExportLayout, TrainBatch, register)
+                                      ExportLayout, TrainBatch, TreeProposal, register)
 from specdistill.drafters.attention import ttt_attention
 from specdistill.drafters.eagle3 import (Eagle3, Eagle3Config, engine_config, engine_refusal, engine_state,
                              state_from_engine)
 from specdistill.drafters.export_formats import WEIGHTS, torch_dtype
-from specdistill.drafters.parallel import ParallelDrafts
+from specdistill.drafters import parallel
+from specdistill.drafters.rows import propose_rows, rows_forward, rows_keep
 from specdistill.drafters.ranges import MAX_COUNT, MAX_DRAFT, MAX_VOCAB, rng
+from specdistill.drafters.sampling import SamplingParams
 
 
 @dataclass
@@ -160,7 +162,7 @@ SPECULATORS = ExportLayout(
 
 
 @register("peagle", config=PeagleConfig, layouts=(VLLM, SPECULATORS))
-class Peagle(ParallelDrafts, Eagle3):
+class Peagle(Eagle3):
     """P-EAGLE drafter: EAGLE-3's network + a learnt mask hidden state; k drafts per forward."""
 
     forward_own = Drafter.forward_own  # drafts from masks, never from its own tokens: none
@@ -184,7 +186,7 @@ class Peagle(ParallelDrafts, Eagle3):
         self.mask_hidden = nn.Parameter(  # (3H,) stands in for the aux-layer features; fused by fc
             (0.02 * torch.randn(3 * target.hidden_size, generator=g)).to(self.fc.weight.device))
 
-    def _mask_inputs(self, B: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def mask_inputs(self, B: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The inputs of n mask positions per row: (embedding, hidden), each (B, n, H)."""
         dtype = self.fc.weight.dtype
         tok = torch.full((1, 1), self.mask_token_id, device=self.mask_hidden.device)
@@ -231,7 +233,7 @@ class Peagle(ParallelDrafts, Eagle3):
         tok = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)  # (B, T)
         h = self.fuse(feats)  # (B, T, H)
         emb = self.target.embed_tokens()(tok).to(h.dtype)  # (B, T, H), frozen
-        mask_emb, mask_h = self._mask_inputs(B, at.shape[1])  # (B, A, H) each
+        mask_emb, mask_h = self.mask_inputs(B, at.shape[1])  # (B, A, H) each
         preds = []
         for j in range(1, J + 1):
             # 2. j > 1: mask j-1 at each mask anchor t, at position t+j-1
@@ -245,38 +247,47 @@ class Peagle(ParallelDrafts, Eagle3):
                                          anchors=None if j == 1 else anchors))
         return preds
 
-    # -- decoding ---------------------------------------------------------------------------------
+    # -- decoding: parallel drafts (drafters/parallel.py) from one forward of drafters/drafting.py --
     @torch.no_grad()
     def draft_logits(self, state: DecodeState, k: int) -> torch.Tensor:
         """The k draft distributions (k, Vd) after state.tokens, from ONE forward over the new
-        real positions and k-1 mask positions; the cache keeps the real ones only."""
-        real, pos = self._sync_inputs(state)  # 1. (1, n_new, 2H) at the new real positions
-        # 2. k-1 masks after them, at T-1 .. T+k-3
-        mask = torch.cat(self._mask_inputs(1, k - 1), dim=-1)  # (1, k-1, 2H)
-        x = torch.cat([real, mask], dim=1)  # (1, n_new + k-1, 2H)
-        pos = torch.cat([pos, pos[-1] + 1 + torch.arange(k - 1, device=pos.device)])
-        try:
-            # 3. one forward through the cache; the last real position and the masks give drafts
-            h = self._run_causal(x, pos)  # (1, n_new + k-1, H)
-            return self.head(h[0, real.shape[1] - 1:]).float()  # (k, Vd)
-        finally:
-            self._cache.forget_drafts()  # masks are per round: drop them, keep the real positions
+        real positions and k-1 mask positions after them (at T-1 .. T+k-3); the cache keeps the
+        real ones only."""
+        masks = torch.cat(self.mask_inputs(1, k - 1), dim=-1)  # (1, k-1, 2H)
+        h = self.drafting.after(state, masks)  # (1, k, H): the last real position, the masks
+        return self.head(h[0]).float()  # (k, Vd)
 
     def trained_positions(self) -> int:
         return self.cfg.ttt_length
 
-    def _propose_together(self, slots, states, ks, sampling, generators, min_confidence
-                          ) -> list[ChainProposal]:
-        """Eagle.propose_rows' round for parallel drafting: ONE forward for every row, over its
-        new real positions and its k-1 mask positions after them (padded, each row through its own
-        cache); each row's chain is then drawn from its k distributions, as propose draws it."""
-        ks = [self._trained_k(k) for k in ks]
-        masks = torch.cat(self._mask_inputs(1, max(ks) - 1), dim=-1)[0]  # (max k - 1, 2H)
+    def propose(self, state: DecodeState, k: int, sampling: SamplingParams,
+                generator: torch.Generator | None = None,
+                min_confidence: float = 0.0) -> ChainProposal:
+        return parallel.propose(self, state, k, sampling, generator, min_confidence)
+
+    def propose_tree(self, state: DecodeState, sampling: SamplingParams,
+                     generator: torch.Generator | None = None) -> TreeProposal:
+        return parallel.propose_tree(self, state, sampling, generator)
+
+    def propose_rows(self, slots, states, ks, sampling, generators, min_confidence=0.0
+                     ) -> list[ChainProposal]:
+        """Every row's round in ONE forward (drafters/rows.py propose_rows, rows_round)."""
+        return propose_rows(self.rows_round, slots, states, ks, sampling, generators,
+                            min_confidence)
+
+    def rows_round(self, slots, states, ks, sampling, generators, min_confidence
+                   ) -> list[ChainProposal]:
+        """The batched round: ONE forward for every row, over its new real positions and its k-1
+        mask positions after them (padded, each row through its own cache); each row's chain is
+        then drawn from its k distributions, as propose draws it."""
+        ks = [parallel.trained_k(self, k) for k in ks]
+        masks = torch.cat(self.mask_inputs(1, max(ks) - 1), dim=-1)[0]  # (max k - 1, 2H)
         ends = [int(s.tokens.shape[0]) - 2 for s in states]  # each row's last real position
         dev = masks.device
         tails = [(masks[:k - 1], e + 1 + torch.arange(k - 1, device=dev)) for k, e in zip(ks, ends)]
-        h, rows, n = self._rows_forward(slots, states, tails)  # (B, Q, H)
-        self._rows_keep(slots, rows, n)
+        h, rows, n = rows_forward(slots, states, tails)  # (B, Q, H)
+        rows_keep(slots, rows, n)
         at = [(b, n[b] - 1 + i) for b, k in enumerate(ks) for i in range(k)]  # rows' draft positions
         logits = self.head(h[[b for b, _ in at], [j for _, j in at]]).float()  # (sum k, Vd)
-        return self.draw_chains(logits.split(ks), ks, sampling, generators, min_confidence)
+        return parallel.draw_chains(self, logits.split(ks), ks, sampling, generators,
+                                    min_confidence)

@@ -91,11 +91,11 @@ def test_training_unroll_equals_decode_steps(target, cfg):
     for row, t in ((0, 2), (0, 7), (1, 4)):  # row 1 is padded after position 9
         ids = batch.input_ids[row]
         d.reset()
-        h = d._sync(DecodeState(ids[:t + 2], batch.features[row, :t + 1]))  # (1, 1, H)
+        h = d.drafting.sync(DecodeState(ids[:t + 2], batch.features[row, :t + 1]))  # (1, 1, H)
         torch.testing.assert_close(d.head(h)[0, 0], preds[0].logits[row, t], atol=1e-4, rtol=1e-4)
         for j in range(2, 6 if row == 0 else 5):
-            h = d._layers(d._inputs(ids[t + j].view(1, 1), h), torch.tensor([[t + j - 1]]), None,
-                          d._cache.kv)
+            h = d.backbone(d.inputs(ids[t + j].view(1, 1), h), torch.tensor([[t + j - 1]]), None,
+                           d.cache.kv)
             torch.testing.assert_close(d.head(h)[0, 0], preds[j - 1].logits[row, t], atol=1e-4,
                                        rtol=1e-4)
 

@@ -52,9 +52,9 @@ from specdistill.drafters.attention import block_attention, few_query, grouped_a
 from specdistill.drafters.base import (ChainProposal, DecodeState, Drafter, DrafterConfig, DraftPrediction,
                            ExportLayout, TrainBatch, TreeProposal, register)
 from specdistill.drafters.cache import DraftCache, RowsKV, additive_mask
-from specdistill.drafters.eagle3 import state_from_engine
 from specdistill.drafters.export_formats import (WEIGHTS, ExportError, cast, llama_layer_config,
                                      speculators_config, torch_dtype)
+from specdistill.drafters.fused_export import state_from_engine
 from specdistill.drafters.head import head_logits, init_draft_head
 from specdistill.drafters import parallel
 from specdistill.drafters.parts import default_aux_layers, drafter_llama_config
@@ -199,7 +199,7 @@ def _layout(engine: str, summary: str, usage: str) -> ExportLayout:
         config = dflash_config(drafter, engine, ctx.meta.get("base_model"), ctx.dtype)
         return {**config, **ctx.common()}, {WEIGHTS: tensors}
 
-    def read(files, dcfg, vocab_size):  # our names throughout: eagle3's reader without renames
+    def read(files, dcfg, vocab_size):  # our names throughout: the fused reader without renames
         return state_from_engine(files[WEIGHTS], engine, dcfg.get("draft_vocab_size") is not None)
 
     return ExportLayout(format=engine, summary=summary, usage=usage, write=write, read=read,

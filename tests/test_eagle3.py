@@ -20,6 +20,7 @@ from specdistill.drafters.base import DecodeState, TrainBatch, build_drafter, co
 from specdistill.drafters.target import Target
 from specdistill.drafters.export import export_drafter, load_export
 from specdistill.drafters.export_formats import ExportError
+from specdistill.drafters.parts import default_aux_layers
 from eagle3_engines import (TOY_H, TOY_L, TOY_V, engine_chain, engine_name, feature_batch,
                             perturbed_drafter, tiny8_target, train_rows)
 from eagle3_engines import recipe_cfg as eagle3_recipe_cfg
@@ -49,7 +50,7 @@ ALL_OPTIONS = dict(num_layers=2, norm_before_residual=True, norm_before_fc=True,
 
 # -- the network ----------------------------------------------------------------------------------
 def test_shapes_names_and_aux_layers(target):
-    assert e3.default_aux_layers(30) == [2, 15, 27]  # SmolLM2: inputs of layers 2, 15, 27
+    assert default_aux_layers(30) == [2, 15, 27]  # SmolLM2: inputs of layers 2, 15, 27
     d = make(target, ttt_length=4, draft_vocab_size=48)
     assert d.feature_layers == (2, 4, 5)
     preds = d.forward_train(make_batch(target, d))

@@ -11,7 +11,9 @@ folder on sys.path: drafters/__init__.py imports them all) plus `conf/drafter/<n
 It is built from the shared parts: drafters/head.py (the draft head: the target's frozen LM head or
 a pruned trainable one with d2t/t2d), drafters/cache.py (its own KV cache kept in step with the
 committed tokens, tree-level masks), `Drafter.draft_chain` (the one chain-proposal loop) and the
-default `Drafter.build`. Every trainable drafter exports as `hf` (STATE_DICT_LAYOUT, lossless);
+default `Drafter.build`. A drafter that drafts step by step through its own KV cache subclasses
+drafters/drafting.py CausalDrafter and gives its network's four public methods (drafters/eagle.py
+is the example). Every trainable drafter exports as `hf` (STATE_DICT_LAYOUT, lossless);
 engine layouts are `ExportLayout`s registered by the drafter module that owns them.
 
 Decode-time contract (see decode/spec.py for the loop that drives it):

@@ -50,15 +50,16 @@ from specdistill.drafters.anchors import check_anchor_share, draw_anchors
 from specdistill.drafters.ranges import MAX_COUNT, MAX_DRAFT, MAX_LAYERS, MAX_TREE, MAX_VOCAB, rng
 from specdistill.drafters.attention import block_attention, few_query, grouped_attention
 from specdistill.drafters.base import (ChainProposal, DecodeState, Drafter, DrafterConfig, DraftPrediction,
-                           ExportLayout, TrainBatch, register)
+                           ExportLayout, TrainBatch, TreeProposal, register)
 from specdistill.drafters.cache import DraftCache, RowsKV, additive_mask
-from specdistill.drafters.eagle import drafter_llama_config
-from specdistill.drafters.eagle3 import default_aux_layers, state_from_engine
 from specdistill.drafters.export_formats import (WEIGHTS, ExportError, cast, llama_layer_config,
                                      speculators_config, torch_dtype)
+from specdistill.drafters.fused_export import state_from_engine
 from specdistill.drafters.head import head_logits, init_draft_head
-from specdistill.drafters.parallel import ParallelDrafts
-from specdistill.drafters.rows import RowsTogether
+from specdistill.drafters import parallel
+from specdistill.drafters.parts import default_aux_layers, drafter_llama_config
+from specdistill.drafters.rows import propose_rows
+from specdistill.drafters.sampling import SamplingParams
 from specdistill.drafters.vocab import d2t_to_offsets, t2d_mask
 
 
@@ -198,7 +199,7 @@ def _layout(engine: str, summary: str, usage: str) -> ExportLayout:
         config = dflash_config(drafter, engine, ctx.meta.get("base_model"), ctx.dtype)
         return {**config, **ctx.common()}, {WEIGHTS: tensors}
 
-    def read(files, dcfg, vocab_size):  # our names throughout: eagle3's reader without renames
+    def read(files, dcfg, vocab_size):  # our names throughout: the fused reader without renames
         return state_from_engine(files[WEIGHTS], engine, dcfg.get("draft_vocab_size") is not None)
 
     return ExportLayout(format=engine, summary=summary, usage=usage, write=write, read=read,
@@ -218,7 +219,7 @@ LAYOUTS = (
 
 
 @register("dflash", config=DFlashConfig, layouts=LAYOUTS)
-class DFlash(ParallelDrafts, RowsTogether, Drafter):
+class DFlash(Drafter):
     """DFlash block drafter: fc over the target's aux layers + draft layers over a mask block."""
 
     tags = ("dflash", "block-drafting", "parallel-drafting")
@@ -309,16 +310,16 @@ class DFlash(ParallelDrafts, RowsTogether, Drafter):
 
     # -- decoding ---------------------------------------------------------------------------------
     def reset(self) -> None:
-        self._cache = DraftCache()  # per layer: context keys / values of the committed positions
+        self.cache = DraftCache()  # per layer: context keys / values of the committed positions
 
-    def _sync(self, state: DecodeState) -> None:
+    def sync(self, state: DecodeState) -> None:
         """Crop the cache to what it shares with the committed tokens, then add the context keys
         and values of the committed positions it lacks (all but the last token's)."""
         tokens, feats = state.tokens, state.features  # (T,), (T-1, n*H)
         T = tokens.shape[0]
         if feats is None or T < 2 or feats.shape[0] != T - 1:
             raise ValueError("dflash: propose needs >= 2 tokens and state.features for tokens[:-1]")
-        cache = self._cache
+        cache = self.cache
         keep = max(0, min(cache.committed, cache.shared_prefix(tokens), T - 1))
         cache.sync_to(tokens, keep, committed=T - 1)
         if keep == T - 1:
@@ -328,7 +329,7 @@ class DFlash(ParallelDrafts, RowsTogether, Drafter):
         for i, layer in enumerate(self.layers):
             cache.kv.update(*layer.self_attn.kv(ctx, cs), i)
 
-    def _run_block(self, first: torch.Tensor, pos: torch.Tensor, kv, mask, k: int) -> torch.Tensor:
+    def run_block(self, first: torch.Tensor, pos: torch.Tensor, kv, mask, k: int) -> torch.Tensor:
         """Blocks after the slot-0 tokens first (B,) at positions pos (B, b), attending through
         kv (context columns, then the block) under the additive mask (B, 1, b, K) or None (= all)
         -> the first k draft distributions of each (B, k, Vd)."""
@@ -349,30 +350,45 @@ class DFlash(ParallelDrafts, RowsTogether, Drafter):
     @torch.no_grad()
     def draft_logits(self, state: DecodeState, k: int) -> torch.Tensor:
         """The first k draft distributions (k, Vd) of ONE forward over the block after state.tokens."""
-        self._sync(state)
+        self.sync(state)
         T, b = state.tokens.shape[0], self.cfg.block_size
         pos = torch.arange(T - 1, T - 1 + b, device=state.tokens.device)[None]  # (1, b)
         try:
-            return self._run_block(state.tokens[-1:], pos, self._cache.kv, None, k)[0]  # (k, Vd)
+            return self.run_block(state.tokens[-1:], pos, self.cache.kv, None, k)[0]  # (k, Vd)
         finally:
-            self._cache.forget_drafts()  # the block is per round: keep the context only
+            self.cache.forget_drafts()  # the block is per round: keep the context only
 
-    def _propose_together(self, slots, states, ks, sampling, generators, min_confidence
-                          ) -> list[ChainProposal]:
-        """RowsTogether.propose_rows' round: every row's block in ONE padded forward. Each row's
+    def trained_positions(self) -> int:
+        return self.cfg.block_size - 1
+
+    def propose(self, state: DecodeState, k: int, sampling: SamplingParams,
+                generator: torch.Generator | None = None,
+                min_confidence: float = 0.0) -> ChainProposal:
+        return parallel.propose(self, state, k, sampling, generator, min_confidence)
+
+    def propose_tree(self, state: DecodeState, sampling: SamplingParams,
+                     generator: torch.Generator | None = None) -> TreeProposal:
+        return parallel.propose_tree(self, state, sampling, generator)
+
+    def propose_rows(self, slots, states, ks, sampling, generators, min_confidence=0.0
+                     ) -> list[ChainProposal]:
+        """Every row's block in ONE forward (drafters/rows.py propose_rows, rows_round)."""
+        return propose_rows(self.rows_round, slots, states, ks, sampling, generators,
+                            min_confidence)
+
+    def rows_round(self, slots, states, ks, sampling, generators, min_confidence
+                   ) -> list[ChainProposal]:
+        """The batched round: every row's block in ONE padded forward. Each row's
         context (its own cache, synced as propose syncs it) goes into one batch cache (RowsKV);
         its block sees its own context columns and itself; its cache keeps the context only."""
         for d, s in zip(slots, states):
-            d._sync(s)
-        rows = RowsKV([d._cache for d in slots], states[0].tokens.device)
+            d.sync(s)
+        rows = RowsKV([d.cache for d in slots], states[0].tokens.device)
         B, b = len(slots), self.cfg.block_size
         ends = torch.tensor([len(s.tokens) - 1 for s in states], device=rows.allowed.device)
         allowed = torch.cat([rows.allowed[:, None].expand(-1, b, -1),
                              rows.allowed.new_ones(B, b, b)], dim=-1)  # (B, b, K + b)
-        logits = self._run_block(torch.stack([s.tokens[-1] for s in states]),
+        logits = self.run_block(torch.stack([s.tokens[-1] for s in states]),
                                  ends[:, None] + torch.arange(b, device=ends.device), rows.kv,
                                  additive_mask(allowed, self.fc.weight.dtype), max(ks))
-        return self.draw_chains(logits, ks, sampling, generators, min_confidence)
-
-    def trained_positions(self) -> int:
-        return self.cfg.block_size - 1
+        return parallel.draw_chains(self, logits, ks, sampling, generators, min_confidence)

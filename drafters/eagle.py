@@ -20,9 +20,11 @@ Design decision (layer 0's input norm, `input_norm`): on by default (an RMSNorm 
 with the target's own LM head (draft_vocab_size=None) makes the head exportable to vLLM, SGLang
 and speculators exactly (the layouts at the end of this module).
 
-Parts: the draft head (drafters/head.py): the target's LM head, frozen (draft_vocab_size=None), or
-a trainable Linear(H -> Vd) over a pruned draft vocabulary started from the target's rows; the
-drafter KV cache (drafters/cache.py); the chain loop (Drafter.draft_chain). Embedding: the
+Parts: the draft head (drafters/head.py): the target's LM head, frozen (draft_vocab_size=None), or a
+trainable Linear(H -> Vd) over a pruned draft vocabulary started from the target's rows; the layers'
+config and the start from a target layer (drafters/parts.py). Decoding is the shared component's
+(drafters/drafting.py CausalDrafter: the KV cache, chain, tree and batched rows), driven through
+this module's `inputs`, `backbone` and `head`: the example of a step-by-step drafter. Embedding: the
 target's, frozen. Target modules are reached through `self.target` (a plain attribute), never
 registered as submodules, so the drafter's state_dict holds only its own weights.
 """
@@ -33,20 +35,17 @@ from typing import Optional
 
 import torch
 from torch import nn
-from transformers import DynamicCache, LlamaConfig
+from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaRMSNorm,
                                                       LlamaRotaryEmbedding)
 
-from specdistill.drafters.attention import FEW_Q
-from specdistill.drafters.base import (ChainProposal, DecodeState, Drafter, DrafterConfig,
-                           DraftPrediction, ExportLayout, TrainBatch, TreeProposal, register)
-from specdistill.drafters.cache import DraftCache, additive_mask
+from specdistill.drafters.base import DrafterConfig, DraftPrediction, ExportLayout, TrainBatch, register
+from specdistill.drafters.cache import additive_mask
+from specdistill.drafters.drafting import CausalDrafter
 from specdistill.drafters.export_formats import WEIGHTS, llama_layer_config, speculators_config
-from specdistill.drafters.head import head_logits, init_draft_head
+from specdistill.drafters.head import head_logits
+from specdistill.drafters.parts import drafter_llama_config, finish_init
 from specdistill.drafters.ranges import MAX_DRAFT, MAX_LAYERS, MAX_TREE, MAX_VOCAB, rng
-from specdistill.drafters.rows import RowsTogether
-from specdistill.drafters.sampling import SamplingParams
-from specdistill.drafters.tree import dynamic_tree, in_target_vocab
 
 
 @dataclass
@@ -79,23 +78,6 @@ class EagleConfig(DrafterConfig):
     # sampling: draw the tree's children from the warped q (False: EAGLE-2's top-k candidates,
     # verified as deterministic drafts; both lossless)
     tree_sampled: bool = True
-
-
-def drafter_llama_config(target, num_layers: int) -> LlamaConfig:
-    """A LlamaConfig for the drafter's layers, with the target's widths, heads, norm eps and RoPE."""
-    tc = target.config
-    head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
-    cfg = LlamaConfig(
-        vocab_size=target.vocab_size, hidden_size=tc.hidden_size,
-        intermediate_size=tc.intermediate_size, num_hidden_layers=num_layers,
-        num_attention_heads=tc.num_attention_heads,
-        num_key_value_heads=getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads,
-        head_dim=head_dim, hidden_act=getattr(tc, "hidden_act", "silu"),
-        max_position_embeddings=target.max_length, rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
-        rope_parameters=getattr(tc, "rope_parameters", None))
-    cfg._attn_implementation = FEW_Q  # SDPA, but plain ops for 16-bit CPU draft steps (our masks:
-    # explicit additive float masks)
-    return cfg
 
 
 # =================================================================================================
@@ -187,7 +169,7 @@ SPECULATORS = ExportLayout(
 
 
 @register("eagle", config=EagleConfig, layouts=(VLLM, SGLANG, SPECULATORS))
-class Eagle(RowsTogether, Drafter):
+class Eagle(CausalDrafter):
     """EAGLE drafter: fc + Llama decoder layer(s) + the target's (or a pruned) LM head."""
 
     tags = ("eagle1",)
@@ -211,42 +193,17 @@ class Eagle(RowsTogether, Drafter):
             self.norm = LlamaRMSNorm(H, eps=self.llama_config.rms_norm_eps)
             with torch.no_grad():
                 self.norm.weight.copy_(target.model.model.norm.weight.float())
-        self._finish_init(cfg, target)
-
-    def _finish_init(self, cfg, target) -> None:
-        """The end of EAGLE's and EAGLE-3's constructors: the draft head, the optional start from a
-        target layer, the target's device, an empty cache."""
-        init_draft_head(self, target.lm_head(), cfg.draft_vocab_size, target.vocab_size)
-        if cfg.init_from_target_layer is not None:
-            self._init_from_target(cfg.init_from_target_layer)
-        self.to(target.device)
-        self.reset()
-
-    def _init_from_target(self, index: int) -> None:
-        """Layer i takes the weights of target layer index - (num_layers - 1) + i (HF names match)."""
-        src = self.target.model.model.layers
-        last = index % len(src)
-        first = last - (len(self.layers) - 1)
-        if first < 0:
-            raise ValueError(f"{self.name}: init_from_target_layer={index} leaves too few target "
-                             f"layers for {len(self.layers)} drafter layers")
-        for i, layer in enumerate(self.layers):
-            own = layer.state_dict().keys()  # without layer 0's input norm when input_norm=false
-            state = {k: v.float() for k, v in src[first + i].state_dict().items() if k in own}
-            layer.load_state_dict(self._from_target_layer(i, state), strict=True)
-
-    def _from_target_layer(self, i: int, state: dict) -> dict:
-        """Hook: target-layer weights (HF names) -> drafter layer i's (as they are for EAGLE)."""
-        return state
+        finish_init(self, cfg, target)  # draft head, init_from_target_layer, device, reset
 
     # -- the network ------------------------------------------------------------------------------
-    def _inputs(self, tokens: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
-        """tokens (B, Q) target ids, feats (B, Q, H) -> fc inputs (B, Q, H)."""
+    def inputs(self, tokens: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+        """tokens (B, Q) target ids, feats (B, Q, H) target features or the drafter's own
+        predicted ones -> fc inputs (B, Q, H)."""
         dtype = self.fc.weight.dtype
         emb = self.target.embed_tokens()(tokens).to(dtype)  # (B, Q, H), frozen
         return self.fc(torch.cat([emb, feats.to(dtype)], dim=-1))  # (B, Q, H)
 
-    def _layers(self, x, positions, mask, cache=None) -> torch.Tensor:
+    def backbone(self, x, positions, mask, cache=None) -> torch.Tensor:
         """x (B, Q, H) at positions (B, Q), additive mask (B, 1, Q, K) -> features (B, Q, H)."""
         rope = self.rotary_emb(x, positions)
         for layer in self.layers:
@@ -282,98 +239,9 @@ class Eagle(RowsTogether, Drafter):
         for j in range(1, self.cfg.train_unroll + 1):
             # token t+j; the last j columns get a filler id: those anchors are never counted
             tok = torch.cat([ids[:, j:], ids[:, -1:].expand(B, min(j, T))], dim=1)[:, :T]  # (B, T)
-            x = self._inputs(tok, h)  # (B, T, H)
+            x = self.inputs(tok, h)  # (B, T, H)
             allowed = torch.cat([causal] + [diag] * (j - 1), dim=-1)  # (B, T, j*T)
-            h = self._layers(x, (pos + j - 1).expand(B, T), additive_mask(allowed, x.dtype), cache)
+            h = self.backbone(x, (pos + j - 1).expand(B, T), additive_mask(allowed, x.dtype), cache)
             preds.append(DraftPrediction(logits=self.head(h), shift=j,  # (B, T, Vd)
                                          weight=self.cfg.unroll_decay ** (j - 1), features=h))
         return preds
-
-    # -- decoding ---------------------------------------------------------------------------------
-    def reset(self) -> None:
-        self._cache = DraftCache()  # positions 0..committed-1 from real target features
-
-    def _sync_inputs(self, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor]:
-        """Crop the cache to what it still shares with the committed tokens and return the inputs
-        (1, n_new, .) and positions (n_new,) of the committed positions it lacks, built from the
-        real target features (at least the last position is redone, so its output is at hand)."""
-        tokens, feats = state.tokens, state.features  # (T,), (T-1, F)
-        T = tokens.shape[0]
-        if feats is None or T < 2 or feats.shape[0] != T - 1:
-            raise ValueError(f"{self.name}: propose needs >= 2 tokens and state.features for "
-                             f"tokens[:-1]")
-        # 1. position t needs tokens[: t + 2] unchanged; crop to the shared prefix
-        cache = self._cache
-        keep = max(0, min(cache.committed, cache.shared_prefix(tokens) - 1, T - 2))
-        cache.sync_to(tokens, keep, committed=T - 1)
-        # 2. the new committed positions keep .. T-2, from real target features
-        x = self._inputs(tokens[keep + 1:][None], feats[keep:][None])  # (1, n_new, .)
-        return x, torch.arange(keep, T - 1, device=tokens.device)  # (n_new,)
-
-    def _run_causal(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """x (1, n, .) at positions pos (n,), the last ones of the sequence: causal attention over
-        the cache and themselves -> features (1, n, H)."""
-        allowed = torch.arange(int(pos[-1]) + 1, device=pos.device)[None, :] <= pos[:, None]  # (n, K)
-        return self._layers(x, pos[None], additive_mask(allowed[None], x.dtype), self._cache.kv)
-
-    @torch.no_grad()
-    def _sync(self, state: DecodeState) -> torch.Tensor:
-        """Bring the cache up to date with the committed tokens; return the predicted feature of
-        the position after the last processed one (1, 1, H): the input for the first draft."""
-        h = self._run_causal(*self._sync_inputs(state))  # (1, n_new, H)
-        assert len(self._cache) == self._cache.committed
-        return h[:, -1:]  # (1, 1, H)
-
-    @torch.no_grad()
-    def propose(self, state: DecodeState, k: int, sampling: SamplingParams,
-                generator: torch.Generator | None = None,
-                min_confidence: float = 0.0) -> ChainProposal:
-        """Draft up to k tokens autoregressively, feeding the drafter's own predicted features."""
-        if k < 1:
-            return ChainProposal(tokens=state.tokens.new_empty(0))
-        h = self._sync(state)  # (1, 1, H)
-        T = state.tokens.shape[0]
-
-        def step(i: int, token: torch.Tensor) -> torch.Tensor:
-            """The next draft reads the drafted token and this predicted feature."""
-            nonlocal h
-            x = self._inputs(token.view(1, 1), h)  # (1, 1, H)
-            pos = torch.full((1, 1), T - 1 + i, device=x.device)
-            h = self._layers(x, pos, None, self._cache.kv)  # no mask: attends to the whole cache
-            return self.head(h)[0, 0].float()  # (Vd,)
-
-        try:
-            return self.draft_chain(self.head(h)[0, 0].float(), step, k, sampling, generator,
-                                    min_confidence)
-        finally:  # drafts came from predicted features: redo them from real ones next round
-            self._cache.forget_drafts()
-
-    @torch.no_grad()
-    def propose_tree(self, state: DecodeState, sampling: SamplingParams,
-                     generator: torch.Generator | None = None) -> TreeProposal:
-        """EAGLE-2 dynamic tree (sampling: children drawn from q, drafters/tree.py sampled_tree).
-        Each level's frontier runs as one batch of queries through the cache with a tree mask: a
-        node sees the committed prefix, its ancestors and itself, so a level costs one drafter
-        step whatever its width."""
-        h_root = self._sync(state)[0, 0]  # (H,)
-        out = {}  # pool index -> predicted feature (H,) of that node's position
-
-        def expand(tokens: torch.Tensor, parents: torch.Tensor, frontier: torch.Tensor):
-            feats = torch.stack([out[int(parents[f])] if parents[f] >= 0 else h_root
-                                 for f in frontier.tolist()])  # (F, H)
-            x = self._inputs(self.target_ids(tokens[frontier])[None], feats[None])  # (1, F, H)
-            allowed, pos, base = self._cache.tree_level(frontier, parents)  # (F, K), (1, F)
-            h = self._layers(x, pos, additive_mask(allowed[None], x.dtype), self._cache.kv)[0]
-            self._cache.add_level(frontier, base)
-            for i, f in enumerate(frontier.tolist()):
-                out[f] = h[i]  # (H,)
-            return self.head(h).float().log_softmax(-1)  # (F, Vd)
-
-        root = self.head(h_root).float().log_softmax(-1)  # (Vd,)
-        sampled = sampling if self.cfg.tree_sampled else None  # None: the top-k tree
-        try:
-            tree = dynamic_tree(expand, root, self.cfg.tree_top_k, self.cfg.tree_depth,
-                               self.cfg.tree_total_tokens, sampled, generator)
-        finally:
-            self._cache.forget_drafts()
-        return in_target_vocab(tree, self.d2t, self.vocab_size)

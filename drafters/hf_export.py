@@ -1,12 +1,14 @@
-"""small_lm's `causal_lm` export layout: the drafter as a plain Hugging Face causal-LM folder.
+"""The `causal_lm` export: a drafter that is a Hugging Face causal LM written as a plain Hugging
+Face causal-LM folder (the layout itself is registered by that drafter's own module).
 
 The folder holds config.json, model.safetensors, generation_config.json and the target's tokenizer
 files (plus the model card drafters/export.py adds). `AutoModelForCausalLM.from_pretrained(folder)`
 loads it with no specdistill code, and it drafts for the target anywhere a draft model is
 accepted, e.g. `target.generate(..., assistant_model=draft)`, vLLM / SGLang draft models. LoRA
-adapters are merged, the target's shared embeddings and LM head copied in (SmallLm.to_hf_model).
-A self-saving layout (drafters/base.py ExportLayout): `save` writes the folder and reads it back
-with transformers alone (same logits as the drafter); `load` rebuilds a small_lm drafter from it.
+adapters are merged, the target's shared embeddings and LM head copied in (the drafter's
+`to_hf_model`). `save_causal_lm` is a self-saving layout's `save` (drafters/base.py ExportLayout):
+it writes the folder and reads it back with transformers alone (same logits as the drafter's
+`logits`).
 """
 from __future__ import annotations
 
@@ -14,7 +16,6 @@ from pathlib import Path
 
 import torch
 
-from specdistill.drafters.base import ExportLayout, build_drafter
 from specdistill.drafters.export_formats import ExportError, torch_dtype
 
 
@@ -50,21 +51,3 @@ def save_causal_lm(drafter, folder, ctx) -> None:
     model.save_pretrained(folder)  # 2. config.json, model.safetensors, generation_config.json
     ctx.target.tokenizer.save_pretrained(folder)
     _check(Path(folder), drafter, dtype)  # 3. read back with transformers alone
-
-
-def load_causal_lm(folder, target):
-    """An exported folder as a drafter for our decoder: small_lm with source=pretrained (which
-    refuses a folder whose tokenizer is not the target's)."""
-    return build_drafter({"name": "small_lm", "source": "pretrained", "pretrained": str(folder)},
-                         target)
-
-
-CAUSAL_LM = ExportLayout(
-    format="causal_lm", tags=("transformers",), save=save_causal_lm, load=load_causal_lm,
-    requires={"draft_vocab_size": None},  # an HF causal LM scores the full vocabulary
-    summary="a standalone Hugging Face causal LM (LoRA merged, the target's embeddings and LM head "
-            "copied in) that transformers, vLLM and SGLang load as a draft model.",
-    usage="from transformers import AutoModelForCausalLM\n"
-          "target = AutoModelForCausalLM.from_pretrained('{base}')\n"
-          "draft = AutoModelForCausalLM.from_pretrained('{path}')\n"
-          "out = target.generate(**inputs, assistant_model=draft, do_sample=False)  # k={k}")

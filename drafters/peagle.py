@@ -11,8 +11,8 @@ all k draft distributions come out of one forward:
     draft 1 = head(out at the last real position);  draft 1+i = head(out at mask_i)
 
 The network (fc fusion of the low / mid / high target layers, midlayer over [embed; feature],
-norm, pruned head) is EAGLE-3's, inherited from drafters.eagle3.Eagle3 with the same parameter
-names, plus `mask_hidden`.
+norm, pruned head) is EAGLE-3's, drafters/fused.py FusedDrafter with the same parameter names,
+plus `mask_hidden`.
 
 Training (`forward_train`) reuses EAGLE-3's training-time-test attention: "step" 1 is the real
 positions (causal over real features), step j > 1 is mask j-1 at every anchor t, at position
@@ -46,7 +46,7 @@ embed_requires_grad default true), core.py (PEagleDraftModel = Eagle3DraftModel 
 position a+d), attention.py (depth 0 causal, depth d sees depth 0 at anchors <= a and its own
 rollout: our training attention), data.py (COD sampling).
 
-Exports: `hf` (ours, lossless); `vllm`: EAGLE-3's vLLM layout (drafters/eagle3.py) plus the
+Exports: `hf` (ours, lossless); `vllm`: EAGLE-3's vLLM layout (drafters/fused_export.py) plus the
 `mask_hidden` tensor and `mask_token_id` / `parallel_drafting` in config.json, served with
 `"method": "eagle3", "parallel_drafting": true`; `speculators`: EAGLE-3's speculators layout with
 the peagle type, mask_token_id and mask_hidden (1, 1, 3H); the slow test in tests/test_eagle3.py
@@ -61,19 +61,23 @@ import torch
 from torch import nn
 
 from specdistill.drafters.anchors import capped_steps, check_anchor_share, draw_anchors
-from specdistill.drafters.base import (ChainProposal, DecodeState, DraftPrediction, Drafter,
-                                      ExportLayout, TrainBatch, register)
+from specdistill.drafters.base import (ChainProposal, DecodeState, DraftPrediction, ExportLayout,
+                                      TrainBatch, TreeProposal, register)
 from specdistill.drafters.attention import ttt_attention
-from specdistill.drafters.eagle3 import (Eagle3, Eagle3Config, engine_config, engine_refusal, engine_state,
-                             state_from_engine)
+from specdistill.drafters.fused import FusedConfig, FusedDrafter
+from specdistill.drafters.fused_export import (engine_config, engine_refusal, engine_state,
+                                               state_from_engine)
 from specdistill.drafters.export_formats import WEIGHTS, torch_dtype
-from specdistill.drafters.parallel import ParallelDrafts
+from specdistill.drafters import parallel
+from specdistill.drafters.rows import propose_rows, rows_forward, rows_keep
 from specdistill.drafters.ranges import MAX_COUNT, MAX_DRAFT, MAX_VOCAB, rng
+from specdistill.drafters.sampling import SamplingParams
 
 
 @dataclass
-class PeagleConfig(Eagle3Config):
-    """P-EAGLE drafter settings: EAGLE-3's (network, aux layers, pruned head) plus the masks."""
+class PeagleConfig(FusedConfig):
+    """P-EAGLE drafter settings: the fused network's (aux layers, layers, pruned head; drafters/
+    fused.py) plus the masks."""
 
     name: str = "peagle"  # registry key
     # draft positions trained: the real one + ttt_length - 1 masks; the largest k it drafts
@@ -88,7 +92,7 @@ class PeagleConfig(Eagle3Config):
     mask_anchors: Optional[float] = rng(None, 0, MAX_COUNT, lo_open=True)
 
 
-# == Export: vLLM's EAGLE-3 loader with parallel drafting (llama_eagle3.py @00bd1493): eagle3's ==
+# == Export: vLLM's EAGLE-3 loader with parallel drafting (llama_eagle3.py @00bd1493): the fused ==
 # == vllm layout, `mask_hidden` (3H,) loaded into its (1, 3H) buffer, the mask id in config.    ==
 def _write_vllm(drafter, state, ctx):
     tensors = engine_state(drafter, "vllm", state, torch_dtype(ctx.dtype))  # mask_hidden kept as is
@@ -116,7 +120,7 @@ VLLM = ExportLayout(
 # == Eagle3DraftModel + mask_hidden (1, 1, 3H), fused through its optional norms and fc).   ==
 def peagle_speculators_state(drafter, state: Optional[dict] = None,
                              dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """The tensors PEagleDraftModel loads: eagle3's speculators tensors (layers.0.*, fc, norms,
+    """The tensors PEagleDraftModel loads: EAGLE-3's speculators tensors (layers.0.*, fc, norms,
     lm_head, embed_tokens, d2t / t2d when pruned) and mask_hidden as its (1, 1, 3H) parameter."""
     out = engine_state(drafter, "speculators", state, dtype)
     out["mask_hidden"] = out["mask_hidden"].reshape(1, 1, -1)
@@ -125,7 +129,7 @@ def peagle_speculators_state(drafter, state: Optional[dict] = None,
 
 def peagle_speculators_config(drafter, speculative_tokens: int = 5,
                               verifier: Optional[str] = None, dtype: str = "float32") -> dict:
-    """config.json of the speculators `peagle` type: eagle3's with the peagle type, its
+    """config.json of the speculators `peagle` type: EAGLE-3's with the peagle type, its
     architecture, mask_token_id, at most ttt_length speculative tokens; embed_requires_grad is
     false (its default is true): the embedding is the target's, never trained here."""
     k = min(speculative_tokens, drafter.cfg.ttt_length)
@@ -160,10 +164,9 @@ SPECULATORS = ExportLayout(
 
 
 @register("peagle", config=PeagleConfig, layouts=(VLLM, SPECULATORS))
-class Peagle(ParallelDrafts, Eagle3):
-    """P-EAGLE drafter: EAGLE-3's network + a learnt mask hidden state; k drafts per forward."""
-
-    forward_own = Drafter.forward_own  # drafts from masks, never from its own tokens: none
+class Peagle(FusedDrafter):
+    """P-EAGLE drafter: EAGLE-3's network (drafters/fused.py) + a learnt mask hidden state; k
+    drafts per forward. No forward_own: it drafts from masks, never from its own tokens."""
 
     tags = ("peagle", "parallel-drafting")
     trained_setting = "drafter.ttt_length"
@@ -178,13 +181,13 @@ class Peagle(ParallelDrafts, Eagle3):
             raise ValueError(f"peagle: loss_weights needs one weight per draft position "
                              f"(ttt_length={cfg.ttt_length}), got {list(cfg.loss_weights)}")
         check_anchor_share("peagle", "mask_anchors", cfg.mask_anchors)
-        super().__init__(cfg, target)  # EAGLE-3's network, head, device, cache
+        super().__init__(cfg, target)  # the fused network, head, device, decode state
         self.mask_token_id = mask_id
         g = torch.Generator().manual_seed(0)  # a small fixed start; trained with the rest
         self.mask_hidden = nn.Parameter(  # (3H,) stands in for the aux-layer features; fused by fc
             (0.02 * torch.randn(3 * target.hidden_size, generator=g)).to(self.fc.weight.device))
 
-    def _mask_inputs(self, B: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def mask_inputs(self, B: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The inputs of n mask positions per row: (embedding, hidden), each (B, n, H)."""
         dtype = self.fc.weight.dtype
         tok = torch.full((1, 1), self.mask_token_id, device=self.mask_hidden.device)
@@ -231,52 +234,61 @@ class Peagle(ParallelDrafts, Eagle3):
         tok = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)  # (B, T)
         h = self.fuse(feats)  # (B, T, H)
         emb = self.target.embed_tokens()(tok).to(h.dtype)  # (B, T, H), frozen
-        mask_emb, mask_h = self._mask_inputs(B, at.shape[1])  # (B, A, H) each
+        mask_emb, mask_h = self.mask_inputs(B, at.shape[1])  # (B, A, H) each
         preds = []
         for j in range(1, J + 1):
             # 2. j > 1: mask j-1 at each mask anchor t, at position t+j-1
             positions, mask = (pos.expand(B, T), causal) if j == 1 else (at + j - 1, seen)
             if j > 1:
                 emb, h = mask_emb, mask_h
-            out = self._run(emb, h, positions,
+            out = self.run(emb, h, positions,
                             lambda i: lambda q, k, v: ttt_attention(q, k, v, store[i], mask))
             preds.append(DraftPrediction(logits=self.head(out), shift=j,  # (B, T | A, Vd)
                                          weight=self._weight(j),
                                          anchors=None if j == 1 else anchors))
         return preds
 
-    # -- decoding ---------------------------------------------------------------------------------
+    # -- decoding: parallel drafts (drafters/parallel.py) from one forward of drafters/drafting.py --
     @torch.no_grad()
     def draft_logits(self, state: DecodeState, k: int) -> torch.Tensor:
         """The k draft distributions (k, Vd) after state.tokens, from ONE forward over the new
-        real positions and k-1 mask positions; the cache keeps the real ones only."""
-        real, pos = self._sync_inputs(state)  # 1. (1, n_new, 2H) at the new real positions
-        # 2. k-1 masks after them, at T-1 .. T+k-3
-        mask = torch.cat(self._mask_inputs(1, k - 1), dim=-1)  # (1, k-1, 2H)
-        x = torch.cat([real, mask], dim=1)  # (1, n_new + k-1, 2H)
-        pos = torch.cat([pos, pos[-1] + 1 + torch.arange(k - 1, device=pos.device)])
-        try:
-            # 3. one forward through the cache; the last real position and the masks give drafts
-            h = self._run_causal(x, pos)  # (1, n_new + k-1, H)
-            return self.head(h[0, real.shape[1] - 1:]).float()  # (k, Vd)
-        finally:
-            self._cache.forget_drafts()  # masks are per round: drop them, keep the real positions
+        real positions and k-1 mask positions after them (at T-1 .. T+k-3); the cache keeps the
+        real ones only."""
+        masks = torch.cat(self.mask_inputs(1, k - 1), dim=-1)  # (1, k-1, 2H)
+        h = self.drafting.after(state, masks)  # (1, k, H): the last real position, the masks
+        return self.head(h[0]).float()  # (k, Vd)
 
     def trained_positions(self) -> int:
         return self.cfg.ttt_length
 
-    def _propose_together(self, slots, states, ks, sampling, generators, min_confidence
-                          ) -> list[ChainProposal]:
-        """Eagle.propose_rows' round for parallel drafting: ONE forward for every row, over its
-        new real positions and its k-1 mask positions after them (padded, each row through its own
-        cache); each row's chain is then drawn from its k distributions, as propose draws it."""
-        ks = [self._trained_k(k) for k in ks]
-        masks = torch.cat(self._mask_inputs(1, max(ks) - 1), dim=-1)[0]  # (max k - 1, 2H)
+    def propose(self, state: DecodeState, k: int, sampling: SamplingParams,
+                generator: torch.Generator | None = None,
+                min_confidence: float = 0.0) -> ChainProposal:
+        return parallel.propose(self, state, k, sampling, generator, min_confidence)
+
+    def propose_tree(self, state: DecodeState, sampling: SamplingParams,
+                     generator: torch.Generator | None = None) -> TreeProposal:
+        return parallel.propose_tree(self, state, sampling, generator)
+
+    def propose_rows(self, slots, states, ks, sampling, generators, min_confidence=0.0
+                     ) -> list[ChainProposal]:
+        """Every row's round in ONE forward (drafters/rows.py propose_rows, rows_round)."""
+        return propose_rows(self.rows_round, slots, states, ks, sampling, generators,
+                            min_confidence)
+
+    def rows_round(self, slots, states, ks, sampling, generators, min_confidence
+                   ) -> list[ChainProposal]:
+        """The batched round: ONE forward for every row, over its new real positions and its k-1
+        mask positions after them (padded, each row through its own cache); each row's chain is
+        then drawn from its k distributions, as propose draws it."""
+        ks = [parallel.trained_k(self, k) for k in ks]
+        masks = torch.cat(self.mask_inputs(1, max(ks) - 1), dim=-1)[0]  # (max k - 1, 2H)
         ends = [int(s.tokens.shape[0]) - 2 for s in states]  # each row's last real position
         dev = masks.device
         tails = [(masks[:k - 1], e + 1 + torch.arange(k - 1, device=dev)) for k, e in zip(ks, ends)]
-        h, rows, n = self._rows_forward(slots, states, tails)  # (B, Q, H)
-        self._rows_keep(slots, rows, n)
+        h, rows, n = rows_forward(slots, states, tails)  # (B, Q, H)
+        rows_keep(slots, rows, n)
         at = [(b, n[b] - 1 + i) for b, k in enumerate(ks) for i in range(k)]  # rows' draft positions
         logits = self.head(h[[b for b, _ in at], [j for _, j in at]]).float()  # (sum k, Vd)
-        return self.draw_chains(logits.split(ks), ks, sampling, generators, min_confidence)
+        return parallel.draw_chains(self, logits.split(ks), ks, sampling, generators,
+                                    min_confidence)

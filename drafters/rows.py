@@ -1,13 +1,18 @@
-"""Batched chain drafting for EAGLE-family drafters (Eagle, Eagle3, Peagle) and DFlash: the rows
-of a batch (decode/batch.py) draft together, ONE drafter forward per draft step for every row,
-each row attending to its own drafter cache through a padded batch cache (drafters/cache.py
-RowsKV).
+"""Batched chain drafting: the rows of a batch (decode/batch.py) draft together, ONE drafter
+forward per draft step for every row (P-EAGLE, DFlash: one per round), each row attending to its
+own drafter cache through a padded batch cache (drafters/cache.py RowsKV).
 
-`RowsTogether` is a mixin in front of `Drafter`. Its default round needs the EAGLE-family decode
-pieces (`_sync_inputs`, `_run_causal`, `_inputs`, `_layers`, `head`, `_cache`). A drafter whose
-round is one forward (P-EAGLE, DFlash) overrides `_propose_together`.
+`propose_rows(round_fn, ...)` is Drafter.propose_rows for such drafters: it runs `round_fn` over the
+rows that draft, falls back to each row's own propose when fewer than two do, and resets every
+row's drafter when a round fails (a half-synced cache must not survive). `chain_round` is the
+round of step-by-step drafters (drafters/drafting.py CausalDrafter), `rows_forward` /
+`rows_keep` the padded forward and its end that P-EAGLE's one-forward round shares. They reach a
+drafter through its public decode interface only (`drafting`: sync_inputs, run_causal, cache;
+`inputs`, `backbone`, `head`).
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -15,86 +20,92 @@ import torch.nn.functional as F
 from specdistill.drafters.cache import RowsKV, additive_mask
 from specdistill.drafters.proposals import ChainDraw, ChainProposal
 
+# a row with more new committed positions than this (a new prompt) runs all but the last of them
+# alone first, so the padded forward stays as narrow as the rounds' blocks
+ROWS_SYNC_ALONE = 16
 
-class RowsTogether:
-    """Drafter.propose_rows with the rows together (see the module docstring)."""
+# (slots, states, ks, sampling, generators, min_confidence) -> each row's chain
+Round = Callable[..., list[ChainProposal]]
 
-    @torch.no_grad()
-    def propose_rows(self, slots, states, ks, sampling, generators, min_confidence=0.0):
-        """Drafter.propose_rows with ONE drafter forward per draft step for all rows (and one for
-        their new committed positions), each row attending to its own cache only (RowsKV), so each
-        row's chain is what its own propose would draft (up to the padded forward's rounding)."""
-        live = [r for r, k in enumerate(ks) if k >= 1]
-        if len(live) < 2:  # nothing to batch: no padding
-            return super().propose_rows(slots, states, ks, sampling, generators, min_confidence)
-        out = [ChainProposal(tokens=s.tokens.new_empty(0)) for s in states]
-        pick = [slots[r] for r in live]
-        try:
-            got = self._propose_together(pick, [states[r] for r in live], [ks[r] for r in live],
-                                         sampling, [generators[r] for r in live], min_confidence)
-        except BaseException:
-            for d in pick:  # a half-synced cache must not survive: the next round rebuilds it
-                d.reset()
-            raise
-        for r, p in zip(live, got):
-            out[r] = p
-        return out
 
-    def _propose_together(self, slots, states, ks, sampling, generators, min_confidence
-                          ) -> list[ChainProposal]:
-        """propose_rows' round: 1. every row's new committed positions in one forward (padded);
-        2. each row's first draft from its last one; 3. one forward per further draft step over
-        the rows still drafting; 4. each row's cache keeps its committed positions only."""
-        h, rows, n = self._rows_forward(slots, states)  # 1. (B, Q, H)
-        B = len(slots)
-        h = h[torch.arange(B), torch.tensor(n) - 1][:, None]  # (B, 1, H)
-        chains = [ChainDraw(self, k, sampling, g, min_confidence) for k, g in zip(ks, generators)]
-        logits = self.head(h)[:, 0].float()  # (B, Vd)
-        want = [c.draw(logits[b]) for b, c in enumerate(chains)]  # 2.
-        T = [s.tokens.shape[0] for s in states]
-        while any(want):  # 3. rows that stopped ride along, seeing only themselves
-            tok = torch.stack([c.tokens[-1] for c in chains]).view(B, 1)
-            pos = torch.tensor([[t - 2 + c.n] for t, c in zip(T, chains)], device=tok.device)
-            live = torch.tensor(want, device=tok.device)[:, None]  # (B, 1)
-            x = self._inputs(tok, h)  # (B, 1, .)
-            h = self._layers(x, pos, additive_mask(rows.block(live), x.dtype), rows.kv)
-            logits = self.head(h)[:, 0].float()  # (B, Vd)
-            want = [c.draw(logits[b]) for b, c in enumerate(chains)]  # a done chain draws no more
-        self._rows_keep(slots, rows, n)  # 4.
-        return [c.proposal() for c in chains]
+@torch.no_grad()
+def propose_rows(round_fn: Round, slots, states, ks, sampling, generators, min_confidence=0.0
+                 ) -> list[ChainProposal]:
+    """Drafter.propose_rows with the rows together: `round_fn` over the rows with ks[r] >= 1, each
+    row's chain what its own propose would draft (up to the padded forward's rounding)."""
+    live = [r for r, k in enumerate(ks) if k >= 1]
+    if len(live) < 2:  # nothing to batch: no padding
+        return [d.propose(s, k, sampling, g, min_confidence)
+                for d, s, k, g in zip(slots, states, ks, generators)]
+    out = [ChainProposal(tokens=s.tokens.new_empty(0)) for s in states]
+    pick = [slots[r] for r in live]
+    try:
+        got = round_fn(pick, [states[r] for r in live], [ks[r] for r in live], sampling,
+                    [generators[r] for r in live], min_confidence)
+    except BaseException:
+        for d in pick:  # a half-synced cache must not survive: the next round rebuilds it
+            d.reset()
+        raise
+    for r, p in zip(live, got):
+        out[r] = p
+    return out
 
-    # propose_rows: a row with more new committed positions than this (a new prompt) runs all but
-    # the last of them alone first, so the padded forward stays as narrow as the rounds' blocks
-    rows_sync_alone: int = 16
 
-    def _rows_forward(self, slots, states, tails=None) -> tuple[torch.Tensor, RowsKV, list[int]]:
-        """ONE padded forward over every row's new committed positions (its cache synced first,
-        as propose does) followed by tails[b] = (inputs (t_b, .), positions (t_b,)) if given,
-        each row attending to its own cache (RowsKV) and causally within its block. Returns
-        (h (B, Q, H), the RowsKV, n: each row's committed positions in the block)."""
-        synced = [d._sync_inputs(s) for d, s in zip(slots, states)]  # [(x (1, n, .), pos (n,))]
-        for b, (d, (x, p)) in enumerate(zip(slots, synced)):
-            if len(p) > self.rows_sync_alone:  # e.g. a new row's prompt: not B padded copies of it
-                d._run_causal(x[:, :-1], p[:-1])  # causal: its last position comes out the same
-                synced[b] = x[:, -1:], p[-1:]
-        n = [len(p) for _, p in synced]
-        parts = [(x[0], p) for x, p in synced]
-        if tails is not None:
-            parts = [(torch.cat([x, tx]), torch.cat([p, tp]))
-                     for (x, p), (tx, tp) in zip(parts, tails)]
-        rows = RowsKV([d._cache for d in slots], parts[0][1].device)
-        width = [len(p) for _, p in parts]
-        Q = max(width)
-        x = torch.stack([F.pad(x, (0, 0, 0, Q - len(x))) for x, _ in parts])  # (B, Q, .)
-        pos = torch.stack([torch.cat([p, p[-1:].expand(Q - len(p))]) for _, p in parts])  # (B, Q)
-        valid = (torch.arange(Q)[None, :] < torch.tensor(width)[:, None]).to(pos.device)  # (B, Q)
-        return self._layers(x, pos, additive_mask(rows.block(valid), x.dtype), rows.kv), rows, n
+def chain_round(slots, states, ks, sampling, generators, min_confidence) -> list[ChainProposal]:
+    """A step-by-step drafter's round: 1. every row's new committed positions in one forward
+    (padded); 2. each row's first draft from its last one; 3. one forward per further draft step
+    over the rows still drafting; 4. each row's cache keeps its committed positions only."""
+    net = slots[0]  # the rows' drafters share their weights
+    h, rows, n = rows_forward(slots, states)  # 1. (B, Q, S)
+    B = len(slots)
+    h = h[torch.arange(B), torch.tensor(n) - 1][:, None]  # (B, 1, S)
+    chains = [ChainDraw(net, k, sampling, g, min_confidence) for k, g in zip(ks, generators)]
+    logits = net.head(h)[:, 0].float()  # (B, Vd)
+    want = [c.draw(logits[b]) for b, c in enumerate(chains)]  # 2.
+    T = [s.tokens.shape[0] for s in states]
+    while any(want):  # 3. rows that stopped ride along, seeing only themselves
+        tok = torch.stack([c.tokens[-1] for c in chains]).view(B, 1)
+        pos = torch.tensor([[t - 2 + c.n] for t, c in zip(T, chains)], device=tok.device)
+        live = torch.tensor(want, device=tok.device)[:, None]  # (B, 1)
+        x = net.inputs(tok, h)  # (B, 1, X)
+        h = net.backbone(x, pos, additive_mask(rows.block(live), x.dtype), rows.kv)
+        logits = net.head(h)[:, 0].float()  # (B, Vd)
+        want = [c.draw(logits[b]) for b, c in enumerate(chains)]  # a done chain draws no more
+    rows_keep(slots, rows, n)  # 4.
+    return [c.proposal() for c in chains]
 
-    @staticmethod
-    def _rows_keep(slots, rows: RowsKV, n: list[int]) -> None:
-        """The end of a together round: each row's cache gains its n[b] committed positions; the
-        drafts stay behind in the batch cache."""
-        rows.commit([d._cache for d in slots], n)
-        for d in slots:
-            d._cache.forget_drafts()
-            assert len(d._cache) == d._cache.committed
+
+def rows_forward(slots, states, tails=None) -> tuple[torch.Tensor, RowsKV, list[int]]:
+    """ONE padded forward over every row's new committed positions (its cache synced first, as
+    propose does) followed by tails[b] = (inputs (t_b, X), positions (t_b,)) if given, each row
+    attending to its own cache (RowsKV) and causally within its block. Returns (states (B, Q, S),
+    the RowsKV, n: each row's committed positions in the block)."""
+    own = [d.drafting for d in slots]  # each row's drafters/drafting.py CausalDrafting
+    synced = [c.sync_inputs(s) for c, s in zip(own, states)]  # [(x (1, n, X), pos (n,))]
+    for b, (c, (x, p)) in enumerate(zip(own, synced)):
+        if len(p) > ROWS_SYNC_ALONE:  # e.g. a new row's prompt: not B padded copies of it
+            c.run_causal(x[:, :-1], p[:-1])  # causal: its last position comes out the same
+            synced[b] = x[:, -1:], p[-1:]
+    n = [len(p) for _, p in synced]
+    parts = [(x[0], p) for x, p in synced]
+    if tails is not None:
+        parts = [(torch.cat([x, tx]), torch.cat([p, tp]))
+                 for (x, p), (tx, tp) in zip(parts, tails)]
+    rows = RowsKV([c.cache for c in own], parts[0][1].device)
+    width = [len(p) for _, p in parts]
+    Q = max(width)
+    x = torch.stack([F.pad(x, (0, 0, 0, Q - len(x))) for x, _ in parts])  # (B, Q, X)
+    pos = torch.stack([torch.cat([p, p[-1:].expand(Q - len(p))]) for _, p in parts])  # (B, Q)
+    valid = (torch.arange(Q)[None, :] < torch.tensor(width)[:, None]).to(pos.device)  # (B, Q)
+    mask = additive_mask(rows.block(valid), x.dtype)
+    return slots[0].backbone(x, pos, mask, rows.kv), rows, n
+
+
+def rows_keep(slots, rows: RowsKV, n: list[int]) -> None:
+    """The end of a together round: each row's cache gains its n[b] committed positions; the
+    drafts stay behind in the batch cache."""
+    caches = [d.drafting.cache for d in slots]
+    rows.commit(caches, n)
+    for c in caches:
+        c.forget_drafts()
+        assert len(c) == c.committed

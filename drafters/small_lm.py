@@ -1,7 +1,7 @@
 """Small-LM drafter: a small causal LM over the target's tokenizer, distilled from the target
 (DistillSpec). It reads no target features, so it drafts on its own and also serves as a plain
 Hugging Face draft model (`generate(assistant_model=...)`, vLLM/SGLang draft models) once exported
-(layout `causal_lm`, drafters/hf_export.py).
+(layout `causal_lm` below, written by drafters/hf_export.py).
 
 Sources (`source`):
   target_layers  the target's own architecture with n decoder layers copied from the target (the
@@ -37,10 +37,10 @@ from torch import nn
 
 from specdistill.drafters.attention import use_few_query_attention
 from specdistill.drafters.base import (ChainProposal, DecodeState, Drafter, DrafterConfig, DraftPrediction,
-                           TrainBatch, TreeProposal, register)
+                           ExportLayout, TrainBatch, TreeProposal, register)
 from specdistill.drafters.cache import DraftCache
 from specdistill.drafters.head import Shared, init_draft_head
-from specdistill.drafters.hf_export import CAUSAL_LM
+from specdistill.drafters.hf_export import save_causal_lm
 from specdistill.drafters.sampling import SamplingParams
 from specdistill.drafters.tree import dynamic_tree, in_target_vocab
 from specdistill.drafters.ranges import MAX_DRAFT, MAX_LAYERS, MAX_TREE, MAX_VOCAB, rng
@@ -110,6 +110,24 @@ def vocab_difference(target_tok, draft_tok, target_rows: int, draft_rows: int) -
     if target_rows != draft_rows:
         out.append(f"LM head rows differ: target {target_rows}, drafter {draft_rows}")
     return "; ".join(out) or None
+
+
+def load_causal_lm(folder, target) -> "SmallLm":
+    """An exported `causal_lm` folder as a drafter for our decoder: small_lm with
+    source=pretrained (which refuses a folder whose tokenizer is not the target's)."""
+    return SmallLm.build({"name": "small_lm", "source": "pretrained", "pretrained": str(folder)},
+                         target)
+
+
+CAUSAL_LM = ExportLayout(
+    format="causal_lm", tags=("transformers",), save=save_causal_lm, load=load_causal_lm,
+    requires={"draft_vocab_size": None},  # an HF causal LM scores the full vocabulary
+    summary="a standalone Hugging Face causal LM (LoRA merged, the target's embeddings and LM head "
+            "copied in) that transformers, vLLM and SGLang load as a draft model.",
+    usage="from transformers import AutoModelForCausalLM\n"
+          "target = AutoModelForCausalLM.from_pretrained('{base}')\n"
+          "draft = AutoModelForCausalLM.from_pretrained('{path}')\n"
+          "out = target.generate(**inputs, assistant_model=draft, do_sample=False)  # k={k}")
 
 
 @register("small_lm", config=SmallLmConfig, layouts=(CAUSAL_LM,))

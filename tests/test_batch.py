@@ -221,7 +221,7 @@ def test_rows_drafting_together_draft_what_each_drafts_alone(target8, name, samp
     d = perturbed_drafter(target8, name, draft_vocab_size=64)  # a pruned head: q mapped back
     g = torch.Generator().manual_seed(3)
     seqs = [torch.randint(0, 128, (n,), generator=g) for n in (9, 4, 40, 7, 11)]  # 40: synced
-    ks = [3, 0, 4, 1, 3]  # alone first (rows_sync_alone), then with the others
+    ks = [3, 0, 4, 1, 3]  # alone first (rows.ROWS_SYNC_ALONE), then with the others
     minc = {"eagle": 0.95, "eagle3": 0.2 if sampling.greedy else 0.28,
             "peagle": 0.3 if sampling.greedy else 0.4,
             "dflash": 0.3 if sampling.greedy else 0.4}[name]  # some chains stop early
@@ -246,8 +246,8 @@ def test_rows_drafting_together_draft_what_each_drafts_alone(target8, name, samp
                 torch.testing.assert_close(p.probs, r.probs, rtol=1e-4, atol=1e-5)
         made += [(len(p.tokens), k) for p, k in zip(got, ks)]
         for a, b in zip(together, alone_):
-            assert len(a._cache) == len(b._cache) == a._cache.committed
-            for la, lb in zip(a._cache.kv.layers, b._cache.kv.layers):
+            assert len(a.cache) == len(b.cache) == a.cache.committed
+            for la, lb in zip(a.cache.kv.layers, b.cache.kv.layers):
                 torch.testing.assert_close(la.keys, lb.keys, rtol=1e-4, atol=1e-5)
     assert any(n < k for n, k in made if n) and any(n == k > 2 for n, k in made)  # stops, whole
 
@@ -257,18 +257,18 @@ def test_a_failed_round_of_rows_leaves_no_half_synced_cache(target8, monkeypatch
     rows = [slot_drafter(d) for _ in range(2)]
     states = [_state(target8, d, torch.arange(5 + i)) for i in range(2)]
     d.propose_rows(rows, states, [2, 2], SamplingParams(), [None, None])
-    assert all(len(r._cache) for r in rows)
+    assert all(len(r.cache) for r in rows)
     monkeypatch.setattr(type(d), "head", lambda self, h: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         d.propose_rows(rows, states, [2, 2], SamplingParams(), [None, None])
-    assert all(len(r._cache) == 0 for r in rows)  # reset: the next round rebuilds them
+    assert all(len(r.cache) == 0 for r in rows)  # reset: the next round rebuilds them
 
 
 def test_slot_drafter_shares_weights_not_state(target8):
     d = perturbed_drafter(target8, "eagle3")
     a, b = slot_drafter(d), slot_drafter(lambda: d)
     assert a is not d and a.fc.weight is d.fc.weight and b is d
-    assert a._cache is not d._cache
+    assert a.cache is not d.cache
 
 
 # -- sampling --------------------------------------------------------------------------------------

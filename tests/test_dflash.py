@@ -111,7 +111,7 @@ def test_training_logits_equal_the_decode_forward(target, cfg):
             if earlier:  # a round at a shorter prefix leaves its cache behind
                 d.draft_logits(state_at(batch, row, earlier), 2)
             logits = d.draft_logits(state_at(batch, row, t), b - 1)  # (b-1, Vd)
-            assert len(d._cache) == t  # only the context stays cached, never the block
+            assert len(d.cache) == t  # only the context stays cached, never the block
             for i in range(b - 1):
                 torch.testing.assert_close(logits[i], preds[i].logits[row, t].float(),
                                            atol=1e-4, rtol=1e-4)

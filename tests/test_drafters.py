@@ -159,17 +159,17 @@ def test_eagle_training_matches_decoding(target):
     ids = batch.input_ids[0]
     for t in (3, 8):
         d.reset()
-        h = d._sync(DecodeState(ids[:t + 2], batch.features[0, :t + 1]))  # (1, 1, H)
+        h = d.drafting.sync(DecodeState(ids[:t + 2], batch.features[0, :t + 1]))  # (1, 1, H)
         assert torch.allclose(d.head(h)[0, 0], preds[0].logits[0, t], atol=1e-4)
         for j in (2, 3):  # feed the true next token and the drafter's own feature
-            h = d._layers(d._inputs(ids[t + j].view(1, 1), h), torch.tensor([[t + j - 1]]), None, d._cache.kv)
+            h = d.backbone(d.inputs(ids[t + j].view(1, 1), h), torch.tensor([[t + j - 1]]), None, d.cache.kv)
             assert torch.allclose(d.head(h)[0, 0], preds[j - 1].logits[0, t], atol=1e-4)
 
 
 def test_eagle_tree_expands_each_node_correctly(target, monkeypatch):
     """Every expansion's log-probs equal the node's draft distribution recomputed from scratch
     along its path (checks the tree mask and positions); top_k=1 gives the greedy chain."""
-    import specdistill.drafters.eagle as eagle_module
+    import specdistill.drafters.drafting as eagle_module
 
     calls = []
 
@@ -197,10 +197,10 @@ def test_eagle_tree_expands_each_node_correctly(target, monkeypatch):
             path.append(int(tokens_[node]))
             node = int(parents_[node])
         d.reset()
-        h = d._sync(st)
+        h = d.drafting.sync(st)
         for i, tok in enumerate(reversed(path)):
-            h = d._layers(d._inputs(torch.tensor([[tok]]), h), torch.tensor([[len(tokens) - 1 + i]]),
-                          None, d._cache.kv)
+            h = d.backbone(d.inputs(torch.tensor([[tok]]), h), torch.tensor([[len(tokens) - 1 + i]]),
+                          None, d.cache.kv)
         return d.head(h)[0, 0].log_softmax(-1)
 
     for toks, pars, frontier, logp in calls:

@@ -20,6 +20,7 @@ from specdistill.drafters.base import DecodeState, TrainBatch, build_drafter, co
 from specdistill.drafters.target import Target
 from specdistill.drafters.export import export_drafter, load_export
 from specdistill.drafters.export_formats import ExportError
+from specdistill.drafters.parts import default_aux_layers
 from eagle3_engines import (TOY_H, TOY_L, TOY_V, engine_chain, engine_name, feature_batch,
                             perturbed_drafter, tiny8_target, train_rows)
 from eagle3_engines import recipe_cfg as eagle3_recipe_cfg
@@ -49,7 +50,7 @@ ALL_OPTIONS = dict(num_layers=2, norm_before_residual=True, norm_before_fc=True,
 
 # -- the network ----------------------------------------------------------------------------------
 def test_shapes_names_and_aux_layers(target):
-    assert e3.default_aux_layers(30) == [2, 15, 27]  # SmolLM2: inputs of layers 2, 15, 27
+    assert default_aux_layers(30) == [2, 15, 27]  # SmolLM2: inputs of layers 2, 15, 27
     d = make(target, ttt_length=4, draft_vocab_size=48)
     assert d.feature_layers == (2, 4, 5)
     preds = d.forward_train(make_batch(target, d))
@@ -91,11 +92,11 @@ def test_training_unroll_equals_decode_steps(target, cfg):
     for row, t in ((0, 2), (0, 7), (1, 4)):  # row 1 is padded after position 9
         ids = batch.input_ids[row]
         d.reset()
-        h = d._sync(DecodeState(ids[:t + 2], batch.features[row, :t + 1]))  # (1, 1, H)
+        h = d.drafting.sync(DecodeState(ids[:t + 2], batch.features[row, :t + 1]))  # (1, 1, H)
         torch.testing.assert_close(d.head(h)[0, 0], preds[0].logits[row, t], atol=1e-4, rtol=1e-4)
         for j in range(2, 6 if row == 0 else 5):
-            h = d._layers(d._inputs(ids[t + j].view(1, 1), h), torch.tensor([[t + j - 1]]), None,
-                          d._cache.kv)
+            h = d.backbone(d.inputs(ids[t + j].view(1, 1), h), torch.tensor([[t + j - 1]]), None,
+                           d.cache.kv)
             torch.testing.assert_close(d.head(h)[0, 0], preds[j - 1].logits[row, t], atol=1e-4,
                                        rtol=1e-4)
 

@@ -2,13 +2,15 @@
 a `drafter/` config folder, and nothing else is edited.
 
 The throwaway drafter below lives only in a temporary folder (tmp/drafters/toy.py and
-tmp/conf/drafter/toy.yaml). It is built from the shared parts (draft head, chain loop, default
-build) and registers its config schema and one export layout of its own. The test checks that it
+tmp/conf/drafter/toy.yaml). It is written against the public interface alone (drafters/base.py
+Drafter and register, the shared draft head and chain loop; no underscore name of the project,
+checked below) and registers its config schema and one export layout of its own. The test checks that it
 registers, trains a few steps through the real recipe (`python -m train` with the temporary folder
 in $SPECDISTILL_DRAFTERS and on Hydra's search path), decodes losslessly (greedy output == the plain target's),
 saves / loads, and exports in every layout it registered (its own and `hf`)."""
 from __future__ import annotations
 
+import ast
 import importlib
 import json
 import os
@@ -57,23 +59,22 @@ FLAT = ExportLayout(format="toy_flat", summary="a made-up engine's bigram layout
 @register("toy", config=ToyConfig, layouts=(FLAT,))
 class Toy(Drafter):
     def __init__(self, cfg: ToyConfig, target) -> None:
-        super().__init__(target.vocab_size)
-        self.cfg, self.target = cfg, target  # target: a plain attribute, never saved
+        super().__init__(target.vocab_size, cfg, target)  # target: a plain attribute, never saved
         self.proj = nn.Linear(target.hidden_size, target.hidden_size)
         init_draft_head(self, target.lm_head(), cfg.draft_vocab_size, target.vocab_size)
         self.to(target.device)
 
-    def _logits(self, ids):  # (..., ) target ids -> (..., Vd)
+    def logits(self, ids):  # (..., ) target ids -> (..., Vd)
         h = self.proj(self.target.embed_tokens()(ids).float())
         return head_logits(self, h)
 
     def forward_train(self, batch):
-        return [DraftPrediction(logits=self._logits(batch.input_ids))]  # shift 0: token t+1 from t
+        return [DraftPrediction(logits=self.logits(batch.input_ids))]  # shift 0: token t+1 from t
 
     @torch.no_grad()
     def propose(self, state, k, sampling, generator=None, min_confidence=0.0):
-        first = self._logits(state.tokens[-1]).float()
-        return self.draft_chain(first, lambda i, tok: self._logits(tok).float(), k, sampling,
+        first = self.logits(state.tokens[-1]).float()
+        return self.draft_chain(first, lambda i, tok: self.logits(tok).float(), k, sampling,
                                 generator, min_confidence)
 '''
 
@@ -85,6 +86,25 @@ defaults:
 
 draft_vocab_size: 256  # a pruned head: exercises the draft vocab maps in training and export
 """
+
+
+def private_names(source: str) -> list[str]:
+    """The underscore names (dunders aside) a module's source imports or reads off an object."""
+    def private(name: str) -> bool:
+        return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            found += [f"import {a.name}" for a in node.names if private(a.name)]
+        elif isinstance(node, ast.Attribute) and private(node.attr):
+            found.append(f".{node.attr} (line {node.lineno})")
+    return found
+
+
+def test_the_toy_uses_only_the_public_interface():
+    assert private_names(TOY) == []
+    assert private_names("from a import _b\nx._y\nx.__class__") == ["import _b", "._y (line 2)"]
 
 
 @pytest.fixture
@@ -153,5 +173,5 @@ def test_a_drafter_in_one_module_and_one_yaml(toy_folder, tiny_target_cfg):
                              toy_folder / f"export-{fmt}")["path"]
         back = load_export(out, target)
         with torch.no_grad():
-            assert torch.equal(back._logits(ids), toy._logits(ids))
+            assert torch.equal(back.logits(ids), toy.logits(ids))
     assert (toy_folder / "export-toy_flat" / "toy.safetensors").is_file()

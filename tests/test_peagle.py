@@ -76,7 +76,7 @@ def test_training_logits_equal_the_decode_forward(target, cfg):
             if earlier is not None:  # a round at a shorter prefix leaves its cache behind
                 d.draft_logits(DecodeState(ids[:earlier + 2], feats[:earlier + 1]), 3)
             logits = d.draft_logits(DecodeState(ids[:t + 2], feats[:t + 1]), 5)  # (5, Vd)
-            assert len(d._cache) == t + 1  # only the real positions stay cached
+            assert len(d.cache) == t + 1  # only the real positions stay cached
             for j in range(5):
                 torch.testing.assert_close(logits[j], preds[j].logits[row, t].float(),
                                            atol=1e-4, rtol=1e-4)

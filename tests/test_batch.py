@@ -135,11 +135,11 @@ def test_batch_cache_equals_a_fresh_forward_after_every_round(target, monkeypatc
     def checked_commit(self, new, kept):
         finished = commit(self, new, kept)
         if self.seqs:
-            lens = [s.loop.T - 1 for s in self.seqs]
+            lens = [s.state.T - 1 for s in self.seqs]
             assert self.cache.get_seq_length() == max(lens)
             for r, s in enumerate(self.seqs):
                 fresh = DynamicCache()
-                target.forward(s.loop.buf[:lens[r]][None], cache=fresh)
+                target.forward(s.state.buf[:lens[r]][None], cache=fresh)
                 for got, ref in zip(self.cache.layers, fresh.layers):
                     torch.testing.assert_close(got.keys[r, :, :lens[r]], ref.keys[0])
                     torch.testing.assert_close(got.values[r, :, :lens[r]], ref.values[0])

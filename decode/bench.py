@@ -14,7 +14,7 @@ processes hits every mode alike:
     python -m decode.bench --dtypes bfloat16 --curve-only    # just the verify-cost curve
     python -m decode.bench --batch --ckpt <drafter> --batch-sizes 1 2 4 8 16 32   # batched
 Prints the tables and writes bench.json + bench.md (--batch: batch.json, batch.md, batch.png;
-decode/bench_batch.py) to --out (default a new dated folder; one holding an earlier benchmark's
+decode/batched/bench.py) to --out (default a new dated folder; one holding an earlier benchmark's
 results is refused before the run).
 """
 from __future__ import annotations
@@ -31,8 +31,8 @@ import torch
 from transformers import DynamicCache
 
 from specdistill.data.prompts import load_prompts
-from specdistill.decode.batch import MODES
-from specdistill.decode.bench_batch import batch_markdown, batch_plot, run_batch_bench
+from specdistill.decode.batched.bench import batch_markdown, batch_plot, run_batch_bench
+from specdistill.decode.batched.spec import MODES
 from specdistill.decode.config import BenchConfig
 from specdistill.decode.evaluate import is_near_tie, render
 from specdistill.decode.metrics import RunMetrics
@@ -262,7 +262,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="dtypes trained drafters run at (target = the target's dtype)")
     ap.add_argument("--tree", action="store_true", help="also run trained drafters with their tree")
     ap.add_argument("--exact", action="store_true", help="also run plain decoding and every "
-                    "drafter mode with exact_verify (decode/kernels.py), checked against each other")
+                    "drafter mode with exact_verify (decode/exact.py), checked against each other")
     ap.add_argument("--trees", nargs="+", default=[], metavar="TOTAL/DEPTH/TOPK",
                     help="also run trained drafters with EAGLE-2 trees of these sizes")
     ap.add_argument("--ks", type=int, nargs="+", default=d.ks,
@@ -292,7 +292,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="--batch: also every speculative mode with the rows drafting one after "
                          "another, interleaved (the A/B of batched drafting)")
     ap.add_argument("--batch-exact", action="store_true",
-                    help="--batch: also every mode with exact_verify (decode/rows_exact.py), "
+                    help="--batch: also every mode with exact_verify (decode/batched/exact.py), "
                          "interleaved, its outputs checked against unbatched exact decoding")
     ap.add_argument("--out", default=f"runs/bench/{datetime.now().strftime('%Y-%m-%d_%H-%M-%S')}",
                     help="folder of the results (default: a new dated folder under runs/bench)")
@@ -386,7 +386,7 @@ def run(args: argparse.Namespace) -> None:
 
 
 def batch_main(target, prompts, args, head: list[str]) -> None:
-    """--batch: decode/bench_batch.py's table and plot for one target and one drafter."""
+    """--batch: decode/batched/bench.py's table and plot for one target and one drafter."""
     sources = getattr(args, "sources", None)
     drafter = (load_drafters(target, args.ckpt[:1], ["target"], sources)[0][1] if args.ckpt
                else build_drafter(NgramConfig(), target))

@@ -52,14 +52,15 @@ class DecodeConfig:
     # the drafter's dtype: target = the target's (bf16 drafting on native-bf16 CPUs), or a dtype
     # name; any dtype is lossless (the target verifies), it only changes drafting speed and tau
     drafter_dtype: str = "target"
-    # verify with a one-token step's kernels (decode/kernels.py): greedy chains bit-identical to
+    # verify with a one-token step's kernels (decode/exact.py): greedy chains bit-identical to
     # plain decoding at bf16 too, not only up to near-ties (~6% slower, BENCHMARKS.md). auto = on
     # for chains at a 16-bit target dtype, off when batch_size > 1 (exact rows cost 12-35% of the
-    # batch's throughput there, decode/rows_exact.py); true | false
+    # batch's throughput there, decode/batched/exact.py); true | false
     exact_verify: str = "auto"
     # sequences decoded together, one target forward per round (1 = one at a time)
     batch_size: int = rng(1, 1, MAX_BATCH)
-    batch_mode: str = "verify_all"  # batch_size > 1: plain | verify_all | budgeted (decode/budget.py)
+    # batch_size > 1: plain | verify_all | budgeted (decode/batched/planner.py)
+    batch_mode: str = "verify_all"
     run_dir: str = "runs/decode/${now:%Y-%m-%d_%H-%M-%S}"  # outputs: result JSON, markdown table
 
 

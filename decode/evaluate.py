@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from specdistill.data import quiet
 from specdistill.data.prompts import Prompt, load_prompts
-from specdistill.decode.kernels import resolve_exact
+from specdistill.decode.exact import resolve_exact
 from specdistill.decode.metrics import RunMetrics
 from specdistill.decode.spec import GenerationResult, generate
 from specdistill.drafters.base import Drafter
@@ -158,7 +158,7 @@ def evaluate_drafter(target, drafter: Drafter | None, *, eval_kind: str = "mtben
                      exact_verify: bool | str = "auto", out_dir: Path | None = None) -> dict:
     """Decode every prompt (and turn) speculatively, and plainly when compare_plain; return
     {"summary", "markdown", "prompts"} and write result.json + result.md into out_dir.
-    exact_verify: both decodes with decode/kernels.py's exact kernels (greedy chains then match
+    exact_verify: both decodes with decode/exact.py's exact kernels (greedy chains then match
     plain decoding bit for bit at any dtype); auto = on for chains at a 16-bit target dtype."""
     sampling = sampling or SamplingParams()
     exact_verify = resolve_exact(exact_verify, target.dtype, tree)
@@ -325,7 +325,7 @@ def finish_run(result: dict, run_dir: Path) -> None:
 
 
 def run(cfg: DictConfig) -> None:
-    """`python -m decode` with batch_size=1: one sequence at a time (decode/batch_eval.py: > 1)."""
+    """`python -m decode` with batch_size=1: one sequence at a time (> 1: batched/evaluate.py)."""
     run_dir, target, drafter, sampling = setup_run(cfg)
     result = evaluate_drafter(target, drafter, eval_kind=cfg.eval.kind, path=cfg.eval.path,
                               limit=cfg.eval.limit, turns=cfg.eval.turns,

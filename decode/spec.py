@@ -12,7 +12,7 @@ Invariants between rounds (T = committed tokens, prompt included):
   * feats[:T-1] holds the target features of tokens[:T-1] when the drafter reads features.
 Buffers are preallocated and only appended to, so a round costs O(k), not O(T), outside the models.
 
-The per-sequence steps are public: batched decoding (decode/batch.py) runs every row through
+The per-sequence steps are public: batched decoding (decode/batched/spec.py) runs every row through
 the same ones, so a row commits what `generate` commits for that sequence alone.
   SequenceState.start(...)   one sequence's models, settings and buffers (the prompt written in)
   check_inputs(...)          step 0: refuse bad arguments before any work, with the fix
@@ -34,7 +34,7 @@ import torch
 from transformers import DynamicCache
 
 from specdistill.decode.accept import accept_chain
-from specdistill.decode.kernels import ExactVerify, active
+from specdistill.decode.exact import ExactVerify, active
 from specdistill.decode.tree import (accept_path, ancestors, check_tree, compact_cache, prune_depth,
                          sample_path, tree_inputs)
 from specdistill.drafters.base import DecodeState, Drafter
@@ -94,7 +94,7 @@ def timed(fn, sync: bool):
 @dataclass
 class SequenceState:
     """One sequence being decoded: the models and settings its rounds share, its buffers and its
-    result. `generate` holds one; batched decoding one per row (decode/batch.py).
+    result. `generate` holds one; batched decoding one per row (decode/batched/spec.py).
 
     T counts the committed tokens (prompt included); end = P + max_new_tokens is where buf ends."""
 
@@ -111,14 +111,14 @@ class SequenceState:
     end: int  # P + max_new_tokens
     T: int = 0  # committed tokens, prompt included
     feats: torch.Tensor | None = None  # (end, F) target features of buf[:T-1], allocated at prefill
-    exact: ExactVerify | None = None  # exact verification (decode/kernels.py), None = off
+    exact: ExactVerify | None = None  # exact verification (decode/exact.py), None = off
 
     @classmethod
     def start(cls, target: Any, drafter: Drafter | None, prompt: torch.Tensor, max_new_tokens: int,
               sampling: SamplingParams, generator: torch.Generator | None,
               layers: tuple[int, ...], exact: bool) -> "SequenceState":
         """A sequence before its prefill: prompt (P,) written into a buffer of P + max_new_tokens,
-        an empty KV cache (exact: a static one of the right capacity, decode/kernels.py)."""
+        an empty KV cache (exact: a static one of the right capacity, decode/exact.py)."""
         P, dev = len(prompt), target.device
         lone = ExactVerify(target, P, max_new_tokens) if exact else None
         res = GenerationResult(tokens=prompt.new_empty(0).cpu(),
@@ -164,7 +164,7 @@ class SequenceState:
 
 
 def check_inputs(target: Any, drafter: Drafter | None, P: int, max_new_tokens: int, k: int,
-                  sampling: SamplingParams, tree: bool, masks: str = "") -> None:
+                 sampling: SamplingParams, tree: bool, masks: str = "") -> None:
     """Step 0 of `generate`: fail before any work, with the numbers and the fix. masks: why this
     decode passes its own attention masks ("" = it does not)."""
     if P == 0:
@@ -206,7 +206,7 @@ def prefill(seq: SequenceState, prompt: torch.Tensor) -> torch.Tensor:
 
 
 def commit(seq: SequenceState, new: torch.Tensor, kept: torch.Tensor | None, eos: torch.Tensor,
-            stop: StopChecker | None) -> bool:
+           stop: StopChecker | None) -> bool:
     """Step 2: append the new tokens (n,) to buf (and the features (n, F) of the verified inputs
     they follow), cutting at EOS, a stop string or max_new_tokens. True when generation is over."""
     res, T = seq.res, seq.T
@@ -254,7 +254,7 @@ def draft_tree(seq: SequenceState, room: int) -> DraftTree:
     """Step 3a: draft a tree of N nodes, cut to depth `room` (deeper nodes could never commit)."""
     dev = seq.buf.device
     prop, dt = timed(lambda: seq.drafter.propose_tree(seq.decode_state(), seq.sampling,
-                                                        generator=seq.generator), seq.sync)
+                                                      generator=seq.generator), seq.sync)
     seq.res.time_draft += dt
     nodes, parents = prop.tokens.to(dev), prop.parents.to(dev)  # (N,), (N,)
     check_tree(nodes, parents)
@@ -265,7 +265,7 @@ def draft_tree(seq: SequenceState, room: int) -> DraftTree:
 
 
 def accept_tree(seq: SequenceState, tree: DraftTree, logits: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Step 5 for a tree, from the target's logits (N+1, V) at [last committed, nodes]: greedy,
     the deepest branch matching the target's argmax; sampling, the multi-draft walk. Either way
     plus the target's token after the branch. Returns keep (n+1,) input positions of the root
@@ -304,8 +304,9 @@ def _chain_round(seq: SequenceState, room: int, k: int,
     # 3b. draft up to k tokens (none when plain decoding or when no room is left)
     draft, q = seq.buf.new_empty(0), None  # (0,)
     if seq.drafter is not None and room > 0:
-        prop, dt = timed(lambda: seq.drafter.propose(seq.decode_state(), min(k, room), seq.sampling,
-                                                       seq.generator, min_confidence), seq.sync)
+        prop, dt = timed(lambda: seq.drafter.propose(seq.decode_state(), min(k, room),
+                                                     seq.sampling, seq.generator, min_confidence),
+                         seq.sync)
         res.time_draft += dt
         m = min(len(prop.tokens), k, room)
         draft = prop.tokens[:m].to(dev)  # (m,)
@@ -348,7 +349,7 @@ def generate(
     drafter=None or k=0 gives plain decoding. tree=True verifies drafter.propose_tree (sampling:
     with the multi-draft rule). min_confidence > 0 lets the drafter stop a chain early (adaptive
     draft length). exact_verify=True computes every verified row with a one-token step's kernels
-    (decode/kernels.py): greedy output bit-identical to plain decoding with exact_verify=True at
+    (decode/exact.py): greedy output bit-identical to plain decoding with exact_verify=True at
     any dtype, not only up to near-ties.
     """
     t_start = time.perf_counter()

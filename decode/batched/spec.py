@@ -1,6 +1,5 @@
-"""Batched speculative decoding: B sequences share ONE target forward per round, each keeping its
-own drafts, acceptance, KV length and drafter state; finished sequences leave the batch and waiting
-prompts take their place (continuous batching, admitted at round boundaries).
+"""`generate_batch`: batched speculative decoding, one round at a time (the package docstring
+gives the modes).
 
 Every sequence runs decode/spec.py's own per-sequence state (`SequenceState`: token buffer,
 features, result) and its public steps (prefill, commit, draft_tree, accept_tree), so a sequence
@@ -9,20 +8,12 @@ tokens; sampling: the same rule and, in verify_all mode with the same generator,
 Shared across the rows: the verification forward, and for chains the drafting
 (`Drafter.propose_rows`: EAGLE-family drafters put every row through one padded drafter forward per
 draft step, P-EAGLE one per round, each row attending to its own drafter cache; other drafters draft
-row after row). The batch KV cache is one transformers DynamicCache with a row per sequence, rows
-left-aligned: row r holds its committed tokens[:T_r - 1] in columns [0, L_r), L_r = T_r - 1, and
-garbage after. A round appends Q columns; row r attends to its own [0, L_r) and causally within the
-new block (a 4-D mask), at positions L_r + t; afterwards the kept columns of each row move to [L_r,
-L_r + n_r + 1) and the cache is cropped to the longest row (`batch_cache.compact`); exact_verify
-keeps each row as its lone exact decode does instead (decode/rows_exact.py).
-
-Modes: plain (no drafts), verify_all (every row verifies all its drafts), budgeted (decode/budget.py:
-before drafting, the draft depth of the round from past acceptance, the measured drafting time and
-the target's measured (B, Q) cost grid, 0 = a plain round without drafter calls; after drafting,
-the verify width from the drafts' confidences). tree=True: each row drafts the drafter's tree
-(spec's tree step) and verifies it under its own tree mask in the same padded forward; the
-accepted branch (non-contiguous block columns) is compacted per row; budgeted then chooses per
-round between a plain round and the whole trees, from past rounds only.
+row after row). The batch KV cache (kv_cache.py) is one transformers DynamicCache with a row per
+sequence, rows left-aligned: row r holds its committed tokens[:T_r - 1] in columns [0, L_r),
+L_r = T_r - 1, and garbage after. A round appends Q columns; row r attends to its own [0, L_r) and
+causally within the new block (a 4-D mask), at positions L_r + t; afterwards the kept columns of
+each row move to [L_r, L_r + n_r + 1) and the cache is cropped to the longest row
+(`kv_cache.compact`); exact_verify keeps each row as its lone exact decode does instead (exact.py).
 """
 from __future__ import annotations
 
@@ -36,10 +27,11 @@ from typing import Any, Callable, Sequence
 import torch
 from transformers import DynamicCache
 
-from specdistill.decode import batch_cache
 from specdistill.decode.accept import accept_chain
-from specdistill.decode.budget import CostCurve, RoundPlanner, batch_planner, choose_widths, survival
-from specdistill.decode.rows_exact import ExactRows
+from specdistill.decode.batched import kv_cache
+from specdistill.decode.batched.exact import ExactRows
+from specdistill.decode.batched.planner import (CostCurve, RoundPlanner, batch_planner,
+                                                choose_widths, survival)
 from specdistill.decode.spec import (DraftTree, GenerationResult, SequenceState, StopChecker,
                                      accept_tree, check_inputs, commit, draft_tree, prefill, timed)
 from specdistill.drafters.base import Drafter
@@ -74,7 +66,7 @@ class BatchResult:
 
 @dataclass
 class _Seq:
-    """One sequence in the batch: its prompt index, spec's per-sequence state and its admission time."""
+    """One sequence in the batch: its prompt index, spec's state for it and its admission time."""
 
     index: int
     state: SequenceState
@@ -95,7 +87,7 @@ class BatchSettings:
     sync: bool  # wait for the GPU around timed calls
     tree: bool = False  # rows draft trees (decode/tree.py) instead of chains
     batch_drafts: bool = True  # chains: rows draft together (propose_rows), else one by one
-    exact: bool = False  # rows kept as their lone exact decodes keep them (decode/rows_exact.py)
+    exact: bool = False  # rows kept as their lone exact decodes keep them (batched/exact.py)
 
 
 def slot_drafter(drafter: Drafter | Callable[[], Drafter]) -> Drafter:
@@ -133,7 +125,7 @@ class _Batch:
         self.target, self.drafter, self.cfg = target, drafter, cfg  # drafter None: plain rounds
         self.seqs: list[_Seq] = []
         self.cache = DynamicCache()
-        # exact verification: rows kept as their lone exact decodes keep them (decode/rows_exact.py)
+        # exact verification: rows kept as their lone exact decodes keep them (batched/exact.py)
         self.exact = ExactRows(target) if cfg.exact else None
         self.time_verify = 0.0  # seconds in target forwards, prefills included
         # budgeted: each round's draft depth, decided from past rounds only, before any draft
@@ -159,7 +151,7 @@ class _Batch:
             if self.exact:
                 self.exact.add_row(st.exact, st.T - 1)
             elif self.seqs:
-                batch_cache.add_row(self.cache, st.cache)
+                kv_cache.add_row(self.cache, st.cache)
             else:  # the first row: its own cache becomes the batch cache
                 self.cache = st.cache
             self.seqs.append(seq)
@@ -280,7 +272,7 @@ class _Batch:
             ids, mask, pos = self.exact.inputs(rows, L, trees)
         else:
             cache_len, cache, ctx = self.cache.get_seq_length(), self.cache, nullcontext()
-            ids, mask, pos = batch_cache.inputs(rows, L, cache_len, trees=trees)
+            ids, mask, pos = kv_cache.inputs(rows, L, cache_len, trees=trees)
 
         def run():
             with ctx:
@@ -298,7 +290,7 @@ class _Batch:
         if self.exact:
             self.exact.compact(L, keep)
         else:
-            batch_cache.compact(self.cache, L, keep, cache_len)
+            kv_cache.compact(self.cache, L, keep, cache_len)
 
     def _learn(self, depth: int, made: list[int], accepted: list[int], t_round: float,
                t_draft: float, dt: float) -> None:
@@ -320,8 +312,8 @@ class _Batch:
             if self.exact:
                 self.exact.select_rows(stay)
             else:
-                batch_cache.select_rows(self.cache, stay, max((s.state.T - 1 for s in self.seqs),
-                                                              default=0))
+                kv_cache.select_rows(self.cache, stay, max((s.state.T - 1 for s in self.seqs),
+                                                           default=0))
         return finished
 
 
@@ -352,16 +344,16 @@ def generate_batch(
     planner: RoundPlanner | None = None,  # budgeted: kept across calls (None = a fresh one)
     tree: bool = False,  # every row verifies the drafter's tree (decode/tree.py) instead of a chain
     batch_drafts: bool = True,  # chains: rows draft together (Drafter.propose_rows), else 1 by 1
-    exact_verify: bool = False,  # every row rounds as its lone exact decode (decode/rows_exact.py)
+    exact_verify: bool = False,  # every row rounds as its lone exact decode (batched/exact.py)
 ) -> BatchResult:
     """Decode every prompt, up to batch_size at a time in one target forward per round,
     losslessly per sequence: each output is what `decode.spec.generate` gives that prompt alone
     (greedy: token-identical; at 16 bits up to near-tie flips, a row's rounding depending on the
     batch, unless exact_verify: then bit-identical to `generate(..., exact_verify=True)` alone).
 
-    budgeted: pass the same `planner` (a `decode.budget.RoundPlanner` for this target, drafter and
-    k) to every call, as a server would keep it, so a call starts from the acceptance and drafting
-    times the earlier ones measured instead of drafting blind in its first rounds."""
+    budgeted: pass the same `planner` (a `decode.batched.planner.RoundPlanner` for this target,
+    drafter and k) to every call, as a server would keep it, so a call starts from the acceptance
+    and drafting times the earlier ones measured instead of drafting blind in its first rounds."""
     t_start, sampling, dev = time.perf_counter(), sampling or SamplingParams(), target.device
     max_new = _check_batch(mode, len(prompts), batch_size, max_new_tokens, generators)
     prompts = [torch.as_tensor(p, dtype=torch.long).reshape(-1).to(dev) for p in prompts]

@@ -1,6 +1,6 @@
 """`python -m decode batch_size=B batch_mode=...` (B > 1): decode an eval set B sequences at a time
-(decode/batch.py) and write the same result.json / result.md as the single-sequence path, plus the
-batch size, the mode, the throughput over the batch and the per-sequence latencies.
+(decode/batched/spec.py) and write the same result.json / result.md as the single-sequence path,
+plus the batch size, the mode, the throughput over the batch and the per-sequence latencies.
 
 Turn t of every prompt is decoded in one batched call (turn t + 1 needs the model's own answer to
 turn t). With compare_plain, plain batched decoding at the same B runs first, turn by turn, for the
@@ -13,9 +13,9 @@ import statistics
 from pathlib import Path
 
 from specdistill.data.prompts import load_prompts
-from specdistill.decode.batch import BatchResult, generate_batch
-from specdistill.decode.budget import cost_curve, new_planner
-from specdistill.decode.kernels import parse_exact
+from specdistill.decode.batched.planner import cost_curve, new_planner
+from specdistill.decode.batched.spec import BatchResult, generate_batch
+from specdistill.decode.exact import parse_exact
 from specdistill.decode.evaluate import (finish_run, fit_max_new_tokens, render, result_row,
                                          results_markdown, setup_run, summarise, write_results)
 from specdistill.decode.metrics import RunMetrics
@@ -44,7 +44,7 @@ def evaluate_batched(target, drafter: Drafter | None, *, batch_size: int, batch_
                      cache_dir: str | None = None) -> dict:
     """Decode every prompt (and turn) batch_size at a time in `batch_mode`; return {"summary",
     "markdown", "prompts"} and write result.json + result.md into out_dir. exact_verify: both
-    decodes with exact kernels per row (decode/rows_exact.py; greedy outputs then equal unbatched
+    decodes with exact kernels per row (decode/batched/exact.py; greedy outputs then equal unbatched
     exact decoding bit for bit); auto = off here: batched, the exact rows cost 12-16% of the
     throughput at B = 2-4 and ~35% at B = 8 on a CPU (BENCHMARKS.md "Exact batched greedy")."""
     sampling = sampling or SamplingParams()
@@ -99,7 +99,7 @@ def evaluate_batched(target, drafter: Drafter | None, *, batch_size: int, batch_
 
 def run_batched(cfg) -> None:
     """`python -m decode batch_size=B batch_mode=...` with B > 1 (decode/__main__.py)."""
-    from specdistill.decode.batch import MODES
+    from specdistill.decode.batched.spec import MODES
     from specdistill.drafters.target import cache_root
 
     if cfg.batch_mode not in MODES:

@@ -25,10 +25,10 @@ target and on SmolLM2 at bf16: tests/test_exact_verify.py). The reliance on GEMM
 for M >= 2 is an observed property of the CPU kernels, not a guarantee of torch: the benchmark
 counts flips, and `first_difference` still classifies any that remain.
 
-Scope: the target's forwards inside `generate(..., exact_verify=True)` (plain and speculative,
-chain and tree); outside `active()` the hooks and the attention function pass through to the
-target's own attention implementation unchanged. Batched decoding: decode/rows_exact.py keeps each
-row as its lone exact decode would, and `active(capacities)` reduces row r over its own capacity.
+Scope: the target's forwards inside `generate(..., exact_verify=True)` (plain and speculative, chain
+and tree); outside `active()` the hooks and the attention function pass through to the target's own
+attention implementation unchanged. Batched decoding: decode/batched/exact.py keeps each row as its
+lone exact decode would, and `active(capacities)` reduces row r over its own capacity.
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ from specdistill.drafters.attention import grouped_attention
 
 ATTN_NAME = "specdistill_exact"  # + "_<the target's own implementation>", registered at install
 _ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("specdistill_exact", default=False)
-# batched exact decoding (decode/rows_exact.py): each row's own capacity, None = one sequence
+# batched exact decoding (decode/batched/exact.py): each row's own capacity, None = one sequence
 _ROWS: contextvars.ContextVar[tuple[int, ...] | None] = contextvars.ContextVar(
     "specdistill_exact_rows", default=None)
 
@@ -123,7 +123,7 @@ def install(target: Any) -> None:
 @contextlib.contextmanager
 def active(capacities: Sequence[int] | None = None) -> Iterator[None]:
     """Exact kernels for the target forwards inside the block (this thread / task only).
-    capacities: a batched forward's row capacities (decode/rows_exact.py); row r's attention then
+    capacities: a batched forward's row capacities (decode/batched/exact.py); row r's attention then
     reduces over its first capacities[r] cache columns only."""
     token = _ACTIVE.set(True)
     rows = _ROWS.set(tuple(int(c) for c in capacities) if capacities is not None else None)

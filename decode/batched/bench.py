@@ -9,7 +9,7 @@ decoding at the same B (itself token-identical to decoding alone). tree=True: th
 modes verify the drafter's trees instead of chains. one_by_one=True adds every speculative mode
 with the rows drafting one after another ("verify_all 1by1"), interleaved with the default where
 the rows draft together (Drafter.propose_rows): the A/B of batched drafting. exact=True adds every
-mode with exact verification ("verify_all exact", decode/rows_exact.py), interleaved: its cost,
+mode with exact verification ("verify_all exact", decode/batched/exact.py), interleaved: its cost,
 and its outputs against unbatched exact decoding ("outputs differ from unbatched").
 """
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Any, Sequence
 
 import torch
 
-from specdistill.decode.batch import MODES, BatchResult, generate_batch
-from specdistill.decode.budget import CostCurve, cost_curve, new_planner
+from specdistill.decode.batched.planner import CostCurve, cost_curve, new_planner
+from specdistill.decode.batched.spec import MODES, BatchResult, generate_batch
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 ONE_BY_ONE = "1by1"  # label suffix of a speculative mode whose rows draft one after another

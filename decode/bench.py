@@ -31,7 +31,7 @@ import torch
 from transformers import DynamicCache
 
 from specdistill.data.prompts import load_prompts
-from specdistill.decode.batched.bench import batch_markdown, batch_plot, run_batch_bench
+from specdistill.decode.batched.bench import batch_main
 from specdistill.decode.batched.spec import MODES
 from specdistill.decode.config import BenchConfig
 from specdistill.decode.evaluate import is_near_tie, render
@@ -343,8 +343,11 @@ def run(args: argparse.Namespace) -> None:
     report: dict = {"machine": {"flags": flags, "threads": torch.get_num_threads()},
                     "dtype_choice": {n: vars(t.dtype_choice) for n, t in targets.items()}}
     prompts = load_prompts(args.eval, limit=args.limit)
-    if args.batch:
-        return batch_main(any_t, prompts, args, head)
+    if args.batch:  # decode/batched/bench.py: one drafter, the first --ckpt (else ngram)
+        sources = getattr(args, "sources", None)
+        drafter = (load_drafters(any_t, args.ckpt[:1], ["target"], sources)[0][1] if args.ckpt
+                   else build_drafter(NgramConfig(), any_t))
+        return batch_main(any_t, drafter, prompts, args, head)
 
     # 2. the verify-cost curve over a real context of --curve-context tokens
     lines = list(head)
@@ -383,27 +386,6 @@ def run(args: argparse.Namespace) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.md").write_text(table + "\n")
     (out / "bench.json").write_text(json.dumps(report, indent=1))
-
-
-def batch_main(target, prompts, args, head: list[str]) -> None:
-    """--batch: decode/batched/bench.py's table and plot for one target and one drafter."""
-    sources = getattr(args, "sources", None)
-    drafter = (load_drafters(target, args.ckpt[:1], ["target"], sources)[0][1] if args.ckpt
-               else build_drafter(NgramConfig(), target))
-    ids = [render(target, p.turns[:1], []) for p in prompts]
-    rows = run_batch_bench(target, drafter, ids, batch_sizes=args.batch_sizes,
-                           modes=args.batch_modes, k=args.k, max_new_tokens=args.max_new_tokens,
-                           repeats=args.batch_repeats, tree=args.batch_tree,
-                           one_by_one=args.batch_one_by_one, exact=args.batch_exact)
-    lines = head + [f"{args.eval}, {len(ids)} prompts cycled to {max(args.batch_sizes)} sequences, "
-                    f"greedy, {args.max_new_tokens} new tokens, drafter {drafter.name} "
-                    f"{'trees' if args.batch_tree else f'k={args.k}'}, "
-                    f"{args.batch_repeats} interleaved repeats (medians)", ""] + batch_markdown(rows)
-    out = Path(args.out)
-    batch_plot(rows, out / "batch.png", f"{args.target}, {drafter.name} k={args.k}")
-    (out / "batch.md").write_text("\n".join(lines) + "\n")
-    (out / "batch.json").write_text(json.dumps({"rows": rows}, indent=1))
-    print("\n".join(lines), flush=True)
 
 
 if __name__ == "__main__":

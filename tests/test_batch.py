@@ -644,13 +644,16 @@ def test_bench_batch_cli_writes_files(tiny_target_cfg, tmp_path):
 
     from specdistill.data.prompts import load_prompts
     from specdistill.decode import bench
+    from specdistill.decode.batched.bench import batch_main
+    from specdistill.drafters.ngram import NgramConfig
     from specdistill.drafters.target import load_target
 
     tgt = load_target(tiny_target_cfg)
     args = bench.parse_args(["--batch", "--batch-sizes", "1", "2", "--batch-modes", "plain",
                              "verify_all", "--k", "2", "--max-new-tokens", "6",
                              "--batch-repeats", "1", "--target", "tiny", "--out", str(tmp_path)])
-    bench.batch_main(tgt, load_prompts("mtbench", limit=2), args, ["head", ""])
+    batch_main(tgt, build_drafter(NgramConfig(), tgt), load_prompts("mtbench", limit=2), args,
+               ["head", ""])
     rows = json.loads((tmp_path / "batch.json").read_text())["rows"]
     assert {(r["batch_size"], r["mode"]) for r in rows} == {(1, "plain"), (1, "verify_all"),
                                                             (2, "plain"), (2, "verify_all")}

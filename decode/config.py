@@ -39,7 +39,7 @@ class DecodeConfig:
     drafter: Any = sub(MISSING, drafter_schema)
     eval: EvalConfig = MISSING
     ckpt: Optional[str] = None  # trained drafter: a run dir, checkpoint or export folder
-    max_new_tokens: int = rng(256, 1, MAX_TOKENS)  # generation budget per prompt (turn)
+    max_new_tokens: int = rng(256, 1, MAX_TOKENS)  # tokens generated at most per prompt (turn)
     temperature: float = rng(0.0, 0, MAX_TEMPERATURE)  # 0 = greedy
     top_k: int = rng(0, 0, MAX_VOCAB)  # sampling: keep the k most likely tokens (0 = off)
     top_p: float = rng(1.0, 0, 1, lo_open=True)  # sampling: nucleus mass (1.0 = off)
@@ -78,7 +78,7 @@ class BenchConfig:
     `limit`), their defaults and ranges; the other options are names and switches."""
 
     limit: int = rng(10, 1, MAX_COUNT)  # prompts of the eval set
-    max_new_tokens: int = rng(256, 1, MAX_TOKENS)  # generation budget per prompt
+    max_new_tokens: int = rng(256, 1, MAX_TOKENS)  # tokens generated at most per prompt
     k: int = rng(5, 1, MAX_DRAFT)  # chain draft length of our decoder
     prompt_lookup: int = rng(3, 1, MAX_DRAFT)  # HF prompt_lookup_num_tokens
     ks: Optional[list[int]] = rng(None, 1, MAX_DRAFT)  # chain draft lengths of trained drafters

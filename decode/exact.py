@@ -16,7 +16,7 @@ forward's shape:
 What this module does, each piece removing one cause:
   1. every nn.Linear of the target runs one-row inputs as two identical rows (so all forwards use
      the GEMM family) and keeps the first: costs ~3% of a bf16 step, nothing else changes;
-  2. the target's KV cache is a transformers StaticCache (capacity = the prompt + budget): every
+  2. the target's KV cache is a transformers StaticCache (capacity = prompt + max_new_tokens): every
      attention reduces over the same length, the unused tail masked; explicit masks are passed;
   3. attention is computed by plain ops: scores = q k^T (all query rows of a KV head in one matmul,
      M = heads-per-KV-head x rows >= 2), an fp32 softmax over the full length, then p v.
@@ -154,15 +154,16 @@ def parse_exact(setting: bool | str) -> bool | None:
     return None
 
 
-VERIFY_ROOM = 128  # cache rows past the budget a verify may write (a tree of up to 127 nodes)
+VERIFY_ROOM = 128  # cache rows past max_new_tokens a verify may write (a tree of up to 127 nodes)
 
 
 class ExactVerify:
     """The static KV cache of one generation and the explicit inputs its forwards need.
 
     Capacity = prompt + max_new_tokens + VERIFY_ROOM, whatever the drafter: every attention reduces
-    over the capacity, so plain and speculative decoding of the same prompt and budget must share
-    it to round alike (a verify may write up to VERIFY_ROOM rows past the committed tokens)."""
+    over the capacity, so plain and speculative decoding of the same prompt and max_new_tokens must
+    share it to round alike (a verify may write up to VERIFY_ROOM rows past the committed
+    tokens)."""
 
     def __init__(self, target: Any, prompt_len: int, max_new_tokens: int) -> None:
         install(target)
@@ -187,6 +188,7 @@ class ExactVerify:
     def _room(self, needed: int) -> None:
         if needed > self.capacity:
             raise ValueError(f"exact verification: a verify forward needs {needed} cache "
-                             f"positions, the static cache holds {self.capacity} (prompt + budget + "
-                             f"{VERIFY_ROOM}); draft trees of at most {VERIFY_ROOM - 1} nodes "
-                             f"(lower drafter.tree_total_tokens) or set exact_verify=false")
+                             f"positions, the static cache holds {self.capacity} (prompt + "
+                             f"max_new_tokens + {VERIFY_ROOM}); draft trees of at most "
+                             f"{VERIFY_ROOM - 1} nodes (lower drafter.tree_total_tokens) or set "
+                             f"exact_verify=false")

@@ -2,11 +2,11 @@
 batched forward rounds exactly as the same sequence's lone exact decode (decode/exact.py), so
 each batched greedy output is bit-identical to decoding that prompt alone, at any dtype.
 
-A lone exact decode reduces every attention over its static cache's capacity C = prompt + budget +
-VERIFY_ROOM, with the round's block written right after the committed tokens. The dynamic batch
-cache (decode/batched/kv_cache.py) instead appends every row's block after the longest row and
-reduces over the batch's length, which changes a row's rounding whenever the batch changes. Here the
-batch keeps each row as its lone decode would:
+A lone exact decode reduces every attention over its static cache's capacity C = prompt +
+max_new_tokens + VERIFY_ROOM, with the round's block written right after the committed tokens.
+The dynamic batch cache (decode/batched/kv_cache.py) instead appends every row's block after the
+longest row and reduces over the batch's length, which changes a row's rounding whenever the batch
+changes. Here the batch keeps each row as its lone decode would:
   - one (B, H, W, d) tensor per layer, W = the largest capacity in the batch; row r holds its
     committed tokens at [0, L_r) and a round writes its block at [L_r, L_r + Q) (`_RowsLayer`);
     a chain's accepted drafts are then already in place, a tree's branch is moved down;
@@ -103,9 +103,9 @@ class ExactRows:
         for r, (n, cap) in enumerate(zip(lengths, self.caps)):
             if n + Q > cap:
                 raise ValueError(f"exact batched verification: row {r} needs {n + Q} cache "
-                                 f"positions, its static capacity is {cap} (prompt + budget + "
-                                 f"VERIFY_ROOM); verify at most VERIFY_ROOM tokens per row or "
-                                 f"set exact_verify=false")
+                                 f"positions, its static capacity is {cap} (prompt + "
+                                 f"max_new_tokens + VERIFY_ROOM); verify at most VERIFY_ROOM "
+                                 f"tokens per row or set exact_verify=false")
         dev = ids.device
         L = torch.as_tensor(list(lengths), dtype=torch.long, device=dev)  # (B,)
         cols = torch.arange(self.cache.layers[0].keys.shape[-2], device=dev)  # (W,)

@@ -310,7 +310,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     """`python -m specdistill.data.dataset`: prepare (or load) the tokenised data and print counts + time."""
     import argparse
 
-    from specdistill.drafters.target import TargetConfig, _load_tokenizer
+    from specdistill.drafters.target import TargetConfig, load_tokenizer
 
     p = argparse.ArgumentParser(prog="python -m specdistill.data.dataset", description=main.__doc__)
     p.add_argument("--tokenizer", default="packaged:smollm2", help="target tokenizer source")
@@ -321,7 +321,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--num-proc", type=int, default=1)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    tokenizer = _load_tokenizer(args.tokenizer, TargetConfig(path=args.tokenizer))
+    tokenizer = load_tokenizer(args.tokenizer, TargetConfig(path=args.tokenizer))
     cfg = DataConfig(kind=args.kind, path=args.path, max_length=args.max_length,
                      max_conversations=args.max_conversations, num_proc=args.num_proc)
     t0 = time.perf_counter()

@@ -18,7 +18,7 @@ def run(cfg: DictConfig) -> None:
     """The job on a composed config: settings, ranges and the checkpoint are checked first
     (decode/evaluate.py setup_run), then one sequence at a time or batch_size together."""
     if cfg.batch_size > 1:  # B sequences per target forward
-        from specdistill.decode.batch_eval import run_batched
+        from specdistill.decode.batched.evaluate import run_batched
 
         run_batched(cfg)
     else:

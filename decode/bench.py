@@ -14,7 +14,7 @@ processes hits every mode alike:
     python -m decode.bench --dtypes bfloat16 --curve-only    # just the verify-cost curve
     python -m decode.bench --batch --ckpt <drafter> --batch-sizes 1 2 4 8 16 32   # batched
 Prints the tables and writes bench.json + bench.md (--batch: batch.json, batch.md, batch.png;
-decode/bench_batch.py) to --out (default a new dated folder; one holding an earlier benchmark's
+decode/batched/bench.py) to --out (default a new dated folder; one holding an earlier benchmark's
 results is refused before the run).
 """
 from __future__ import annotations
@@ -31,8 +31,8 @@ import torch
 from transformers import DynamicCache
 
 from specdistill.data.prompts import load_prompts
-from specdistill.decode.batch import MODES
-from specdistill.decode.bench_batch import batch_markdown, batch_plot, run_batch_bench
+from specdistill.decode.batched.bench import batch_main
+from specdistill.decode.batched.spec import MODES
 from specdistill.decode.config import BenchConfig
 from specdistill.decode.evaluate import is_near_tie, render
 from specdistill.decode.metrics import RunMetrics
@@ -262,7 +262,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="dtypes trained drafters run at (target = the target's dtype)")
     ap.add_argument("--tree", action="store_true", help="also run trained drafters with their tree")
     ap.add_argument("--exact", action="store_true", help="also run plain decoding and every "
-                    "drafter mode with exact_verify (decode/kernels.py), checked against each other")
+                    "drafter mode with exact_verify (decode/exact.py), checked against each other")
     ap.add_argument("--trees", nargs="+", default=[], metavar="TOTAL/DEPTH/TOPK",
                     help="also run trained drafters with EAGLE-2 trees of these sizes")
     ap.add_argument("--ks", type=int, nargs="+", default=d.ks,
@@ -292,7 +292,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="--batch: also every speculative mode with the rows drafting one after "
                          "another, interleaved (the A/B of batched drafting)")
     ap.add_argument("--batch-exact", action="store_true",
-                    help="--batch: also every mode with exact_verify (decode/rows_exact.py), "
+                    help="--batch: also every mode with exact_verify (decode/batched/exact.py), "
                          "interleaved, its outputs checked against unbatched exact decoding")
     ap.add_argument("--out", default=f"runs/bench/{datetime.now().strftime('%Y-%m-%d_%H-%M-%S')}",
                     help="folder of the results (default: a new dated folder under runs/bench)")
@@ -343,8 +343,11 @@ def run(args: argparse.Namespace) -> None:
     report: dict = {"machine": {"flags": flags, "threads": torch.get_num_threads()},
                     "dtype_choice": {n: vars(t.dtype_choice) for n, t in targets.items()}}
     prompts = load_prompts(args.eval, limit=args.limit)
-    if args.batch:
-        return batch_main(any_t, prompts, args, head)
+    if args.batch:  # decode/batched/bench.py: one drafter, the first --ckpt (else ngram)
+        sources = getattr(args, "sources", None)
+        drafter = (load_drafters(any_t, args.ckpt[:1], ["target"], sources)[0][1] if args.ckpt
+                   else build_drafter(NgramConfig(), any_t))
+        return batch_main(any_t, drafter, prompts, args, head)
 
     # 2. the verify-cost curve over a real context of --curve-context tokens
     lines = list(head)
@@ -383,27 +386,6 @@ def run(args: argparse.Namespace) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.md").write_text(table + "\n")
     (out / "bench.json").write_text(json.dumps(report, indent=1))
-
-
-def batch_main(target, prompts, args, head: list[str]) -> None:
-    """--batch: decode/bench_batch.py's table and plot for one target and one drafter."""
-    sources = getattr(args, "sources", None)
-    drafter = (load_drafters(target, args.ckpt[:1], ["target"], sources)[0][1] if args.ckpt
-               else build_drafter(NgramConfig(), target))
-    ids = [render(target, p.turns[:1], []) for p in prompts]
-    rows = run_batch_bench(target, drafter, ids, batch_sizes=args.batch_sizes,
-                           modes=args.batch_modes, k=args.k, max_new_tokens=args.max_new_tokens,
-                           repeats=args.batch_repeats, tree=args.batch_tree,
-                           one_by_one=args.batch_one_by_one, exact=args.batch_exact)
-    lines = head + [f"{args.eval}, {len(ids)} prompts cycled to {max(args.batch_sizes)} sequences, "
-                    f"greedy, {args.max_new_tokens} new tokens, drafter {drafter.name} "
-                    f"{'trees' if args.batch_tree else f'k={args.k}'}, "
-                    f"{args.batch_repeats} interleaved repeats (medians)", ""] + batch_markdown(rows)
-    out = Path(args.out)
-    batch_plot(rows, out / "batch.png", f"{args.target}, {drafter.name} k={args.k}")
-    (out / "batch.md").write_text("\n".join(lines) + "\n")
-    (out / "batch.json").write_text(json.dumps({"rows": rows}, indent=1))
-    print("\n".join(lines), flush=True)
 
 
 if __name__ == "__main__":

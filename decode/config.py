@@ -39,7 +39,7 @@ class DecodeConfig:
     drafter: Any = sub(MISSING, drafter_schema)
     eval: EvalConfig = MISSING
     ckpt: Optional[str] = None  # trained drafter: a run dir, checkpoint or export folder
-    max_new_tokens: int = rng(256, 1, MAX_TOKENS)  # generation budget per prompt (turn)
+    max_new_tokens: int = rng(256, 1, MAX_TOKENS)  # tokens generated at most per prompt (turn)
     temperature: float = rng(0.0, 0, MAX_TEMPERATURE)  # 0 = greedy
     top_k: int = rng(0, 0, MAX_VOCAB)  # sampling: keep the k most likely tokens (0 = off)
     top_p: float = rng(1.0, 0, 1, lo_open=True)  # sampling: nucleus mass (1.0 = off)
@@ -52,14 +52,15 @@ class DecodeConfig:
     # the drafter's dtype: target = the target's (bf16 drafting on native-bf16 CPUs), or a dtype
     # name; any dtype is lossless (the target verifies), it only changes drafting speed and tau
     drafter_dtype: str = "target"
-    # verify with a one-token step's kernels (decode/kernels.py): greedy chains bit-identical to
+    # verify with a one-token step's kernels (decode/exact.py): greedy chains bit-identical to
     # plain decoding at bf16 too, not only up to near-ties (~6% slower, BENCHMARKS.md). auto = on
     # for chains at a 16-bit target dtype, off when batch_size > 1 (exact rows cost 12-35% of the
-    # batch's throughput there, decode/rows_exact.py); true | false
+    # batch's throughput there, decode/batched/exact.py); true | false
     exact_verify: str = "auto"
     # sequences decoded together, one target forward per round (1 = one at a time)
     batch_size: int = rng(1, 1, MAX_BATCH)
-    batch_mode: str = "verify_all"  # batch_size > 1: plain | verify_all | budgeted (decode/budget.py)
+    # batch_size > 1: plain | verify_all | budgeted (decode/batched/planner.py)
+    batch_mode: str = "verify_all"
     run_dir: str = "runs/decode/${now:%Y-%m-%d_%H-%M-%S}"  # outputs: result JSON, markdown table
 
 
@@ -77,7 +78,7 @@ class BenchConfig:
     `limit`), their defaults and ranges; the other options are names and switches."""
 
     limit: int = rng(10, 1, MAX_COUNT)  # prompts of the eval set
-    max_new_tokens: int = rng(256, 1, MAX_TOKENS)  # generation budget per prompt
+    max_new_tokens: int = rng(256, 1, MAX_TOKENS)  # tokens generated at most per prompt
     k: int = rng(5, 1, MAX_DRAFT)  # chain draft length of our decoder
     prompt_lookup: int = rng(3, 1, MAX_DRAFT)  # HF prompt_lookup_num_tokens
     ks: Optional[list[int]] = rng(None, 1, MAX_DRAFT)  # chain draft lengths of trained drafters

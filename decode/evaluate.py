@@ -18,10 +18,10 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from specdistill.data import quiet
-from specdistill.data.prompts import load_prompts
-from specdistill.decode.kernels import resolve_exact
+from specdistill.data.prompts import Prompt, load_prompts
+from specdistill.decode.exact import resolve_exact
 from specdistill.decode.metrics import RunMetrics
-from specdistill.decode.spec import generate
+from specdistill.decode.spec import GenerationResult, generate
 from specdistill.drafters.base import Drafter
 from specdistill.drafters.sampling import SamplingParams
 
@@ -56,16 +56,17 @@ def render(target, turns: list[str], answers: list[list[int]]) -> torch.Tensor:
     return enc["input_ids"][0]
 
 
-def _budget(target, ids: torch.Tensor, max_new_tokens: int, what: str) -> int:
-    """max_new_tokens, or what the target's context leaves after the prompt (recorded as capped)."""
-    budget = min(max_new_tokens, target.max_length - len(ids))
-    if budget < 1:
+def fit_max_new_tokens(target, ids: torch.Tensor, max_new_tokens: int, what: str) -> int:
+    """max_new_tokens, or what the target's context leaves after the prompt ids (the row records
+    it as capped: `result_row`)."""
+    fitted = min(max_new_tokens, target.max_length - len(ids))
+    if fitted < 1:
         raise ValueError(f"{what} has {len(ids)} tokens: no room left in the target's context "
                          f"({target.max_length}); shorten it or use a target with a longer context")
-    return budget
+    return fitted
 
 
-def _lossless_check(rows: list[dict]) -> dict:
+def lossless_check(rows: list[dict]) -> dict:
     """Greedy: every output must equal plain decoding's, except at floating-point near-ties of
     the target's logits (first_difference); anything else fails the check (and the command)."""
     mismatches = sum(r["identical_to_plain"] is False for r in rows)
@@ -97,6 +98,58 @@ def compare_greedy(target, ids, plain, spec, greedy: bool, bit_exact: bool = Fal
     return False, where
 
 
+def result_row(target, prompt: Prompt, turn: int, ids: torch.Tensor, spec: GenerationResult,
+               plain: GenerationResult | None, greedy: bool, bit_exact: bool, fitted: int,
+               max_new_tokens: int, **extra) -> dict:
+    """One generation's row of result.json, the single and the batched evaluators alike: turn
+    (from 0) of `prompt` from ids, the speculative result, its comparison with the plain one
+    (`compare_greedy`), whether max_new_tokens was capped to `fitted` (`fit_max_new_tokens`);
+    extra: what only one evaluator measures (the batched one's latency_s)."""
+    same, where = compare_greedy(target, ids, plain, spec, greedy, bit_exact)
+    out = spec.tokens.tolist()
+    return {"id": prompt.id, "turn": turn + 1, "category": prompt.category,
+            "prompt_tokens": len(ids), "generated_ids": out,
+            "text": target.tokenizer.decode(out, skip_special_tokens=False),
+            "new_tokens": len(out), "target_forwards": spec.target_forwards,
+            "accepted": spec.accepted, "drafted": spec.drafted, "stop_reason": spec.stop_reason,
+            "identical_to_plain": same, **extra, "max_new_tokens_capped": fitted < max_new_tokens,
+            **({"first_difference": where} if where else {})}
+
+
+def summarise(target, drafter: Drafter | None, rows: list[dict], spec_m: RunMetrics,
+              plain_m: RunMetrics | None, *, eval_kind: str, n_prompts: int, k: int, tree: bool,
+              sampling: SamplingParams, max_new_tokens: int, exact_verify: bool,
+              extra: dict | None = None) -> dict:
+    """A decode run's summary, the single and the batched evaluators alike: its settings (extra:
+    what only one evaluator has), the speculative metrics (spec_*), the dtypes, with a plain
+    decode its metrics, the lossless check (greedy) and the speedup; tau; the capped generations.
+    """
+    summary = {"eval": eval_kind, "prompts": n_prompts, "generations": len(rows),
+               "drafter": drafter.name if drafter is not None else "none", "k": k, "tree": tree,
+               "temperature": sampling.temperature, "max_new_tokens": max_new_tokens,
+               "exact_verify": exact_verify, **(extra or {}),
+               **{f"spec_{n}": v for n, v in asdict(spec_m).items()}}
+    # "lossless" = identical to plain decoding with the same target at the same dtype: record which
+    summary.update(target.dtype_choice.as_dict() if hasattr(target, "dtype_choice") else
+                   {"target_dtype": str(target.dtype).removeprefix("torch.")})
+    own = [t.dtype for t in (drafter.parameters() if drafter is not None else ())
+           if t.is_floating_point()]
+    summary["drafter_dtype"] = str(own[0]).removeprefix("torch.") if own else None
+    if plain_m is not None:
+        summary["plain_tokens_per_s"] = plain_m.tokens_per_s
+        summary["plain_target_forwards"] = plain_m.target_forwards
+        if sampling.greedy:
+            summary.update(lossless_check(rows))
+    summary.update(headline(spec_m, plain_m.tokens_per_s if plain_m is not None else None))
+    capped = sum(r["max_new_tokens_capped"] for r in rows)
+    if capped:
+        summary["max_new_tokens_capped"] = capped  # generations whose max_new_tokens the context cut
+        log.warning("max_new_tokens=%d does not fit the target's context (max_length %d) for %d of "
+                    "%d generations: they were capped to what fits (max_new_tokens_capped in "
+                    "result.json)", max_new_tokens, target.max_length, capped, len(rows))
+    return summary
+
+
 def evaluate_drafter(target, drafter: Drafter | None, *, eval_kind: str = "mtbench",
                      path: str | None = None, limit: int | None = None, turns: int = 1,
                      max_new_tokens: int = 256, k: int = 5, tree: bool = False,
@@ -105,7 +158,7 @@ def evaluate_drafter(target, drafter: Drafter | None, *, eval_kind: str = "mtben
                      exact_verify: bool | str = "auto", out_dir: Path | None = None) -> dict:
     """Decode every prompt (and turn) speculatively, and plainly when compare_plain; return
     {"summary", "markdown", "prompts"} and write result.json + result.md into out_dir.
-    exact_verify: both decodes with decode/kernels.py's exact kernels (greedy chains then match
+    exact_verify: both decodes with decode/exact.py's exact kernels (greedy chains then match
     plain decoding bit for bit at any dtype); auto = on for chains at a 16-bit target dtype."""
     sampling = sampling or SamplingParams()
     exact_verify = resolve_exact(exact_verify, target.dtype, tree)
@@ -116,51 +169,24 @@ def evaluate_drafter(target, drafter: Drafter | None, *, eval_kind: str = "mtben
         answers: list[list[int]] = []
         for turn in range(len(p.turns)):
             ids = render(target, p.turns[:turn + 1], answers)
-            budget = _budget(target, ids, max_new_tokens, f"prompt {p.id} (turn {turn + 1})")
-            kwargs = dict(max_new_tokens=budget, sampling=sampling, exact_verify=exact_verify)
+            fitted = fit_max_new_tokens(target, ids, max_new_tokens,
+                                        f"prompt {p.id} (turn {turn + 1})")
+            kwargs = dict(max_new_tokens=fitted, sampling=sampling, exact_verify=exact_verify)
             plain = generate(target, None, ids, **kwargs, generator=gen) if compare_plain else None
             spec = generate(target, drafter, ids, k=k, tree=tree, min_confidence=min_confidence,
                             generator=gen, **kwargs)
-            # exact chains promise bit-identity: no tie allowance (trees keep it)
-            same, where = compare_greedy(target, ids, plain, spec, sampling.greedy,
-                                         exact_verify and not tree)
             spec_results.append(spec)
             if plain is not None:
                 plain_results.append(plain)
-            out = spec.tokens.tolist()
-            answers.append(out)
-            rows.append({"id": p.id, "turn": turn + 1, "category": p.category,
-                         "prompt_tokens": len(ids), "generated_ids": out,
-                         "text": target.tokenizer.decode(out, skip_special_tokens=False),
-                         "new_tokens": len(out), "target_forwards": spec.target_forwards,
-                         "accepted": spec.accepted, "drafted": spec.drafted,
-                         "stop_reason": spec.stop_reason, "identical_to_plain": same,
-                         "budget_capped": budget < max_new_tokens,
-                         **({"first_difference": where} if where else {})})
+            # exact chains promise bit-identity: no tie allowance (trees keep it)
+            rows.append(result_row(target, p, turn, ids, spec, plain, sampling.greedy,
+                                   exact_verify and not tree, fitted, max_new_tokens))
+            answers.append(rows[-1]["generated_ids"])
     spec_m = RunMetrics.from_results(spec_results)
-    summary = {"eval": eval_kind, "prompts": len(prompts), "generations": len(rows),
-               "drafter": drafter.name if drafter is not None else "none", "k": k, "tree": tree,
-               "temperature": sampling.temperature, "max_new_tokens": max_new_tokens,
-               "exact_verify": exact_verify,
-               **{f"spec_{n}": v for n, v in asdict(spec_m).items()}}
-    # "lossless" = identical to plain decoding with the same target at the same dtype: record which
-    summary.update(target.dtype_choice.as_dict() if hasattr(target, "dtype_choice") else
-                   {"target_dtype": str(target.dtype).removeprefix("torch.")})
-    own = [t.dtype for t in (drafter.parameters() if drafter is not None else ()) if t.is_floating_point()]
-    summary["drafter_dtype"] = str(own[0]).removeprefix("torch.") if own else None
-    if plain_results:
-        plain_m = RunMetrics.from_results(plain_results)
-        summary["plain_tokens_per_s"] = plain_m.tokens_per_s
-        summary["plain_target_forwards"] = plain_m.target_forwards
-        if sampling.greedy:
-            summary.update(_lossless_check(rows))
-    summary.update(headline(spec_m, plain_m.tokens_per_s if plain_results else None))
-    capped = sum(r["budget_capped"] for r in rows)
-    if capped:
-        summary["max_new_tokens_capped"] = capped  # generations whose budget the context cut
-        log.warning("max_new_tokens=%d does not fit the target's context (max_length %d) for %d of "
-                    "%d generations: they were capped to what fits (max_new_tokens_capped in "
-                    "result.json)", max_new_tokens, target.max_length, capped, len(rows))
+    plain_m = RunMetrics.from_results(plain_results) if plain_results else None
+    summary = summarise(target, drafter, rows, spec_m, plain_m, eval_kind=eval_kind,
+                        n_prompts=len(prompts), k=k, tree=tree, sampling=sampling,
+                        max_new_tokens=max_new_tokens, exact_verify=exact_verify)
     return write_results(summary, rows, results_markdown(summary, spec_m), out_dir)
 
 
@@ -299,7 +325,7 @@ def finish_run(result: dict, run_dir: Path) -> None:
 
 
 def run(cfg: DictConfig) -> None:
-    """`python -m decode` with batch_size=1: one sequence at a time (decode/batch_eval.py: > 1)."""
+    """`python -m decode` with batch_size=1: one sequence at a time (> 1: batched/evaluate.py)."""
     run_dir, target, drafter, sampling = setup_run(cfg)
     result = evaluate_drafter(target, drafter, eval_kind=cfg.eval.kind, path=cfg.eval.path,
                               limit=cfg.eval.limit, turns=cfg.eval.turns,

@@ -8,7 +8,7 @@ Definitions (a round = one decode target forward after the prefill; n = accepted
   * accept_cond[i]   = P(draft i+1 accepted | drafts 1..i accepted and draft i+1 proposed);
   * accept_uncond[i] = P(draft i+1 accepted | draft i+1 proposed);
   * accept_hist[n]   = rounds that accepted exactly n drafts.
-Acceptance counts are taken as verified, before a cut at EOS, a stop string or the budget.
+Acceptance counts are taken as verified, before a cut at EOS, a stop string or max_new_tokens.
 
 Nothing measured is never a number: with no prompts, no decode rounds (every answer ended with
 the prefill's token: max_new_tokens=1) or no draft token proposed, tau, tau_draft and the speedup

@@ -2,15 +2,16 @@
 target's verification forwards.
 
 In greedy speculative decoding the committed text is the target's greedy answer y_0 .. y_{N-1},
-whatever the drafter does. A round that starts after y_<t drafts d_1 .. d_m (m = min(k, budget))
-from the committed prefix and accepts the longest run with d_i == y_{t+i-1}; then y_{t+n} is the
-target's token (the bonus) and the next round starts after it. Given the answer, every round is
-therefore fixed by the drafter alone: `replay_greedy` calls the drafter's `propose` on exactly the
-prefixes the decoder would (with the target features of the committed tokens, from ONE target
-forward over prompt + answer) and counts the accepted drafts. That gives the decoder's per-round
-accepted counts (`GenerationResult.accepted`) up to floating-point ties between the cached and the
-one-pass target forward, at the cost of the drafting alone: on many prompts that separates drafters
-whose real-decoder tau on a few prompts is within noise.
+whatever the drafter does. A round that starts after y_<t drafts d_1 .. d_m (m = min(k, room), the
+room being the drafts that can still be committed) from the committed prefix and accepts the
+longest run with d_i == y_{t+i-1}; then y_{t+n} is the target's token (the bonus) and the next
+round starts after it. Given the answer, every round is therefore fixed by the drafter alone:
+`replay_greedy` calls the drafter's `propose` on exactly the prefixes the decoder would (with the
+target features of the committed tokens, from ONE target forward over prompt + answer) and counts
+the accepted drafts. That gives the decoder's per-round accepted counts
+(`GenerationResult.accepted`) up to floating-point ties between the cached and the one-pass target
+forward, at the cost of the drafting alone: on many prompts that separates drafters whose
+real-decoder tau on a few prompts is within noise.
 
 One difference by construction: the decoder's last round of an answer that ends at EOS may
 accept drafts past the EOS that the target agrees with (counted before the cut); the replay does
@@ -70,16 +71,16 @@ def greedy_continuation(target, ids: torch.Tensor, n: int) -> torch.Tensor:
 
 @torch.inference_mode()
 def replay_greedy(target, drafter: Drafter, prompt: torch.Tensor, answer: torch.Tensor, *, k: int,
-                  max_new_tokens: int, past_budget: bool = False, past_eos: bool = False
+                  max_new_tokens: int, past_end: bool = False, past_eos: bool = False
                   ) -> Replay:
     """Replay greedy chain decoding with `drafter` (k drafts a round) on the target's greedy
-    `answer` (N,) to `prompt` (P,), generated with `max_new_tokens` (the decoder's draft budget
-    depends on it). Returns the per-round accepted and drafted counts.
+    `answer` (N,) to `prompt` (P,), generated with `max_new_tokens` (how many drafts the decoder
+    can still commit, its room, depends on it). Returns the per-round accepted and drafted counts.
 
-    past_budget=True replays a serving engine's bookkeeping instead of our decoder's: every round
-    drafts k, near the budget and after an EOS too, and a draft past the answer's end counts as
+    past_end=True replays a serving engine's bookkeeping instead of our decoder's: every round
+    drafts k, near max_new_tokens and after an EOS too, and a draft past the answer's end counts as
     accepted when it is the target's greedy token there (vLLM's counters count those; our decoder
-    never drafts what it could not commit). past_eos=True keeps our decoder's budget but compares
+    never drafts what it could not commit). past_eos=True keeps our decoder's room but compares
     drafts past the answer's end (after an EOS) with the target's greedy continuation, as our
     decoder and llama.cpp count a round that accepts past an EOS before the output is cut."""
     P, N = len(prompt), len(answer)
@@ -92,18 +93,18 @@ def replay_greedy(target, drafter: Drafter, prompt: torch.Tensor, answer: torch.
     # the target runs only for the features a drafter reads (none for a small LM)
     feats = _target_pass(target, drafter, ids)[1] if drafter.feature_layers else None
     known = answer.to(dev)  # the target's tokens a draft is compared with
-    if past_budget or (past_eos and N < max_new_tokens):  # an answer cut by the budget has no past
+    if past_end or (past_eos and N < max_new_tokens):  # an answer cut at max_new_tokens: no past
         known = torch.cat([known, greedy_continuation(target, ids, k).to(dev)])
     drafter.reset()
     accepted, drafted = [], []
     t = 1  # the prefill commits answer[0]; rounds start after it
     while t < N:
-        # the decoder never drafts what could not be committed (an engine does: past_budget)
-        budget = k if past_budget else max_new_tokens - t - 1
+        # the decoder never drafts what could not be committed (an engine does: past_end)
+        room = k if past_end else max_new_tokens - t - 1
         n = m = 0
-        if budget > 0:
-            prop = drafter.propose(_state(ids, feats, P + t), min(k, budget), GREEDY)
-            draft = prop.tokens[:min(k, budget)].to(dev)  # (m,)
+        if room > 0:
+            prop = drafter.propose(_state(ids, feats, P + t), min(k, room), GREEDY)
+            draft = prop.tokens[:min(k, room)].to(dev)  # (m,)
             m = len(draft)
             truth = known[t:t + m]  # the target's tokens there (fewer near the end)
             same = draft[:len(truth)] == truth

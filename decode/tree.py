@@ -50,8 +50,8 @@ def ancestors(parents: torch.Tensor) -> torch.Tensor:
 
 def prune_depth(tokens: torch.Tensor, parents: torch.Tensor, anc: torch.Tensor, max_depth: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Drop nodes deeper than max_depth (the generation budget), renumbering parents.
-    Returns the pruned tokens (N',), parents (N',) and ancestor matrix (N', N')."""
+    """Drop nodes deeper than max_depth (the room: drafts that can still commit), renumbering
+    parents. Returns the pruned tokens (N',), parents (N',) and ancestor matrix (N', N')."""
     keep = anc.sum(-1) <= max_depth  # (N,) ancestors of kept nodes are shallower, so also kept
     if bool(keep.all()):
         return tokens, parents, anc

@@ -288,7 +288,7 @@ def _load_gguf_cached(gguf: Path, cfg: TargetConfig,
     return model, tok, f"{gguf} (from cache {cached})", cached
 
 
-def _load_tokenizer(src: str, cfg: TargetConfig):
+def load_tokenizer(src: str, cfg: TargetConfig):
     """Tokenizer from an HF id/folder, a .gguf path or packaged:<name> (loaded through the cache)."""
     from transformers import AutoTokenizer
 
@@ -304,7 +304,7 @@ def _random_init(cfg: TargetConfig, dtype: torch.dtype) -> tuple[Any, Any, str]:
 
     if not cfg.tokenizer:
         raise TargetLoadError("a random_init target needs `tokenizer` (e.g. packaged:smollm2).")
-    tok = _load_tokenizer(cfg.tokenizer, cfg)
+    tok = load_tokenizer(cfg.tokenizer, cfg)
     fields = {"vocab_size": len(tok), "bos_token_id": tok.bos_token_id,
               "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id, **cfg.model_config}
     torch.manual_seed(cfg.seed)

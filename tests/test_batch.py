@@ -1,12 +1,13 @@
-"""Batched speculative decoding (decode/batch.py, decode/batch_cache.py, decode/budget.py) is
-lossless per sequence: greedy outputs are token-identical to decoding each prompt alone, in every
-mode, at every batch size, with ragged acceptance, prompts of different lengths, sequences ending
-at different times (EOS, budget, stop string) and waiting prompts admitted as others finish; the
-batch KV cache equals a fresh forward's for every row after every round; drafters see exactly
-what they see alone; sampling keeps the target's distribution (chi-square, with wrong-rule and
-look-ahead-budget controls); the budget plans each round's draft depth before drafting from past
-rounds and the (B, Q) cost grid (measured once and cached), falls back to plain rounds without
-drafter calls where drafting cannot pay, and cuts the verify width from the drafts' confidences.
+"""Batched speculative decoding (decode/batched/spec.py, decode/batched/kv_cache.py,
+decode/batched/planner.py) is lossless per sequence: greedy outputs are token-identical to decoding
+each prompt alone, in every mode, at every batch size, with ragged acceptance, prompts of different
+lengths, sequences ending at different times (EOS, budget, stop string) and waiting prompts admitted
+as others finish; the batch KV cache equals a fresh forward's for every row after every round;
+drafters see exactly what they see alone; sampling keeps the target's distribution (chi-square, with
+wrong-rule and look-ahead-budget controls); the budget plans each round's draft depth before
+drafting from past rounds and the (B, Q) cost grid (measured once and cached), falls back to plain
+rounds without drafter calls where drafting cannot pay, and cuts the verify width from the drafts'
+confidences.
 
 The toys are tests/decode_toys.py's float64 Llamas (no near-ties between kernel shapes).
 """
@@ -14,12 +15,12 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-import specdistill.decode.batch  # noqa: F401  (loads the submodule for decode.<name>)
-import specdistill.decode.budget  # noqa: F401  (loads the submodule for decode.<name>)
+import specdistill.decode.batched.spec  # noqa: F401  (loads the submodule for decode.<name>)
+import specdistill.decode.batched.planner  # noqa: F401  (loads the submodule for decode.<name>)
 from specdistill import decode
-from specdistill.decode.batch import generate_batch, slot_drafter
-from specdistill.decode.budget import (BATCH_NS, WIDTH_NS, CostCurve, RoundPlanner, choose_widths,
-                           cost_curve, survival)
+from specdistill.decode.batched.spec import generate_batch, slot_drafter
+from specdistill.decode.batched.planner import (BATCH_NS, WIDTH_NS, CostCurve, RoundPlanner,
+                                                choose_widths, cost_curve, survival)
 from specdistill.decode.spec import generate
 from decode_toys import (V, FixedQ, NoisyOracle, StubTokenizer, chi2_stat, jsonl_prompt_ids,
                          make_target, pair_joint, wrong_rule)
@@ -130,23 +131,23 @@ def test_batch_cache_equals_a_fresh_forward_after_every_round(target, monkeypatc
     """After each commit, every remaining row r holds the KV of its tokens[:T_r - 1] in columns
     [0, T_r - 1), and the cache is as long as its longest row."""
     checked = []
-    commit = decode.batch._Batch.commit
+    commit = decode.batched.spec._Batch.commit
 
     def checked_commit(self, new, kept):
         finished = commit(self, new, kept)
         if self.seqs:
-            lens = [s.loop.T - 1 for s in self.seqs]
+            lens = [s.state.T - 1 for s in self.seqs]
             assert self.cache.get_seq_length() == max(lens)
             for r, s in enumerate(self.seqs):
                 fresh = DynamicCache()
-                target.forward(s.loop.buf[:lens[r]][None], cache=fresh)
+                target.forward(s.state.buf[:lens[r]][None], cache=fresh)
                 for got, ref in zip(self.cache.layers, fresh.layers):
                     torch.testing.assert_close(got.keys[r, :, :lens[r]], ref.keys[0])
                     torch.testing.assert_close(got.values[r, :, :lens[r]], ref.values[0])
             checked.append(len(self.seqs))
         return finished
 
-    monkeypatch.setattr(decode.batch._Batch, "commit", checked_commit)
+    monkeypatch.setattr(decode.batched.spec._Batch, "commit", checked_commit)
     generate_batch(target, NoisyOracle(target, noise=0.4, seed=3), PROMPTS,
                    max_new_tokens=[12, 5, 20, 8, 15], batch_size=3, k=3)
     assert len(checked) > 5 and max(checked) == 3
@@ -304,9 +305,10 @@ def even_q(vocab):
 
 
 def batch_pair_counts(tgt, drafter, prompt, n, B, cost, one_call_each=False):
-    """n sequences (budgeted, k=2, 4 tokens, batches of B): counts of (t2, t3) (V*V,) and the
-    widths of the forwards. one_call_each: a generate_batch call per sequence, so no draft plan
-    (decode/batch.py's draft cap and skipped rounds) carries over from one sequence to the next."""
+    """n sequences (budgeted, k=2, 4 tokens, batches of B): counts of (t2, t3) (V*V,) and the widths
+    of the forwards. one_call_each: a generate_batch call per sequence, so no draft plan
+    (decode/batched/spec.py's draft cap and skipped rounds) carries over from one sequence to the
+    next."""
     Vs = tgt.vocab_size
     kw = dict(max_new_tokens=4, batch_size=B, k=2, mode="budgeted", sampling=SP, cost=cost)
     outs = ([generate_batch(tgt, drafter, [prompt], seed=i, **kw) for i in range(n)]
@@ -320,7 +322,7 @@ def batch_pair_counts(tgt, drafter, prompt, n, B, cost, one_call_each=False):
 def always_draft(monkeypatch, depth=2):
     """Step 1 of the budget (the planner, which reads only past rounds) always asks `depth`, so a
     test isolates step 2 (the verify width cut from the drafts' confidences)."""
-    monkeypatch.setattr(decode.budget.RoundPlanner, "depth", lambda self, B: depth)
+    monkeypatch.setattr(decode.batched.planner.RoundPlanner, "depth", lambda self, B: depth)
 
 
 @pytest.mark.parametrize("B", [1, 4])
@@ -338,7 +340,7 @@ def test_budgeted_sampling_has_the_target_distribution(B, monkeypatch):
     assert {2, 3} <= set(widths)  # the budget cut depth 2, and not always
     stat, crit = chi2_stat(c, joint)
     assert stat < crit, (stat, crit)
-    monkeypatch.setattr(decode.batch, "accept_chain", wrong_rule("resample_from_p"))
+    monkeypatch.setattr(decode.batched.spec, "accept_chain", wrong_rule("resample_from_p"))
     stat, crit = chi2_stat(batch_pair_counts(tgt, FixedQ(8), prompt, 1500, B, cost)[0], joint)
     assert stat > 2 * crit, (stat, crit)  # the wrong rule is far off, not borderline
 
@@ -365,7 +367,7 @@ def test_planned_depths_keep_the_target_distribution(monkeypatch):
     assert {0, 1, 2} <= depths  # the planner changed its mind along the way
     stat, crit = chi2_stat(c, joint)
     assert stat < crit, (stat, crit)
-    monkeypatch.setattr(decode.batch, "accept_chain", wrong_rule("always_accept"))
+    monkeypatch.setattr(decode.batched.spec, "accept_chain", wrong_rule("always_accept"))
     stat, crit = chi2_stat(counts()[0], joint)
     assert stat > 2 * crit, (stat, crit)
 
@@ -380,7 +382,7 @@ def test_a_budget_that_reads_a_drafts_own_probability_is_lossy(monkeypatch):
     cost = by_tokens([1, 2, 3], [1.0, 1.3, 1.45])  # depth 1 pays at score 0.5, not at 0.07
     c, widths = batch_pair_counts(tgt, even_q(8), prompt, 1500, 1, cost, one_call_each=True)
     assert chi2_stat(c, joint)[0] < chi2_stat(c, joint)[1]  # the right score: lossless
-    monkeypatch.setattr(decode.batch, "survival", lookahead_survival)
+    monkeypatch.setattr(decode.batched.spec, "survival", lookahead_survival)
     stat, crit = chi2_stat(batch_pair_counts(tgt, even_q(8), prompt, 1500, 1, cost,
                                              one_call_each=True)[0], joint)
     assert stat > 3 * crit, (stat, crit)
@@ -514,7 +516,7 @@ def test_cost_curve_is_measured_once_per_target_and_cached(tmp_path, monkeypatch
         calls.append(tgt)
         return [[0.01 * (1 + b * q / 64) for q in qs] for b in bs]
 
-    monkeypatch.setattr(decode.budget, "measure_cost", fake_measure)
+    monkeypatch.setattr(decode.batched.planner, "measure_cost", fake_measure)
     a = cost_curve(target, tmp_path)
     b = cost_curve(target, tmp_path)
     other = cost_curve(make_target(seed=1), tmp_path)
@@ -580,7 +582,7 @@ def test_decode_cli_batch(tmp_path, tiny_target_cfg, tree):
 
 
 def test_measure_cost_times_every_size(target):
-    from specdistill.decode.budget import measure_cost
+    from specdistill.decode.batched.planner import measure_cost
 
     secs = measure_cost(target, bs=(1, 3), qs=(1, 2, 4), context=8, rounds=1)
     assert len(secs) == 2 and all(len(row) == 3 and all(0 < x < 10 for x in row) for row in secs)
@@ -591,7 +593,7 @@ def test_measure_cost_times_every_size(target):
 def test_batch_bench_table_and_plot(target, tmp_path, tree):
     """Every (B, mode) cell is measured, interleaved; greedy outputs equal plain's at each B; the
     table and the PNG are written; with tree=True the speculative modes verify trees."""
-    from specdistill.decode.bench_batch import batch_markdown, batch_plot, run_batch_bench
+    from specdistill.decode.batched.bench import batch_markdown, batch_plot, run_batch_bench
     from specdistill.drafters.ngram import Ngram
 
     prompts = [torch.tensor(p) for p in PROMPTS[:3]]
@@ -617,7 +619,7 @@ def test_batch_bench_table_and_plot(target, tmp_path, tree):
 def test_batch_bench_one_by_one_is_the_drafting_a_b(target8):
     """one_by_one=True adds each speculative mode with its rows drafting one after another,
     interleaved with the together default; both decode what plain decoding does."""
-    from specdistill.decode.bench_batch import batch_markdown, run_batch_bench
+    from specdistill.decode.batched.bench import batch_markdown, run_batch_bench
 
     prompts = [torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(n))
                for n in (5, 9, 7)]
@@ -642,13 +644,16 @@ def test_bench_batch_cli_writes_files(tiny_target_cfg, tmp_path):
 
     from specdistill.data.prompts import load_prompts
     from specdistill.decode import bench
+    from specdistill.decode.batched.bench import batch_main
+    from specdistill.drafters.ngram import NgramConfig
     from specdistill.drafters.target import load_target
 
     tgt = load_target(tiny_target_cfg)
     args = bench.parse_args(["--batch", "--batch-sizes", "1", "2", "--batch-modes", "plain",
                              "verify_all", "--k", "2", "--max-new-tokens", "6",
                              "--batch-repeats", "1", "--target", "tiny", "--out", str(tmp_path)])
-    bench.batch_main(tgt, load_prompts("mtbench", limit=2), args, ["head", ""])
+    batch_main(tgt, build_drafter(NgramConfig(), tgt), load_prompts("mtbench", limit=2), args,
+               ["head", ""])
     rows = json.loads((tmp_path / "batch.json").read_text())["rows"]
     assert {(r["batch_size"], r["mode"]) for r in rows} == {(1, "plain"), (1, "verify_all"),
                                                             (2, "plain"), (2, "verify_all")}
@@ -735,12 +740,12 @@ def test_tree_inputs_and_compact_of_a_tree_branch(target):
     """A two-row round, one chain and one tree: the tree row's mask is its ancestors and its
     positions its depths; compacting its kept branch (block columns 0, 2, 3) leaves exactly the
     KV a fresh forward over the committed tokens gives."""
-    from specdistill.decode import batch_cache
+    from specdistill.decode.batched import kv_cache
     from specdistill.decode.tree import ancestors
     chain = torch.tensor([5, 6, 7])
     tree = torch.tensor([9, 10, 11, 12])  # root 9; nodes 10, 11 (children of the root), 12 (of 11)
     anc = ancestors(torch.tensor([-1, -1, 1]))
-    ids, mask, pos = batch_cache.inputs([chain, tree], [4, 2], 4, trees=[None, anc])
+    ids, mask, pos = kv_cache.inputs([chain, tree], [4, 2], 4, trees=[None, anc])
     m = mask[1, 0, :, 4:]  # (4, 4) the tree row's block
     assert m.tolist() == [[True, False, False, False], [True, True, False, False],
                           [True, False, True, False], [True, False, True, True]]
@@ -751,10 +756,10 @@ def test_tree_inputs_and_compact_of_a_tree_branch(target):
     target.forward(torch.tensor([[1, 2, 3, 4], [8, 0, 0, 0]]), cache=cache,
                    attention_mask=torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0]]).bool())
     # row 0 caches 1..4; row 1 caches 8, then 3 garbage columns
-    ids, mask, pos = batch_cache.inputs([torch.tensor([5, 6, 7]), torch.tensor([9, 10, 11, 12])],
-                                        [4, 1], 4, trees=[None, anc])
+    ids, mask, pos = kv_cache.inputs([torch.tensor([5, 6, 7]), torch.tensor([9, 10, 11, 12])],
+                                     [4, 1], 4, trees=[None, anc])
     target.forward(ids, cache=cache, attention_mask=mask, position_ids=pos)
-    batch_cache.compact(cache, [4, 1], [2, torch.tensor([0, 2, 3])], 4)  # 5 6 | 9 11 12
+    kv_cache.compact(cache, [4, 1], [2, torch.tensor([0, 2, 3])], 4)  # 5 6 | 9 11 12
     for r, toks in enumerate([[1, 2, 3, 4, 5, 6], [8, 9, 11, 12]]):
         fresh = DynamicCache()
         target.forward(torch.tensor([toks]), cache=fresh)

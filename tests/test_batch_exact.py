@@ -1,13 +1,13 @@
-"""Exact batched decoding (decode/rows_exact.py, `generate_batch(exact_verify=True)`): every row of a
-batched forward rounds as its lone exact decode, so each greedy output is bit-identical to
-decoding that prompt alone at bf16, whatever the batch size, the other rows and the admission
-order; not only up to near-ties."""
+"""Exact batched decoding (decode/batched/exact.py, `generate_batch(exact_verify=True)`): every row
+of a batched forward rounds as its lone exact decode, so each greedy output is bit-identical to
+decoding that prompt alone at bf16, whatever the batch size, the other rows and the admission order;
+not only up to near-ties."""
 import pytest
 import torch
 
-from specdistill.decode.batch import generate_batch
-from specdistill.decode.kernels import VERIFY_ROOM, ExactVerify
-from specdistill.decode.rows_exact import ExactRows
+from specdistill.decode.batched.exact import ExactRows
+from specdistill.decode.batched.spec import generate_batch
+from specdistill.decode.exact import VERIFY_ROOM, ExactVerify
 from specdistill.decode.spec import generate
 from decode_toys import NoisyOracle
 from specdistill.drafters.ngram import Ngram, NgramConfig
@@ -46,7 +46,7 @@ def test_exact_batched_chains_are_unbatched_plain_bit_for_bit(toy, alone, batch_
     drafter = (lambda: NoisyOracle(toy, noise=0.3, seed=1)) if mode != "plain" else None
     cost = None
     if mode == "budgeted":  # a flat cost grid: verifying is as cheap as a step, so rows draft
-        from specdistill.decode.budget import CostCurve
+        from specdistill.decode.batched.planner import CostCurve
         cost = CostCurve([1, 2, 4], [1, 2, 3, 4], [[1.0] * 4 for _ in range(3)])
     out = generate_batch(toy, drafter, prompts, max_new_tokens=budgets, batch_size=batch_size,
                          k=max(k, 1), mode=mode, exact_verify=True, cost=cost)
@@ -60,7 +60,7 @@ def test_exact_batched_chains_are_unbatched_plain_bit_for_bit(toy, alone, batch_
 
 def test_exact_batched_trees_are_their_lone_exact_trees(toy):
     """Trees: each row's output equals the same tree decode alone with exact kernels (which itself
-    matches plain decoding up to near-ties only: decode/kernels.py)."""
+    matches plain decoding up to near-ties only: decode/exact.py)."""
     prompts, budgets = _work()
 
     def ngram():
@@ -142,7 +142,7 @@ def test_exact_attention_reduces_each_row_over_its_own_capacity():
     machine at SmolLM2's head shapes: the softmax and p @ v reduce over the length.)"""
     from torch import nn
 
-    from specdistill.decode.kernels import active, exact_attention
+    from specdistill.decode.exact import active, exact_attention
     from specdistill.drafters.attention import grouped_attention
 
     g = torch.Generator().manual_seed(2)  # a draw where the two widths round differently there
@@ -167,7 +167,7 @@ def test_exact_attention_reduces_each_row_over_its_own_capacity():
 def test_batch_bench_exact_cells_match_unbatched(toy):
     """`decode.bench --batch --batch-exact`: every mode again with exact_verify, interleaved; the
     exact cells' outputs equal unbatched (B = 1) exact plain decoding's, and the table says so."""
-    from specdistill.decode.bench_batch import batch_markdown, run_batch_bench
+    from specdistill.decode.batched.bench import batch_markdown, run_batch_bench
 
     prompts, _ = _work()
     order = []
@@ -217,19 +217,20 @@ def test_exact_cost_grid_is_measured_through_exact_rows_and_cached_apart(toy, tm
                                                                           monkeypatch):
     """budgeted + exact plans over the grid of the exact batched forward (its own cache key), and
     measuring that grid runs the exact rows' forward at every size."""
-    import specdistill.decode.budget as budget
+    import specdistill.decode.batched.planner as planning
 
-    secs = budget.measure_cost(toy, bs=(1, 3), qs=(1, 4), context=8, rounds=1, exact=True)
+    secs = planning.measure_cost(toy, bs=(1, 3), qs=(1, 4), context=8, rounds=1, exact=True)
     assert len(secs) == 2 and all(len(r) == 2 and all(0 < x < 10 for x in r) for r in secs)
     calls = []
 
     def fake(tgt, bs, qs, *a, exact=False, **kw):
         calls.append(exact)
         return [[0.01 * (1 + b * q / 64) for q in qs] for b in bs]
-    monkeypatch.setattr(budget, "measure_cost", fake)
-    plain, exact = budget.cost_curve(toy, tmp_path), budget.cost_curve(toy, tmp_path, exact=True)
+    monkeypatch.setattr(planning, "measure_cost", fake)
+    plain = planning.cost_curve(toy, tmp_path)
+    exact = planning.cost_curve(toy, tmp_path, exact=True)
     assert calls == [False, True] and exact.key == plain.key + "-exact"
-    planner = budget.batch_planner(toy, None, 3, False, None, None, str(tmp_path), exact=True)
+    planner = planning.batch_planner(toy, None, 3, False, None, None, str(tmp_path), exact=True)
     assert planner.cost.key == exact.key and calls == [False, True]  # read back, not re-measured
     prompts, budgets = _work()
     out = generate_batch(toy, lambda: NoisyOracle(toy, noise=0.3, seed=1), prompts[:3],

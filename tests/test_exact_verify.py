@@ -1,4 +1,4 @@
-"""Exact verification (decode/kernels.py, `exact_verify`): every row of a verify forward rounds
+"""Exact verification (decode/exact.py, `exact_verify`): every row of a verify forward rounds
 exactly as a one-token step, so greedy speculative chains are bit-identical to plain decoding at
 bf16, not only up to near-ties; outside the decoder the target is untouched."""
 import json
@@ -7,9 +7,8 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from specdistill.decode import kernels
 from specdistill.decode.evaluate import is_near_tie
-from specdistill.decode.kernels import VERIFY_ROOM, ExactVerify, active
+from specdistill.decode.exact import VERIFY_ROOM, ExactVerify, active, install
 from specdistill.decode.spec import generate
 from decode_toys import NoisyOracle, StubTokenizer
 from specdistill.drafters.ngram import Ngram, NgramConfig
@@ -74,7 +73,7 @@ def test_hooks_are_inert_outside_the_decoder(toy):
     what it gave before: same attention implementation, no padding."""
     fresh = _toy()  # same seed, never installed
     ids = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(2))
-    kernels.install(toy)
+    install(toy)
     with torch.inference_mode():
         assert torch.equal(toy.model(ids).logits, fresh.model(ids).logits)
         one = ids[:1, :1]
@@ -109,7 +108,7 @@ def test_greedy_exact_chain_is_bit_identical_to_plain_exact(toy, k):
 
 def test_exact_tree_decoding_is_lossless_up_to_near_ties(toy):
     """Trees with exact_verify: the accepted branch's keys sit at tree slots, not consecutive ones,
-    so a row can still round differently (the docstring of decode/kernels.py); every difference
+    so a row can still round differently (the docstring of decode/exact.py); every difference
     must be a near-tie."""
     prompt = torch.randint(0, 512, (16,), generator=torch.Generator().manual_seed(7))
     plain = generate(toy, None, prompt, max_new_tokens=30, exact_verify=True)
@@ -167,7 +166,7 @@ def test_smollm2_bf16_exact_chain_is_plain_bit_for_bit():
 
 
 def test_exact_verify_auto_is_on_for_16_bit_chains_only():
-    from specdistill.decode.kernels import resolve_exact
+    from specdistill.decode.exact import resolve_exact
     assert resolve_exact("auto", torch.bfloat16, tree=False)
     assert resolve_exact("auto", torch.float16, tree=False)
     assert not resolve_exact("auto", torch.float32, tree=False)  # GEMV -> GEMM costs ~1.6x at fp32

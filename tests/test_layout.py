@@ -4,7 +4,9 @@
   decode/ does not import train/;
 * no import cycles between the project's modules, counting module-level AND function-level imports
   (a function-level import only hides a cycle until the function runs);
-* no non-test source file over 400 lines; no function over 80 lines in decode/ and drafters/.
+* no non-test source file over 400 lines; no function over 80 lines in decode/ and drafters/;
+* no module of decode/, data/, train/ uses another module's underscore names (`from m import _x`,
+  `m._x`): what another module needs is public, named and documented where it lives.
 
 Imports under `if TYPE_CHECKING:` are not run and do not count. `from pkg import name` counts as an
 import of the module pkg.name when that is a module of the project, else of pkg itself.
@@ -24,6 +26,8 @@ MAX_FUNCTION_LINES = 80
 SHORT_FUNCTION_PACKAGES = ("decode", "drafters")
 # package -> the project packages it must never import (see README's layout section)
 FORBIDDEN = {"drafters": {"train", "decode"}, "data": {"train", "decode"}, "decode": {"train"}}
+# folders whose modules use no other module's underscore names (drafters/ joins once it is clean)
+PRIVATE_NAME_PACKAGES = ("decode", "data", "train")
 
 
 def module_name(path: Path) -> str:
@@ -62,20 +66,27 @@ def _import_nodes(tree: ast.AST):
         stack.extend(ast.iter_child_nodes(node))
 
 
+def _from_base(node: ast.ImportFrom, name: str) -> str:
+    """The module `from <base> import ...` reads in module `name`, relative imports resolved."""
+    base = node.module or ""
+    if node.level:  # relative: from . import x / from ..pkg import y
+        path = MODULES[name]
+        package = f"{DIST}." + (name if path.name == "__init__.py" else name.rpartition(".")[0])
+        anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+        base = ".".join(anchor + ([base] if base else []))
+    return base
+
+
 def imports_of(name: str) -> set[str]:
     """The project modules that module `name` imports (module or function level)."""
     path = MODULES[name]
     bare: set[str] = set()
-    package = f"{DIST}." + (name if path.name == "__init__.py" else name.rpartition(".")[0])
     found = set()
     for node in _import_nodes(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         else:
-            base = node.module or ""
-            if node.level:  # relative: from . import x / from ..pkg import y
-                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
-                base = ".".join(anchor + ([base] if base else []))
+            base = _from_base(node, name)
             if base.split(".")[0] in PACKAGES:  # a bare top-level name: shadowable, see below
                 bare.add(base)
             base = base.removeprefix(f"{DIST}.")
@@ -91,6 +102,53 @@ def imports_of(name: str) -> set[str]:
                 found.add(target)
     found.discard(name)
     BARE[name] = bare
+    return found
+
+
+def _is_private(attr: str) -> bool:
+    """_name is a module's own; __dunder__ names are not private."""
+    return attr.startswith("_") and not (attr.startswith("__") and attr.endswith("__"))
+
+
+def _dotted(node: ast.AST) -> str | None:
+    """"a.b.c" for a chain of attribute reads on a name (a, a.b, a.b.c), else None."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return ".".join([node.id] + parts[::-1]) if isinstance(node, ast.Name) else None
+
+
+def private_uses(name: str, source: str) -> list[str]:
+    """Where module `name` (its `source`) uses another project module's underscore name:
+    `from specdistill.x.y import _z`, or `m._z` where m names a project module through an import
+    (`import specdistill.x.y as m`, `from specdistill.x import y`, `import specdistill.x.y`).
+    Attributes of objects (`obj._cache`) are not module names and are not checked."""
+    tree = ast.parse(source)
+    modules: dict[str, str] = {}  # local name -> the project module it is bound to
+    found = []
+    for node in _import_nodes(tree):
+        if isinstance(node, ast.Import):
+            modules.update({a.asname: a.name.removeprefix(f"{DIST}.") for a in node.names
+                            if a.asname and a.name.removeprefix(f"{DIST}.") in MODULES})
+            continue
+        base = _from_base(node, name)
+        for alias in node.names:
+            full = f"{base}.{alias.name}".removeprefix(f"{DIST}.")
+            if full in MODULES:  # `from specdistill.x import y`: y is a module
+                modules[alias.asname or alias.name] = full
+            elif _is_private(alias.name) and base.removeprefix(f"{DIST}.") in MODULES \
+                    and base.removeprefix(f"{DIST}.") != name:
+                found.append(f"{name}:{node.lineno}: from {base} import {alias.name}")
+    for node in ast.walk(tree):
+        owner = _dotted(node.value) if isinstance(node, ast.Attribute) else None
+        if owner is None or not _is_private(node.attr):
+            continue
+        head, _, rest = owner.partition(".")
+        module = (modules[head] + (f".{rest}" if rest else "") if head in modules
+                  else rest if head == DIST else None)
+        if module in MODULES and module != name:
+            found.append(f"{name}:{node.lineno}: {owner}.{node.attr}")
     return found
 
 
@@ -188,6 +246,34 @@ def test_the_project_imports_itself_only_as_specdistill():
     bare = sorted(f"{m}: {', '.join(sorted(t))}" for m, t in BARE.items() if t)
     assert not bare, "bare imports of the project's folders (import specdistill.<folder>...):\n  " + \
         "\n  ".join(bare)
+
+
+def test_the_private_name_checker_sees_every_form():
+    """Both import forms and module attributes reached through every kind of import are found; a
+    module's own underscore names, dunders and attributes of objects are not."""
+    src = ("from specdistill.decode.spec import _Loop, generate\n"
+           "import specdistill.decode.evaluate as ev\n"
+           "import specdistill.decode.accept\n"
+           "from specdistill import data\n"
+           "from specdistill.decode import tree\n"
+           "from specdistill.decode.batched.spec import _Seq\n"
+           "def f(obj):\n"
+           "    from specdistill.decode.tree import _local\n"
+           "    return (ev._budget, tree._x, specdistill.decode.accept._y, data.prompts._z,\n"
+           "            ev.__name__, obj._cache, obj.tree._w)\n")
+    got = sorted(use.split(": ", 1)[1] for use in private_uses("decode.batched.spec", src))
+    assert got == sorted(["from specdistill.decode.spec import _Loop",
+                          "from specdistill.decode.tree import _local", "ev._budget", "tree._x",
+                          "specdistill.decode.accept._y", "data.prompts._z"])
+
+
+@pytest.mark.parametrize("package", PRIVATE_NAME_PACKAGES)
+def test_no_module_uses_another_modules_underscore_names(package):
+    bad = [use for name, path in MODULES.items() if name.split(".")[0] == package
+           for use in private_uses(name, path.read_text())]
+    assert not bad, (f"{package}/ uses other modules' underscore names; make what another module "
+                     f"needs public (named and documented where it lives), or move it there:\n  "
+                     + "\n  ".join(bad))
 
 
 def test_train_config_plumbing_does_not_reach_into_decode():

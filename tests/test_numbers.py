@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from specdistill.decode.batch_eval import evaluate_batched
+from specdistill.decode.batched.evaluate import evaluate_batched
 from specdistill.decode.evaluate import evaluate_drafter
 from specdistill.decode.simulate import acceptance_summary
 from specdistill.drafters.base import build_drafter

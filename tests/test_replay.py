@@ -102,8 +102,8 @@ def test_draft_acceptance_is_sum_of_min_p_q(target, temperature):
     assert 0.0 < float(want.mean()) < 1.0 or sampling.greedy
 
 
-def test_past_budget_replays_an_engines_bookkeeping(target):
-    """An engine drafts k every round, up to the budget's end too, and counts a draft accepted
+def test_past_end_replays_an_engines_bookkeeping(target):
+    """An engine drafts k every round, up to max_new_tokens' end too, and counts a draft accepted
     when the target would have produced it there: a perfect drafter then accepts k drafts in every
     round, the last included, though the decoder's last rounds draft fewer."""
     prompt = torch.tensor(PROMPTS[1])
@@ -112,7 +112,7 @@ def test_past_budget_replays_an_engines_bookkeeping(target):
     ours = replay_greedy(target, NoisyOracle(target, noise=0.0), prompt, res.tokens, k=k,
                          max_new_tokens=n)
     engine = replay_greedy(target, NoisyOracle(target, noise=0.0), prompt, res.tokens, k=k,
-                           max_new_tokens=n, past_budget=True)
+                           max_new_tokens=n, past_end=True)
     assert ours.accepted == res.accepted and ours.drafted[-1] < k  # the decoder's capped tail
     assert len(engine.accepted) == len(ours.accepted)  # the same rounds (same committed text)
     assert engine.drafted == [k] * len(engine.accepted) and engine.accepted == engine.drafted

@@ -23,7 +23,7 @@ class EngineCheckConfig:
     engine: str = "vllm"  # the serving engine: vllm | llamacpp
     target: TargetConfig = MISSING  # the export's target (conf/target/*.yaml)
     eval: EvalConfig = MISSING  # the prompts (first turns)
-    max_new_tokens: int = rng(128, 1, MAX_TOKENS)  # generation budget per prompt
+    max_new_tokens: int = rng(128, 1, MAX_TOKENS)  # tokens generated at most per prompt
     # draft tokens per round (None = the export's speculative_tokens)
     k: Optional[int] = rng(None, 1, MAX_DRAFT)
     # also decode with our own decoder (its tau and outputs beside the engine's; a replay of our

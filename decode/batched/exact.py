@@ -1,17 +1,17 @@
 """Exact verification for batched decoding (`generate_batch(exact_verify=True)`): every row of a
-batched forward rounds exactly as the same sequence's lone exact decode (decode/kernels.py), so
+batched forward rounds exactly as the same sequence's lone exact decode (decode/exact.py), so
 each batched greedy output is bit-identical to decoding that prompt alone, at any dtype.
 
-A lone exact decode reduces every attention over its static cache's capacity C = prompt + budget
-+ VERIFY_ROOM, with the round's block written right after the committed tokens. The dynamic batch
-cache (decode/batch_cache.py) instead appends every row's block after the longest row and reduces
-over the batch's length, which changes a row's rounding whenever the batch changes. Here the batch
-keeps each row as its lone decode would:
+A lone exact decode reduces every attention over its static cache's capacity C = prompt +
+max_new_tokens + VERIFY_ROOM, with the round's block written right after the committed tokens.
+The dynamic batch cache (decode/batched/kv_cache.py) instead appends every row's block after the
+longest row and reduces over the batch's length, which changes a row's rounding whenever the batch
+changes. Here the batch keeps each row as its lone decode would:
   - one (B, H, W, d) tensor per layer, W = the largest capacity in the batch; row r holds its
     committed tokens at [0, L_r) and a round writes its block at [L_r, L_r + Q) (`_RowsLayer`);
     a chain's accepted drafts are then already in place, a tree's branch is moved down;
-  - attention runs row by row over the row's own first C_r columns (`kernels.active(capacities)`),
-    with the row's explicit mask and positions;
+  - attention runs row by row over the row's own first C_r columns
+    (`decode.exact.active(capacities)`), with the row's explicit mask and positions;
   - the linears run over all B x Q rows at once: a bf16 GEMM row rounds alike for any number of
     rows >= 2 (measured on the 2-core AVX512-BF16 CPU for M = 2..200 rows at SmolLM2's shapes,
     2026-12-01), and a lone row is run as two (kernels' hooks), as in a lone decode.
@@ -28,8 +28,8 @@ from typing import Any, Sequence
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from specdistill.decode.batch_cache import block_layout, move_columns, pad_columns
-from specdistill.decode.kernels import ExactVerify, active
+from specdistill.decode.batched.kv_cache import block_layout, move_columns, pad_columns
+from specdistill.decode.exact import ExactVerify, active
 
 
 class _RowsLayer(CacheLayerMixin):
@@ -95,7 +95,7 @@ class ExactRows:
     def inputs(self, rows: Sequence[torch.Tensor], lengths: Sequence[int],
                trees: Sequence[torch.Tensor | None] | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """decode/batch_cache.inputs for this layout: ids (B, Q), attention_mask (B, 1, Q, W) bool
+        """decode/kv_cache.inputs for this layout: ids (B, Q), attention_mask (B, 1, Q, W) bool
         (row r: its cached [0, L_r), and its block at [L_r, L_r + Q) as a chain or its tree) and
         position_ids (B, Q); the next forward writes row r's block at column L_r."""
         ids, block, offset = block_layout(rows, list(trees) if trees else [None] * len(rows))
@@ -103,9 +103,9 @@ class ExactRows:
         for r, (n, cap) in enumerate(zip(lengths, self.caps)):
             if n + Q > cap:
                 raise ValueError(f"exact batched verification: row {r} needs {n + Q} cache "
-                                 f"positions, its static capacity is {cap} (prompt + budget + "
-                                 f"VERIFY_ROOM); verify at most VERIFY_ROOM tokens per row or "
-                                 f"set exact_verify=false")
+                                 f"positions, its static capacity is {cap} (prompt + "
+                                 f"max_new_tokens + VERIFY_ROOM); verify at most VERIFY_ROOM "
+                                 f"tokens per row or set exact_verify=false")
         dev = ids.device
         L = torch.as_tensor(list(lengths), dtype=torch.long, device=dev)  # (B,)
         cols = torch.arange(self.cache.layers[0].keys.shape[-2], device=dev)  # (W,)

@@ -16,7 +16,7 @@ forward's shape:
 What this module does, each piece removing one cause:
   1. every nn.Linear of the target runs one-row inputs as two identical rows (so all forwards use
      the GEMM family) and keeps the first: costs ~3% of a bf16 step, nothing else changes;
-  2. the target's KV cache is a transformers StaticCache (capacity = the prompt + budget): every
+  2. the target's KV cache is a transformers StaticCache (capacity = prompt + max_new_tokens): every
      attention reduces over the same length, the unused tail masked; explicit masks are passed;
   3. attention is computed by plain ops: scores = q k^T (all query rows of a KV head in one matmul,
      M = heads-per-KV-head x rows >= 2), an fp32 softmax over the full length, then p v.
@@ -25,10 +25,10 @@ target and on SmolLM2 at bf16: tests/test_exact_verify.py). The reliance on GEMM
 for M >= 2 is an observed property of the CPU kernels, not a guarantee of torch: the benchmark
 counts flips, and `first_difference` still classifies any that remain.
 
-Scope: the target's forwards inside `generate(..., exact_verify=True)` (plain and speculative,
-chain and tree); outside `active()` the hooks and the attention function pass through to the
-target's own attention implementation unchanged. Batched decoding: decode/rows_exact.py keeps each
-row as its lone exact decode would, and `active(capacities)` reduces row r over its own capacity.
+Scope: the target's forwards inside `generate(..., exact_verify=True)` (plain and speculative, chain
+and tree); outside `active()` the hooks and the attention function pass through to the target's own
+attention implementation unchanged. Batched decoding: decode/batched/exact.py keeps each row as its
+lone exact decode would, and `active(capacities)` reduces row r over its own capacity.
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ from specdistill.drafters.attention import grouped_attention
 
 ATTN_NAME = "specdistill_exact"  # + "_<the target's own implementation>", registered at install
 _ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("specdistill_exact", default=False)
-# batched exact decoding (decode/rows_exact.py): each row's own capacity, None = one sequence
+# batched exact decoding (decode/batched/exact.py): each row's own capacity, None = one sequence
 _ROWS: contextvars.ContextVar[tuple[int, ...] | None] = contextvars.ContextVar(
     "specdistill_exact_rows", default=None)
 
@@ -123,7 +123,7 @@ def install(target: Any) -> None:
 @contextlib.contextmanager
 def active(capacities: Sequence[int] | None = None) -> Iterator[None]:
     """Exact kernels for the target forwards inside the block (this thread / task only).
-    capacities: a batched forward's row capacities (decode/rows_exact.py); row r's attention then
+    capacities: a batched forward's row capacities (decode/batched/exact.py); row r's attention then
     reduces over its first capacities[r] cache columns only."""
     token = _ACTIVE.set(True)
     rows = _ROWS.set(tuple(int(c) for c in capacities) if capacities is not None else None)
@@ -154,15 +154,16 @@ def parse_exact(setting: bool | str) -> bool | None:
     return None
 
 
-VERIFY_ROOM = 128  # cache rows past the budget a verify may write (a tree of up to 127 nodes)
+VERIFY_ROOM = 128  # cache rows past max_new_tokens a verify may write (a tree of up to 127 nodes)
 
 
 class ExactVerify:
     """The static KV cache of one generation and the explicit inputs its forwards need.
 
     Capacity = prompt + max_new_tokens + VERIFY_ROOM, whatever the drafter: every attention reduces
-    over the capacity, so plain and speculative decoding of the same prompt and budget must share
-    it to round alike (a verify may write up to VERIFY_ROOM rows past the committed tokens)."""
+    over the capacity, so plain and speculative decoding of the same prompt and max_new_tokens must
+    share it to round alike (a verify may write up to VERIFY_ROOM rows past the committed
+    tokens)."""
 
     def __init__(self, target: Any, prompt_len: int, max_new_tokens: int) -> None:
         install(target)
@@ -187,6 +188,7 @@ class ExactVerify:
     def _room(self, needed: int) -> None:
         if needed > self.capacity:
             raise ValueError(f"exact verification: a verify forward needs {needed} cache "
-                             f"positions, the static cache holds {self.capacity} (prompt + budget + "
-                             f"{VERIFY_ROOM}); draft trees of at most {VERIFY_ROOM - 1} nodes "
-                             f"(lower drafter.tree_total_tokens) or set exact_verify=false")
+                             f"positions, the static cache holds {self.capacity} (prompt + "
+                             f"max_new_tokens + {VERIFY_ROOM}); draft trees of at most "
+                             f"{VERIFY_ROOM - 1} nodes (lower drafter.tree_total_tokens) or set "
+                             f"exact_verify=false")

@@ -1,28 +1,19 @@
-"""Batched speculative decoding: B sequences share ONE target forward per round, each keeping its
-own drafts, acceptance, KV length and drafter state; finished sequences leave the batch and waiting
-prompts take their place (continuous batching, admitted at round boundaries).
+"""`generate_batch`: batched speculative decoding, one round at a time (the package docstring
+gives the modes).
 
-Every sequence runs decode/spec.py's own per-sequence state (`_Loop`: token buffer, features,
-result) and its prefill and commit steps, so a sequence decoded in a batch commits what
-`decode.spec.generate` commits for it alone (greedy: the same tokens; sampling: the same rule and,
-in verify_all mode with the same generator, the same draws). Shared across the rows: the
-verification forward, and for chains the drafting (`Drafter.propose_rows`: EAGLE-family drafters
-put every row through one padded drafter forward per draft step, P-EAGLE one per round, each row
-attending to its own drafter cache; other drafters draft row after row). The batch KV cache is
-one transformers DynamicCache with a row per sequence, rows left-aligned: row r holds its
-committed tokens[:T_r - 1] in columns [0, L_r), L_r = T_r - 1, and garbage after. A round
-appends Q columns; row r attends to its own [0, L_r) and causally within the new block (a 4-D
-mask), at positions L_r + t; afterwards the kept columns of each row move to
-[L_r, L_r + n_r + 1) and the cache is cropped to the longest row (`batch_cache.compact`);
-exact_verify keeps each row as its lone exact decode does instead (decode/rows_exact.py).
-
-Modes: plain (no drafts), verify_all (every row verifies all its drafts), budgeted (decode/budget.py:
-before drafting, the draft depth of the round from past acceptance, the measured drafting time and
-the target's measured (B, Q) cost grid, 0 = a plain round without drafter calls; after drafting,
-the verify width from the drafts' confidences). tree=True: each row drafts the drafter's tree
-(spec's tree step) and verifies it under its own tree mask in the same padded forward; the
-accepted branch (non-contiguous block columns) is compacted per row; budgeted then chooses per
-round between a plain round and the whole trees, from past rounds only.
+Every sequence runs decode/spec.py's own per-sequence state (`SequenceState`: token buffer,
+features, result) and its public steps (prefill, commit, draft_tree, accept_tree), so a sequence
+decoded in a batch commits what `decode.spec.generate` commits for it alone (greedy: the same
+tokens; sampling: the same rule and, in verify_all mode with the same generator, the same draws).
+Shared across the rows: the verification forward, and for chains the drafting
+(`Drafter.propose_rows`: EAGLE-family drafters put every row through one padded drafter forward per
+draft step, P-EAGLE one per round, each row attending to its own drafter cache; other drafters draft
+row after row). The batch KV cache (kv_cache.py) is one transformers DynamicCache with a row per
+sequence, rows left-aligned: row r holds its committed tokens[:T_r - 1] in columns [0, L_r),
+L_r = T_r - 1, and garbage after. A round appends Q columns; row r attends to its own [0, L_r) and
+causally within the new block (a 4-D mask), at positions L_r + t; afterwards the kept columns of
+each row move to [L_r, L_r + n_r + 1) and the cache is cropped to the longest row
+(`kv_cache.compact`); exact_verify keeps each row as its lone exact decode does instead (exact.py).
 """
 from __future__ import annotations
 
@@ -36,13 +27,13 @@ from typing import Any, Callable, Sequence
 import torch
 from transformers import DynamicCache
 
-from specdistill.decode import batch_cache
 from specdistill.decode.accept import accept_chain
-from specdistill.decode.budget import CostCurve, RoundPlanner, batch_planner, choose_widths, survival
-from specdistill.decode.kernels import ExactVerify
-from specdistill.decode.rows_exact import ExactRows
-from specdistill.decode.spec import (GenerationResult, _accept_tree, _check_inputs, _commit, _draft_tree,
-                         _Loop, _prefill, _StopChecker, _timed, _Tree)
+from specdistill.decode.batched import kv_cache
+from specdistill.decode.batched.exact import ExactRows
+from specdistill.decode.batched.planner import (CostCurve, RoundPlanner, batch_planner,
+                                                choose_widths, survival)
+from specdistill.decode.spec import (DraftTree, GenerationResult, SequenceState, StopChecker,
+                                     accept_tree, check_inputs, commit, draft_tree, prefill, timed)
 from specdistill.drafters.base import Drafter
 from specdistill.drafters.sampling import SamplingParams
 
@@ -75,11 +66,28 @@ class BatchResult:
 
 @dataclass
 class _Seq:
-    """One sequence in the batch: its prompt index, spec's per-sequence state and its admission time."""
+    """One sequence in the batch: its prompt index, spec's state for it and its admission time."""
 
     index: int
-    loop: _Loop
+    state: SequenceState
     t_admit: float
+
+
+@dataclass
+class BatchSettings:
+    """What every round of one `generate_batch` call shares, passed whole to the batch."""
+
+    layers: tuple[int, ...]  # target layers whose features the drafter reads (() = none)
+    sampling: SamplingParams  # the acceptance rule's sampling (greedy by default)
+    k: int  # verify_all: drafts asked per row each round; budgeted: the deepest the planner asks
+    mode: str  # plain | verify_all | budgeted (MODES)
+    min_confidence: float  # > 0: a drafter may stop a chain early
+    stop: StopChecker | None  # the stop strings (None = none)
+    eos: torch.Tensor  # (E,) the target's EOS ids
+    sync: bool  # wait for the GPU around timed calls
+    tree: bool = False  # rows draft trees (decode/tree.py) instead of chains
+    batch_drafts: bool = True  # chains: rows draft together (propose_rows), else one by one
+    exact: bool = False  # rows kept as their lone exact decodes keep them (batched/exact.py)
 
 
 def slot_drafter(drafter: Drafter | Callable[[], Drafter]) -> Drafter:
@@ -101,63 +109,53 @@ def _check_batch(mode: str, n_prompts: int, batch_size: int, max_new_tokens: int
                          f"{batch_size}, {n_prompts} prompts)")
     if generators is not None and len(generators) != n_prompts:
         raise ValueError(f"{len(generators)} generators for {n_prompts} prompts; give one each")
-    budgets = ([max_new_tokens] * n_prompts if isinstance(max_new_tokens, int)
+    max_new = ([max_new_tokens] * n_prompts if isinstance(max_new_tokens, int)
                else [int(n) for n in max_new_tokens])
-    if len(budgets) != n_prompts:
-        raise ValueError(f"{len(budgets)} max_new_tokens for {n_prompts} prompts; give one "
+    if len(max_new) != n_prompts:
+        raise ValueError(f"{len(max_new)} max_new_tokens for {n_prompts} prompts; give one "
                          f"int or one per prompt")
-    return budgets
+    return max_new
 
 
 class _Batch:
     """The running batch: its sequences (row r of the cache = seqs[r]) and the shared settings."""
 
-    def __init__(self, target, drafter, layers, sampling, k, mode, min_confidence, stop, eos,
-                 sync, planner=None, tree=False, batch_drafts=True, exact=False):
-        self.target, self.drafter, self.layers = target, drafter, layers
-        self.batch_drafts = batch_drafts  # rows draft together (propose_rows), else one by one
-        self.sampling, self.k, self.mode = sampling, k, mode
-        self.min_confidence, self.stop, self.eos, self.sync = min_confidence, stop, eos, sync
-        self.tree = tree  # rows draft trees (decode/tree.py) instead of chains
+    def __init__(self, target: Any, drafter: Drafter | Callable[[], Drafter] | None,
+                 cfg: BatchSettings, planner: RoundPlanner | None = None) -> None:
+        self.target, self.drafter, self.cfg = target, drafter, cfg  # drafter None: plain rounds
         self.seqs: list[_Seq] = []
         self.cache = DynamicCache()
-        # exact verification: rows kept as their lone exact decodes keep them (decode/rows_exact.py)
-        self.exact = ExactRows(target) if exact else None
+        # exact verification: rows kept as their lone exact decodes keep them (batched/exact.py)
+        self.exact = ExactRows(target) if cfg.exact else None
         self.time_verify = 0.0  # seconds in target forwards, prefills included
         # budgeted: each round's draft depth, decided from past rounds only, before any draft
         # exists (lossless for sampling too); it learns acceptance and drafting time as it goes
-        self.planner = planner if mode == "budgeted" and drafter is not None else None
+        self.planner = planner if cfg.mode == "budgeted" and drafter is not None else None
 
     def admit(self, index: int, prompt: torch.Tensor, max_new_tokens: int,
               generator: torch.Generator | None) -> tuple[_Seq, bool]:
         """Prefill prompt (P,) alone (spec's step 1, its own cache), commit its first token and,
         unless that already ends it, add it as a new row. Returns (the sequence, added)."""
-        t0, P, dev = time.perf_counter(), len(prompt), self.target.device
-        lone = ExactVerify(self.target, P, max_new_tokens) if self.exact else None
-        res = GenerationResult(tokens=prompt.new_empty(0).cpu(),
-                               cache=lone.cache if lone else DynamicCache())
-        loop = _Loop(target=self.target, drafter=slot_drafter(self.drafter) if self.drafter else None,
-                     sampling=self.sampling, generator=generator, layers=self.layers,
-                     sync=self.sync, res=res, cache=res.cache, exact=lone,
-                     buf=torch.empty(P + max_new_tokens, dtype=torch.long, device=dev),
-                     P=P, end=P + max_new_tokens)
-        loop.buf[:P] = prompt
-        seq = _Seq(index, loop, t0)
+        t0, cfg = time.perf_counter(), self.cfg
+        st = SequenceState.start(self.target, slot_drafter(self.drafter) if self.drafter else None,
+                                 prompt, max_new_tokens, cfg.sampling, generator, cfg.layers,
+                                 cfg.exact)
+        seq, res = _Seq(index, st, t0), st.res
         if max_new_tokens == 0:
             res.stop_reason = "max_new_tokens"
             return seq, False
-        first = _prefill(loop, prompt)
+        first = prefill(st, prompt)
         self.time_verify += res.time_verify
-        added = not _commit(loop, first, None, self.eos, self.stop)
+        added = not commit(st, first, None, cfg.eos, cfg.stop)
         if added:
             if self.exact:
-                self.exact.add_row(lone, loop.T - 1)
+                self.exact.add_row(st.exact, st.T - 1)
             elif self.seqs:
-                batch_cache.add_row(self.cache, loop.cache)
+                kv_cache.add_row(self.cache, st.cache)
             else:  # the first row: its own cache becomes the batch cache
-                self.cache = loop.cache
+                self.cache = st.cache
             self.seqs.append(seq)
-        res.cache = loop.cache = loop.exact = None  # the row now lives in the batch cache
+        res.cache = st.cache = st.exact = None  # the row now lives in the batch cache
         return seq, added
 
     def _draft(self, depth: int
@@ -167,64 +165,65 @@ class _Batch:
         where the drafter can (one forward per draft step for all rows), or, with batch_drafts off,
         through the base class's one-row-after-another loop. The call's seconds are shared evenly
         by its rows."""
-        budgets = [min(depth, s.loop.end - s.loop.T - 1) if s.loop.drafter is not None else 0
-                   for s in self.seqs]  # drafts beyond end could never be committed
-        live = [r for r, b in enumerate(budgets) if b > 0]
+        asks = [min(depth, s.state.room) if s.state.drafter is not None else 0
+                for s in self.seqs]  # drafts beyond the room could never be committed
+        live = [r for r, b in enumerate(asks) if b > 0]
         props = [None] * len(self.seqs)
         if live:
-            loops = [self.seqs[r].loop for r in live]
-            propose_rows = loops[0].drafter.propose_rows if self.batch_drafts else partial(
-                Drafter.propose_rows, loops[0].drafter)
-            got, dt = _timed(lambda: propose_rows(
-                [lp.drafter for lp in loops], [lp.state() for lp in loops],
-                [budgets[r] for r in live], self.sampling, [lp.generator for lp in loops],
-                self.min_confidence), self.sync)
-            for r, lp, prop in zip(live, loops, got):
+            states = [self.seqs[r].state for r in live]
+            propose_rows = states[0].drafter.propose_rows if self.cfg.batch_drafts else partial(
+                Drafter.propose_rows, states[0].drafter)
+            got, dt = timed(lambda: propose_rows(
+                [st.drafter for st in states], [st.decode_state() for st in states],
+                [asks[r] for r in live], self.cfg.sampling, [st.generator for st in states],
+                self.cfg.min_confidence), self.cfg.sync)
+            for r, st, prop in zip(live, states, got):
                 props[r] = prop
-                lp.res.time_draft += dt / len(live)
+                st.res.time_draft += dt / len(live)
         out = []
-        for s, b, prop in zip(self.seqs, budgets, props):
+        for s, b, prop in zip(self.seqs, asks, props):
             if prop is None:
-                out.append((s.loop.buf.new_empty(0), None, torch.ones(0)))
+                out.append((s.state.buf.new_empty(0), None, torch.ones(0)))
                 continue
             m = min(len(prop.tokens), b)
             q = prop.probs[:m] if prop.probs is not None else None  # (m, V)
-            scores = survival(prop, m) if self.mode == "budgeted" else None  # (m,)
-            out.append((prop.tokens[:m].to(s.loop.buf.device), q, scores))
+            scores = survival(prop, m) if self.cfg.mode == "budgeted" else None  # (m,)
+            out.append((prop.tokens[:m].to(s.state.buf.device), q, scores))
         return out
 
     def _depth(self) -> int:
         """Drafts asked per row this round: k (verify_all), 0 (plain), or the planner's."""
-        if self.drafter is None or self.mode == "plain":
+        if self.drafter is None or self.cfg.mode == "plain":
             return 0
-        return self.planner.depth(len(self.seqs)) if self.planner else self.k
+        return self.planner.depth(len(self.seqs)) if self.planner else self.cfg.k
 
     def round(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None], int, int]:
-        """One round for every row: 1. draft, 2. budget, 3. ONE padded forward, 4. accept,
-        5. compact the cache, 6. budgeted: the planner learns from the round. Returns each row's
-        tokens to commit (n_r+1,), the features (n_r+1, F) of its verified inputs (or None), the
-        forward's width Q and the draft depth asked."""
+        """One round for every row: 1. draft, 2. budgeted: cut the verify widths, 3. ONE padded
+        forward, 4. accept, 5. compact the cache, 6. budgeted: the planner learns from the round.
+        Returns each row's tokens to commit (n_r+1,), the features (n_r+1, F) of its verified
+        inputs (or None), the forward's width Q and the draft depth asked."""
         t_round, depth = time.perf_counter(), self._depth()
-        if self.tree and depth:
+        if self.cfg.tree and depth:
             return self._tree_round(t_round, depth)
         drafts = self._draft(depth)  # 1.
         t_draft = time.perf_counter() - t_round
         lens = [len(d) for d, _, _ in drafts]
         if self.planner and depth:  # 2. cut every row to the width the cost grid pays for
             lens = choose_widths([sc for _, _, sc in drafts], self.planner.cost,
-                                 self.sampling.greedy)
+                                 self.cfg.sampling.greedy)
         ids, out, dt, L, cache_len = self._verify(  # 3.
             [d[:m] for (d, _, _), m in zip(drafts, lens)])
         new, kept, n_keep = [], [], []
         for r, (s, (d, q, _), m) in enumerate(zip(self.seqs, drafts, lens)):  # 4.
-            res = s.loop.res
+            res = s.state.res
             n_t, nxt = accept_chain(d[None, :m], None if q is None else q[None, :m],
-                                    out.logits[r:r + 1, :m + 1], self.sampling, s.loop.generator)
+                                    out.logits[r:r + 1, :m + 1], self.cfg.sampling,
+                                    s.state.generator)
             n = int(n_t)
             res.drafted.append(m)
             res.accepted.append(n)
             new.append(torch.cat([d[:n], nxt]))  # (n+1,)
-            kept.append(out.features[r, :n + 1] if self.layers else None)  # (n+1, F)
+            kept.append(out.features[r, :n + 1] if self.cfg.layers else None)  # (n+1, F)
             n_keep.append(n + 1)
         self._compact(L, n_keep, cache_len)  # 5.
         # 6. a draft cut in step 2 counts as drafted, not accepted
@@ -235,29 +234,28 @@ class _Batch:
     def _tree_round(self, t_round: float, depth: int
                     ) -> tuple[list[torch.Tensor], list[torch.Tensor | None], int, int]:
         """`round` with trees: 1. every row drafts a tree (spec's step, cut to the depth its
-        budget can still commit), 3. ONE padded forward, each row under its own tree mask, 4. each
+        room can still commit), 3. ONE padded forward, each row under its own tree mask, 4. each
         row's branch by spec's rule (greedy walk or multi-draft sampling), 5. compact the cache to
         the accepted branches, 6. budgeted: the planner learns. No width cut after drafting: which
         nodes are verified never depends on their values."""
         trees = []
         for s in self.seqs:  # 1.
-            budget = s.loop.end - s.loop.T - 1  # drafts beyond end could never be committed
-            if budget > 0:
-                trees.append(_draft_tree(s.loop, budget))
+            if s.state.room > 0:
+                trees.append(draft_tree(s.state, s.state.room))
             else:
-                trees.append(_Tree.empty(s.loop.buf.device))
+                trees.append(DraftTree.empty(s.state.buf.device))
         t_draft = time.perf_counter() - t_round
         ids, out, dt, L, cache_len = self._verify([t.nodes for t in trees], [t.anc for t in trees])
         new, kept, keeps = [], [], []
         for r, (s, t) in enumerate(zip(self.seqs, trees)):  # 4.
-            keep, bonus = _accept_tree(s.loop, t, out.logits[r, :len(t.nodes) + 1])
+            keep, bonus = accept_tree(s.state, t, out.logits[r, :len(t.nodes) + 1])
             new.append(torch.cat([ids[r, keep[1:]], bonus]))  # (n+1,)
-            kept.append(out.features[r, keep] if self.layers else None)  # (n+1, F)
+            kept.append(out.features[r, keep] if self.cfg.layers else None)  # (n+1, F)
             keeps.append(keep)
         self._compact(L, keeps, cache_len)  # 5.
         if self.planner:  # 6. each tree's depth counts as drafted
             self.planner.observe_width(ids.shape[1])
-        self._learn(depth, [s.loop.res.drafted[-1] for s in self.seqs],
+        self._learn(depth, [s.state.res.drafted[-1] for s in self.seqs],
                     [len(x) - 1 for x in keeps], t_round, t_draft, dt)
         return new, kept, ids.shape[1], depth
 
@@ -266,25 +264,25 @@ class _Batch:
         or a tree under its ancestor mask), timed and counted for the batch and every row.
         Returns (ids (B, Q), the target's output, seconds, each row's cached length L_r, the
         cache length before the forward)."""
-        rows = [torch.cat([s.loop.buf[s.loop.T - 1:s.loop.T], d])
+        rows = [torch.cat([s.state.buf[s.state.T - 1:s.state.T], d])
                 for s, d in zip(self.seqs, drafts)]  # (m_r+1,) each
-        L = [s.loop.T - 1 for s in self.seqs]  # committed tokens in each row's cache
+        L = [s.state.T - 1 for s in self.seqs]  # committed tokens in each row's cache
         if self.exact:
             cache_len, cache, ctx = 0, self.exact.cache, self.exact.context()
             ids, mask, pos = self.exact.inputs(rows, L, trees)
         else:
             cache_len, cache, ctx = self.cache.get_seq_length(), self.cache, nullcontext()
-            ids, mask, pos = batch_cache.inputs(rows, L, cache_len, trees=trees)
+            ids, mask, pos = kv_cache.inputs(rows, L, cache_len, trees=trees)
 
         def run():
             with ctx:
-                return self.target.forward(ids, layers=self.layers, cache=cache,
+                return self.target.forward(ids, layers=self.cfg.layers, cache=cache,
                                            attention_mask=mask, position_ids=pos)
-        out, dt = _timed(run, self.sync)
+        out, dt = timed(run, self.cfg.sync)
         self.time_verify += dt
         for s in self.seqs:
-            s.loop.res.time_verify += dt
-            s.loop.res.target_forwards += 1
+            s.state.res.time_verify += dt
+            s.state.res.target_forwards += 1
         return ids, out, dt, L, cache_len
 
     def _compact(self, L: list[int], keep: list, cache_len: int) -> None:
@@ -292,7 +290,7 @@ class _Batch:
         if self.exact:
             self.exact.compact(L, keep)
         else:
-            batch_cache.compact(self.cache, L, keep, cache_len)
+            kv_cache.compact(self.cache, L, keep, cache_len)
 
     def _learn(self, depth: int, made: list[int], accepted: list[int], t_round: float,
                t_draft: float, dt: float) -> None:
@@ -305,7 +303,8 @@ class _Batch:
 
     def commit(self, new: list[torch.Tensor], kept: list[torch.Tensor | None]) -> list[_Seq]:
         """Spec's commit step per row; the finished sequences leave the batch (and the cache)."""
-        done = [_commit(s.loop, n, f, self.eos, self.stop) for s, n, f in zip(self.seqs, new, kept)]
+        done = [commit(s.state, n, f, self.cfg.eos, self.cfg.stop)  # spec's step, per row
+                for s, n, f in zip(self.seqs, new, kept)]
         finished = [s for s, d in zip(self.seqs, done) if d]
         if finished:
             stay = [r for r, d in enumerate(done) if not d]
@@ -313,16 +312,16 @@ class _Batch:
             if self.exact:
                 self.exact.select_rows(stay)
             else:
-                batch_cache.select_rows(self.cache, stay, max((s.loop.T - 1 for s in self.seqs),
-                                                              default=0))
+                kv_cache.select_rows(self.cache, stay, max((s.state.T - 1 for s in self.seqs),
+                                                           default=0))
         return finished
 
 
 def _finish(seq: _Seq, t_start: float, results: list, latency: list) -> None:
-    loop, now = seq.loop, time.perf_counter()
-    loop.res.tokens = loop.buf[loop.P:loop.T].cpu()
-    loop.res.time_total = now - seq.t_admit
-    results[seq.index], latency[seq.index] = loop.res, now - t_start
+    st, now = seq.state, time.perf_counter()
+    st.res.tokens = st.buf[st.P:st.T].cpu()
+    st.res.time_total = now - seq.t_admit
+    results[seq.index], latency[seq.index] = st.res, now - t_start
 
 
 @torch.inference_mode()
@@ -331,7 +330,7 @@ def generate_batch(
     drafter: Drafter | Callable[[], Drafter] | None,  # one is shared (slot_drafter), or a factory
     prompts: Sequence[torch.Tensor | Sequence[int]],  # each (P_i,)
     *,
-    max_new_tokens: int | Sequence[int],  # one budget for all, or one per prompt
+    max_new_tokens: int | Sequence[int],  # one for all, or one per prompt
     batch_size: int = 8,  # at most this many sequences in one forward
     k: int = 5,
     mode: str = "verify_all",  # plain | verify_all | budgeted
@@ -345,34 +344,35 @@ def generate_batch(
     planner: RoundPlanner | None = None,  # budgeted: kept across calls (None = a fresh one)
     tree: bool = False,  # every row verifies the drafter's tree (decode/tree.py) instead of a chain
     batch_drafts: bool = True,  # chains: rows draft together (Drafter.propose_rows), else 1 by 1
-    exact_verify: bool = False,  # every row rounds as its lone exact decode (decode/rows_exact.py)
+    exact_verify: bool = False,  # every row rounds as its lone exact decode (batched/exact.py)
 ) -> BatchResult:
     """Decode every prompt, up to batch_size at a time in one target forward per round,
     losslessly per sequence: each output is what `decode.spec.generate` gives that prompt alone
     (greedy: token-identical; at 16 bits up to near-tie flips, a row's rounding depending on the
     batch, unless exact_verify: then bit-identical to `generate(..., exact_verify=True)` alone).
 
-    budgeted: pass the same `planner` (a `decode.budget.RoundPlanner` for this target, drafter and
-    k) to every call, as a server would keep it, so a call starts from the acceptance and drafting
-    times the earlier ones measured instead of drafting blind in its first rounds."""
+    budgeted: pass the same `planner` (a `decode.batched.planner.RoundPlanner` for this target,
+    drafter and k) to every call, as a server would keep it, so a call starts from the acceptance
+    and drafting times the earlier ones measured instead of drafting blind in its first rounds."""
     t_start, sampling, dev = time.perf_counter(), sampling or SamplingParams(), target.device
-    budgets = _check_batch(mode, len(prompts), batch_size, max_new_tokens, generators)
+    max_new = _check_batch(mode, len(prompts), batch_size, max_new_tokens, generators)
     prompts = [torch.as_tensor(p, dtype=torch.long).reshape(-1).to(dev) for p in prompts]
     one = slot_drafter(drafter) if drafter is not None else None  # for the checks and the layers
     speculative = one is not None and k > 0 and mode != "plain"
-    for p, n in zip(prompts, budgets):  # 0. guards, as spec's, before any work
-        _check_inputs(target, one if speculative else None, len(p), n, k, sampling, tree,
-                      masks="batched decoding")
+    for p, n in zip(prompts, max_new):  # 0. guards, as spec's, before any work
+        check_inputs(target, one if speculative else None, len(p), n, k, sampling, tree,
+                     masks="batched decoding")
     if speculative and mode == "budgeted":
         planner = batch_planner(target, one, k, tree, planner, cost, cache_dir, exact_verify)
     gens = list(generators) if generators is not None else [
         torch.Generator(device=dev).manual_seed(seed + i) for i in range(len(prompts))]
     eos = torch.tensor(sorted(target.eos_token_ids), dtype=torch.long, device=dev)  # (E,)
-    stop = _StopChecker(target.tokenizer, stop_strings) if any(stop_strings) else None
-    layers = tuple(one.feature_layers) if speculative else ()
-    batch = _Batch(target, drafter if speculative else None, layers, sampling, k, mode,
-                   min_confidence, stop, eos, dev.type == "cuda", planner, tree, batch_drafts,
-                   exact_verify)
+    stop = StopChecker(target.tokenizer, stop_strings) if any(stop_strings) else None
+    cfg = BatchSettings(layers=tuple(one.feature_layers) if speculative else (), sampling=sampling,
+                        k=k, mode=mode, min_confidence=min_confidence, stop=stop, eos=eos,
+                        sync=dev.type == "cuda", tree=tree, batch_drafts=batch_drafts,
+                        exact=exact_verify)
+    batch = _Batch(target, drafter if speculative else None, cfg, planner)
     results: list = [None] * len(prompts)
     latency: list = [0.0] * len(prompts)
     out = BatchResult(results=results, latency=latency)
@@ -381,7 +381,7 @@ def generate_batch(
         # 1. admit waiting prompts into free rows (a prompt may finish at its prefill)
         while waiting and len(batch.seqs) < batch_size:
             i = waiting.pop(0)
-            seq, added = batch.admit(i, prompts[i], budgets[i], gens[i])
+            seq, added = batch.admit(i, prompts[i], max_new[i], gens[i])
             if not added:
                 _finish(seq, t_start, results, latency)
         if not batch.seqs:

@@ -1,12 +1,12 @@
-"""The row-per-sequence KV cache of batched decoding (decode/batch.py), on a transformers
+"""The row-per-sequence KV cache of batched decoding (decode/batched/spec.py), on a transformers
 DynamicCache whose layers hold keys and values (B, H, L, D).
 
-Rows are left-aligned: row r holds its L_r committed positions in columns [0, L_r); columns
-[L_r, L) hold garbage from earlier rounds (or zeros) that the attention mask hides. A round
-appends a (B, Q) block at columns [L, L + Q) (`inputs` builds its ids, mask and positions);
-`compact` then moves each row's kept block columns (a chain's first n_r, a tree's accepted branch)
-to [L_r, L_r + n_r) and crops the cache to the longest row, so every row's cache equals the one a lone decoder of that sequence would hold.
-Only the kept columns are written (one indexed copy per layer).
+Rows are left-aligned: row r holds its L_r committed positions in columns [0, L_r); columns [L_r, L)
+hold garbage from earlier rounds (or zeros) that the attention mask hides. A round appends a (B, Q)
+block at columns [L, L + Q) (`inputs` builds its ids, mask and positions); `compact` then moves each
+row's kept block columns (a chain's first n_r, a tree's accepted branch) to [L_r, L_r + n_r) and
+crops the cache to the longest row, so every row's cache equals the one a lone decoder of that
+sequence would hold. Only the kept columns are written (one indexed copy per layer).
 """
 from __future__ import annotations
 

@@ -9,19 +9,21 @@ decoding at the same B (itself token-identical to decoding alone). tree=True: th
 modes verify the drafter's trees instead of chains. one_by_one=True adds every speculative mode
 with the rows drafting one after another ("verify_all 1by1"), interleaved with the default where
 the rows draft together (Drafter.propose_rows): the A/B of batched drafting. exact=True adds every
-mode with exact verification ("verify_all exact", decode/rows_exact.py), interleaved: its cost,
+mode with exact verification ("verify_all exact", decode/batched/exact.py), interleaved: its cost,
 and its outputs against unbatched exact decoding ("outputs differ from unbatched").
 """
 from __future__ import annotations
 
+import json
 import statistics
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
-from specdistill.decode.batch import MODES, BatchResult, generate_batch
-from specdistill.decode.budget import CostCurve, cost_curve, new_planner
+from specdistill.decode.batched.planner import CostCurve, cost_curve, new_planner
+from specdistill.decode.batched.spec import MODES, BatchResult, generate_batch
+from specdistill.decode.evaluate import render
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 ONE_BY_ONE = "1by1"  # label suffix of a speculative mode whose rows draft one after another
@@ -154,3 +156,22 @@ def batch_plot(rows: list[dict], path: Path, title: str = "") -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def batch_main(target: Any, drafter: Any, prompts: Sequence, args, head: list[str]) -> None:
+    """`python -m decode.bench --batch` (decode/bench.py parses and checks the arguments): the
+    table, plot and rows for one target and one drafter, printed and written to args.out."""
+    ids = [render(target, p.turns[:1], []) for p in prompts]
+    rows = run_batch_bench(target, drafter, ids, batch_sizes=args.batch_sizes,
+                           modes=args.batch_modes, k=args.k, max_new_tokens=args.max_new_tokens,
+                           repeats=args.batch_repeats, tree=args.batch_tree,
+                           one_by_one=args.batch_one_by_one, exact=args.batch_exact)
+    lines = head + [f"{args.eval}, {len(ids)} prompts cycled to {max(args.batch_sizes)} sequences, "
+                    f"greedy, {args.max_new_tokens} new tokens, drafter {drafter.name} "
+                    f"{'trees' if args.batch_tree else f'k={args.k}'}, "
+                    f"{args.batch_repeats} interleaved repeats (medians)", ""] + batch_markdown(rows)
+    out = Path(args.out)
+    batch_plot(rows, out / "batch.png", f"{args.target}, {drafter.name} k={args.k}")
+    (out / "batch.md").write_text("\n".join(lines) + "\n")
+    (out / "batch.json").write_text(json.dumps({"rows": rows}, indent=1))
+    print("\n".join(lines), flush=True)

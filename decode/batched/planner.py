@@ -48,9 +48,9 @@ from typing import Any, Sequence
 import torch
 from transformers import DynamicCache
 
-from specdistill.decode import batch_cache
-from specdistill.decode.kernels import ExactVerify
-from specdistill.decode.rows_exact import ExactRows
+from specdistill.decode.batched import kv_cache
+from specdistill.decode.batched.exact import ExactRows
+from specdistill.decode.exact import ExactVerify
 from specdistill.drafters.base import ChainProposal
 
 BATCH_NS = (1, 2, 4, 8, 16, 32)  # rows per forward measured
@@ -143,10 +143,10 @@ def machine_key(device: torch.device) -> tuple[str, str]:
 @torch.inference_mode()
 def measure_cost(target: Any, bs: Sequence[int] = BATCH_NS, qs: Sequence[int] = WIDTH_NS,
                  context: int = 96, rounds: int = 3, exact: bool = False) -> list[list[float]]:
-    """seconds[i][j]: median seconds of the verification forward of decode/batch.py at bs[i] rows
-    x qs[j] tokens (its 4-D mask and positions, logits at every position) over a `context`-token
-    KV cache per row; all (B, Q) interleaved round by round, the first round (warm-up) dropped.
-    exact: the forward of exact batched decoding (decode/rows_exact.py)."""
+    """seconds[i][j]: median seconds of the verification forward of decode/batched/spec.py at bs[i]
+    rows x qs[j] tokens (its 4-D mask and positions, logits at every position) over a
+    `context`-token KV cache per row; all (B, Q) interleaved round by round, the first round
+    (warm-up) dropped. exact: the forward of exact batched decoding (decode/batched/exact.py)."""
     gen = torch.Generator().manual_seed(0)
     dev, V = target.device, target.vocab_size
     caches = {b: _context_cache(target, b, context, max(qs), gen, exact) for b in bs}  # 1.
@@ -162,8 +162,8 @@ def measure_cost(target: Any, bs: Sequence[int] = BATCH_NS, qs: Sequence[int] = 
                         out = target.forward(ids, cache=caches[b].cache, attention_mask=mask,
                                              position_ids=pos)
                 else:
-                    ids, mask, pos = batch_cache.inputs(rows, [context] * b, context,
-                                                       plain_mask=b == 1)  # as decode/batch.py
+                    ids, mask, pos = kv_cache.inputs(rows, [context] * b, context,
+                                                    plain_mask=b == 1)  # as batched/spec.py
                     out = target.forward(ids, cache=caches[b], attention_mask=mask,
                                          position_ids=pos)
                     caches[b].crop(-q)

@@ -1,6 +1,6 @@
 """`python -m decode batch_size=B batch_mode=...` (B > 1): decode an eval set B sequences at a time
-(decode/batch.py) and write the same result.json / result.md as the single-sequence path, plus the
-batch size, the mode, the throughput over the batch and the per-sequence latencies.
+(decode/batched/spec.py) and write the same result.json / result.md as the single-sequence path,
+plus the batch size, the mode, the throughput over the batch and the per-sequence latencies.
 
 Turn t of every prompt is decoded in one batched call (turn t + 1 needs the model's own answer to
 turn t). With compare_plain, plain batched decoding at the same B runs first, turn by turn, for the
@@ -10,15 +10,14 @@ token-identical to decoding each prompt alone: tests/test_batch.py).
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict
 from pathlib import Path
 
 from specdistill.data.prompts import load_prompts
-from specdistill.decode.batch import BatchResult, generate_batch
-from specdistill.decode.budget import cost_curve, new_planner
-from specdistill.decode.kernels import parse_exact
-from specdistill.decode.evaluate import (_budget, _lossless_check, compare_greedy, finish_run, headline,
-                             render, results_markdown, setup_run, write_results)
+from specdistill.decode.batched.planner import cost_curve, new_planner
+from specdistill.decode.batched.spec import BatchResult, generate_batch
+from specdistill.decode.exact import parse_exact
+from specdistill.decode.evaluate import (finish_run, fit_max_new_tokens, render, result_row,
+                                         results_markdown, setup_run, summarise, write_results)
 from specdistill.decode.metrics import RunMetrics
 from specdistill.drafters.base import Drafter
 from specdistill.drafters.sampling import SamplingParams
@@ -45,7 +44,7 @@ def evaluate_batched(target, drafter: Drafter | None, *, batch_size: int, batch_
                      cache_dir: str | None = None) -> dict:
     """Decode every prompt (and turn) batch_size at a time in `batch_mode`; return {"summary",
     "markdown", "prompts"} and write result.json + result.md into out_dir. exact_verify: both
-    decodes with exact kernels per row (decode/rows_exact.py; greedy outputs then equal unbatched
+    decodes with exact kernels per row (decode/batched/exact.py; greedy outputs then equal unbatched
     exact decoding bit for bit); auto = off here: batched, the exact rows cost 12-16% of the
     throughput at B = 2-4 and ~35% at B = 8 on a CPU (BENCHMARKS.md "Exact batched greedy")."""
     sampling = sampling or SamplingParams()
@@ -59,9 +58,10 @@ def evaluate_batched(target, drafter: Drafter | None, *, batch_size: int, batch_
     for turn in range(max(len(p.turns) for p in prompts)):
         todo = [i for i, p in enumerate(prompts) if len(p.turns) > turn]
         ids = [render(target, prompts[i].turns[:turn + 1], answers[i]) for i in todo]
-        budgets = [_budget(target, x, max_new_tokens, f"prompt {prompts[i].id} (turn {turn + 1})")
-                   for i, x in zip(todo, ids)]
-        kw = dict(max_new_tokens=budgets, batch_size=batch_size, sampling=sampling,
+        fitted = [fit_max_new_tokens(target, x, max_new_tokens,
+                                     f"prompt {prompts[i].id} (turn {turn + 1})")
+                  for i, x in zip(todo, ids)]
+        kw = dict(max_new_tokens=fitted, batch_size=batch_size, sampling=sampling,
                   exact_verify=exact_verify)
         plain = generate_batch(target, None, ids, mode="plain", **kw) if compare_plain else None
         spec = generate_batch(target, drafter, ids, k=k, mode=batch_mode,
@@ -70,41 +70,27 @@ def evaluate_batched(target, drafter: Drafter | None, *, batch_size: int, batch_
         spec_batches.append(spec)
         plain_batches += [plain] if plain is not None else []
         for j, i in enumerate(todo):
-            res, p = spec.results[j], prompts[i]
-            same, where = compare_greedy(target, ids[j], plain.results[j] if plain else None, res,
-                                   sampling.greedy, exact_verify and not tree)
-            out = res.tokens.tolist()
-            answers[i].append(out)
-            spec_results.append(res)
-            rows.append({"id": p.id, "turn": turn + 1, "category": p.category,
-                         "prompt_tokens": len(ids[j]), "generated_ids": out,
-                         "text": target.tokenizer.decode(out, skip_special_tokens=False),
-                         "new_tokens": len(out), "target_forwards": res.target_forwards,
-                         "accepted": res.accepted, "drafted": res.drafted,
-                         "stop_reason": res.stop_reason, "identical_to_plain": same,
-                         "latency_s": spec.latency[j], "budget_capped": budgets[j] < max_new_tokens,
-                         **({"first_difference": where} if where else {})})
+            spec_results.append(spec.results[j])
+            # exact chains promise bit-identity: no tie allowance (trees keep it)
+            rows.append(result_row(target, prompts[i], turn, ids[j], spec.results[j],
+                                   plain.results[j] if plain else None, sampling.greedy,
+                                   exact_verify and not tree, fitted[j], max_new_tokens,
+                                   latency_s=spec.latency[j]))
+            answers[i].append(rows[-1]["generated_ids"])
     spec_m = _batch_metrics(spec_results, spec_batches)
+    plain_m = (_batch_metrics([r for b in plain_batches for r in b.results], plain_batches)
+               if plain_batches else None)
     latency = [r["latency_s"] for r in rows]
     widths = [w for b in spec_batches for w in b.widths]
-    summary = {**({"planner_probes": planner.probes} if planner else {}), "eval": eval_kind, "prompts": len(prompts), "generations": len(rows),
-               "drafter": drafter.name if drafter is not None else "none", "k": k, "tree": tree,
-               "temperature": sampling.temperature, "max_new_tokens": max_new_tokens,
-               "batch_size": batch_size, "batch_mode": batch_mode, "exact_verify": exact_verify,
-               "latency_mean_s": statistics.mean(latency),
-               "latency_p90_s": sorted(latency)[int(0.9 * (len(latency) - 1))],
-               # None: no verify forward ran (every answer ended with the prefill's token)
-               "mean_forward_width": statistics.mean(widths) if widths else None,
-               **{f"spec_{n}": v for n, v in asdict(spec_m).items()}}
-    summary.update(target.dtype_choice.as_dict() if hasattr(target, "dtype_choice") else
-                   {"target_dtype": str(target.dtype).removeprefix("torch.")})
-    if plain_batches:
-        plain_m = _batch_metrics([r for b in plain_batches for r in b.results], plain_batches)
-        summary["plain_tokens_per_s"] = plain_m.tokens_per_s
-        summary["plain_target_forwards"] = plain_m.target_forwards
-        if sampling.greedy:
-            summary.update(_lossless_check(rows))
-    summary.update(headline(spec_m, plain_m.tokens_per_s if plain_batches else None))
+    extra = {"batch_size": batch_size, "batch_mode": batch_mode,
+             "latency_mean_s": statistics.mean(latency),
+             "latency_p90_s": sorted(latency)[int(0.9 * (len(latency) - 1))],
+             # None: no verify forward ran (every answer ended with the prefill's token)
+             "mean_forward_width": statistics.mean(widths) if widths else None,
+             **({"planner_probes": planner.probes} if planner else {})}
+    summary = summarise(target, drafter, rows, spec_m, plain_m, eval_kind=eval_kind,
+                        n_prompts=len(prompts), k=k, tree=tree, sampling=sampling,
+                        max_new_tokens=max_new_tokens, exact_verify=exact_verify, extra=extra)
     markdown = (results_markdown(summary, spec_m)
                 + f"\n\nbatch_size={batch_size}, batch_mode={batch_mode}: throughput over the "
                   f"batch, per-sequence latency mean {summary['latency_mean_s']:.2f} s")
@@ -113,7 +99,7 @@ def evaluate_batched(target, drafter: Drafter | None, *, batch_size: int, batch_
 
 def run_batched(cfg) -> None:
     """`python -m decode batch_size=B batch_mode=...` with B > 1 (decode/__main__.py)."""
-    from specdistill.decode.batch import MODES
+    from specdistill.decode.batched.spec import MODES
     from specdistill.drafters.target import cache_root
 
     if cfg.batch_mode not in MODES:

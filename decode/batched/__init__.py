@@ -1,0 +1,20 @@
+"""Batched speculative decoding: B sequences share ONE target forward per round, each keeping its
+own drafts, acceptance, KV length and drafter state; finished sequences leave the batch and waiting
+prompts take their place (continuous batching, admitted at round boundaries). Each output is what
+`decode.spec.generate` gives that prompt alone.
+
+  spec.py      `generate_batch`: the rounds, every row through decode/spec.py's per-sequence steps
+  kv_cache.py  the row-per-sequence KV cache (one DynamicCache, rows left-aligned)
+  exact.py     exact verification per row: the batched twin of decode/exact.py
+  planner.py   budgeted mode: the measured cost grid and the round planner
+  evaluate.py  `python -m decode batch_size=B ...`: an eval set decoded B sequences at a time
+  bench.py     `python -m decode.bench --batch`: throughput and latency per batch size x mode
+
+Modes: plain (no drafts), verify_all (every row verifies all its drafts), budgeted (planner.py:
+before drafting, the draft depth of the round from past acceptance, the measured drafting time and
+the target's measured (B, Q) cost grid, 0 = a plain round without drafter calls; after drafting,
+the verify width from the drafts' confidences). tree=True: each row drafts the drafter's tree
+(spec's tree step) and verifies it under its own tree mask in the same padded forward; the
+accepted branch (non-contiguous block columns) is compacted per row; budgeted then chooses per
+round between a plain round and the whole trees, from past rounds only.
+"""

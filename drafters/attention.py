@@ -47,7 +47,7 @@ def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     causal=False) -> (B, H, q, d). Scores in the inputs' dtype, softmax in fp32; a query row with
     every key masked gets uniform weights (finite), as padding rows need. two_rows: a lone query
     row per KV head (no GQA, one token) runs as two identical rows, so both matmuls are GEMMs, as
-    exact verification needs (decode/kernels.py)."""
+    exact verification needs (decode/exact.py)."""
     B, H, q, d = query.shape
     Hkv, L = key.shape[1], key.shape[2]
     g = H // Hkv  # query heads per KV head

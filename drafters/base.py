@@ -19,7 +19,7 @@ engine layouts are `ExportLayout`s registered by the drafter module that owns th
 Decode-time contract (see decode/spec.py for the loop that drives it):
   * Before the first round of a prompt the decoder calls `reset()`.
   * Each round it calls `propose(state, k, sampling, generator)` (chain) or `propose_tree(state,
-    sampling, generator)` (tree). Batched decoding (decode/batch.py) instead calls
+    sampling, generator)` (tree). Batched decoding (decode/batched/spec.py) instead calls
     `propose_rows(slots, states, ks, ...)` once for every row's chain (slots[r]: row r's copy of
     the drafter, holding its state); the default loops over `propose`, EAGLE-family drafters put
     the rows through one forward per draft step (drafters/rows.py). `state.tokens` holds every committed token; between two calls
@@ -151,7 +151,7 @@ class Drafter(nn.Module):
                      ks: Sequence[int], sampling: SamplingParams,
                      generators: Sequence[torch.Generator | None],
                      min_confidence: float = 0.0) -> list[ChainProposal]:
-        """Chains for several sequences decoded together (decode/batch.py): row r's drafter is
+        """Chains for several sequences decoded together (decode/batched/spec.py): row r's drafter is
         slots[r] (a copy of this drafter holding row r's state), drafting up to ks[r] tokens after
         states[r] with generators[r]. Each row gets what slots[r].propose would give it. This
         default runs the rows one after another; drafters that can put every row through one

@@ -32,7 +32,7 @@ class ChainProposal:
     # (k, V) the warped draft distributions q_i the tokens were sampled from, needed by the lossless
     # sampling rule. None means a deterministic drafter: q_i is one-hot on tokens[i].
     probs: torch.Tensor | None = None
-    # (k,) max_x q_i(x) per position, for verify budgets (decode/budget.py); None: deterministic
+    # (k,) max_x q_i(x) per position, for verify budgets (decode/batched/planner.py); None: deterministic
     confidence: torch.Tensor | None = None
 
 

@@ -1,4 +1,4 @@
-"""Batched chain drafting: the rows of a batch (decode/batch.py) draft together, ONE drafter
+"""Batched chain drafting: the rows of a batch (decode/batched/spec.py) draft together, ONE drafter
 forward per draft step for every row (P-EAGLE, DFlash: one per round), each row attending to its
 own drafter cache through a padded batch cache (drafters/cache.py RowsKV).
 

@@ -74,7 +74,7 @@ class _Seq:
 
 
 @dataclass
-class BatchSettings:
+class BatchRound:
     """What every round of one `generate_batch` call shares, passed whole to the batch."""
 
     layers: tuple[int, ...]  # target layers whose features the drafter reads (() = none)
@@ -121,7 +121,7 @@ class _Batch:
     """The running batch: its sequences (row r of the cache = seqs[r]) and the shared settings."""
 
     def __init__(self, target: Any, drafter: Drafter | Callable[[], Drafter] | None,
-                 cfg: BatchSettings, planner: RoundPlanner | None = None) -> None:
+                 cfg: BatchRound, planner: RoundPlanner | None = None) -> None:
         self.target, self.drafter, self.cfg = target, drafter, cfg  # drafter None: plain rounds
         self.seqs: list[_Seq] = []
         self.cache = DynamicCache()
@@ -368,7 +368,7 @@ def generate_batch(
         torch.Generator(device=dev).manual_seed(seed + i) for i in range(len(prompts))]
     eos = torch.tensor(sorted(target.eos_token_ids), dtype=torch.long, device=dev)  # (E,)
     stop = StopChecker(target.tokenizer, stop_strings) if any(stop_strings) else None
-    cfg = BatchSettings(layers=tuple(one.feature_layers) if speculative else (), sampling=sampling,
+    cfg = BatchRound(layers=tuple(one.feature_layers) if speculative else (), sampling=sampling,
                         k=k, mode=mode, min_confidence=min_confidence, stop=stop, eos=eos,
                         sync=dev.type == "cuda", tree=tree, batch_drafts=batch_drafts,
                         exact=exact_verify)

@@ -133,23 +133,30 @@ work, out = Path(sys.argv[1]), Path(sys.argv[2])
 runs = {m: json.loads((work / f"decode_{m}" / "result.json").read_text())["summary"]
         for m in ("chain", "tree")}
 plain = runs["chain"].get("plain_tokens_per_s")
+
+
+def num(x, fmt: str = ".3f") -> str:
+    """A measured number, or "-" where nothing was measured (the result says null)."""
+    return "-" if x is None else format(x, fmt)
+
+
 lines = ["| mode | tau | tau_draft | accept P(i \\| prev) | tokens/s | plain tokens/s | speedup "
          "| lossless |", "|---|---:|---:|---|---:|---:|---:|:---:|"]
 for mode, s in runs.items():
     own = s.get("plain_tokens_per_s")
     base = own or plain
-    speed = s["spec_tokens_per_s"] / base if base else float("nan")
-    acc = " / ".join(f"{a:.2f}" for a in s["spec_accept_cond"])
+    speed = s["spec_tokens_per_s"] / base if base and s.get("spec_tokens_per_s") else None
+    acc = " / ".join(num(a, ".2f") for a in s.get("spec_accept_cond") or [])
     check = s.get("lossless_check", s.get("outputs_identical_to_plain", "n/a"))
-    lines.append(f"| {mode} | {s['tau']:.3f} | {s['tau_draft']:.3f} | {acc} | "
-                 f"{s['spec_tokens_per_s']:.1f} | {base or float('nan'):.1f}"
-                 f"{'' if own else ' (chain run)'} | {speed:.2f}x | {check} |")
+    lines.append(f"| {mode} | {num(s.get('tau'))} | {num(s.get('tau_draft'))} | {acc} | "
+                 f"{num(s.get('spec_tokens_per_s'), '.1f')} | {num(base, '.1f')}"
+                 f"{'' if own else ' (chain run)'} | {num(speed, '.2f')}x | {check} |")
 evals = [json.loads(line) for line in (work / "train" / "metrics.jsonl").open()
          if "eval/sim_tau" in line]
 if evals:
     e = evals[-1]
     lines.append(f"\ntraining: last held-out eval at step {e.get('step')}: sim tau "
-                 f"{e['eval/sim_tau']:.3f}, acc_1 {e.get('eval/acc_1', float('nan')):.3f}")
+                 f"{num(e.get('eval/sim_tau'))}, acc_1 {num(e.get('eval/acc_1'))}")
 s = runs["chain"]
 head = (f"MT-bench, {s['generations']} first turns, {s['max_new_tokens']} new tokens, greedy, "
         f"drafter {s['drafter']}, chain k={s['k']}\n")

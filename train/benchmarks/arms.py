@@ -2,6 +2,9 @@
 overrides on top of the default job (conf/train.yaml)."""
 from __future__ import annotations
 
+# EAGLE-3 ttt 1 on the target's own answers to 1200 prompts: the candidate default's overrides
+SG1200 = ["drafter=eagle3", "drafter.ttt_length=1", "data=sharegpt_selfgen", "data.selfgen.prompts=1200"]
+
 # name -> (what it tests, overrides on top of the default job). The default job: conf/train.yaml.
 ARMS: dict[str, tuple[str, list[str]]] = {
     "eagle": ("EAGLE-1 (today's default), teacher-forced", ["drafter=eagle"]),
@@ -78,23 +81,16 @@ ARMS: dict[str, tuple[str, list[str]]] = {
         "data.selfgen.prompts=3000"]),
     # the candidate default job at the 45-minute budget: 1200 prompts (~250 k answer tokens,
     # ~17 min of generation at 250 tokens/s on 2 cores) leave the training its 1000 steps
-    "e3t1_sg1200": ("EAGLE-3 ttt 1, own answers to 1200 prompts", [
-        "drafter=eagle3", "drafter.ttt_length=1", "data=sharegpt_selfgen",
-        "data.selfgen.prompts=1200"]),
-    "e3t1_sg1200_op": ("EAGLE-3 ttt 1, own answers to 1200 prompts, on-policy heads in the last 20%", [
-        "drafter=eagle3", "drafter.ttt_length=1", "data=sharegpt_selfgen",
-        "data.selfgen.prompts=1200", "trainer.on_policy_heads_start=0.8"]),
-    "e3t1_sg1200_s2k": ("EAGLE-3 ttt 1, own answers to 1200 prompts (run as :2000 steps)", [
-        "drafter=eagle3", "drafter.ttt_length=1", "data=sharegpt_selfgen",
-        "data.selfgen.prompts=1200"]),
+    "e3t1_sg1200": ("EAGLE-3 ttt 1, own answers to 1200 prompts", SG1200),
+    "e3t1_sg1200_op": ("EAGLE-3 ttt 1, own answers to 1200 prompts, on-policy heads in the last 20%",
+                       [*SG1200, "trainer.on_policy_heads_start=0.8"]),
+    "e3t1_sg1200_s2k": ("EAGLE-3 ttt 1, own answers to 1200 prompts (run as :2000 steps)", SG1200),
     # own answers are short rows (~1,300 target tokens a batch of 4 against ~3,500 for ShareGPT's
     # multi-turn conversations): batch 12 trains on as many answer tokens a step
-    "e3t1_sg1200_b12": ("EAGLE-3 ttt 1, own answers to 1200 prompts, batch 12", [
-        "drafter=eagle3", "drafter.ttt_length=1", "data=sharegpt_selfgen",
-        "data.selfgen.prompts=1200", "trainer.batch_size=12"]),
-    "e3t1_sg1200_b8": ("EAGLE-3 ttt 1, own answers to 1200 prompts, batch 8", [
-        "drafter=eagle3", "drafter.ttt_length=1", "data=sharegpt_selfgen",
-        "data.selfgen.prompts=1200", "trainer.batch_size=8"]),
+    "e3t1_sg1200_b12": ("EAGLE-3 ttt 1, own answers to 1200 prompts, batch 12",
+                        [*SG1200, "trainer.batch_size=12"]),
+    "e3t1_sg1200_b8": ("EAGLE-3 ttt 1, own answers to 1200 prompts, batch 8",
+                       [*SG1200, "trainer.batch_size=8"]),
     "dflash_sg": ("DFlash (conf/drafter/dflash.yaml) on the target's own answers", [
         "drafter=dflash", "data=sharegpt_selfgen"]),
 }

@@ -7,3 +7,20 @@ text), envs.py installs vLLM into its own cached environment and llamacpp_build.
 llama.cpp (both through install.py), vllm_engine.py drives vLLM through vllm_worker.py (which runs
 inside vLLM's virtualenv and imports nothing of ours).
 """
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def served_entry(export_dir: Path, table: dict[tuple[str, str], Any], refusal: str) -> Any:
+    """table[(drafter, format)] of an export folder written by drafters/export.py (its config.json
+    `specdistill` block); ValueError (`refusal`, then what the table serves) when the export is not in it."""
+    meta = json.loads((Path(export_dir) / "config.json").read_text()).get("specdistill") or {}
+    key = ((meta.get("drafter") or {}).get("name"), meta.get("format"))
+    if key not in table:
+        served = ", ".join(f"{d} as format={f}" for d, f in table)
+        raise ValueError(f"{export_dir} is drafter {key[0]!r} in format {key[1]!r}, {refusal}: "
+                         f"{served}")
+    return table[key]

@@ -49,6 +49,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Optional
 
+from specdistill.decode.engine import served_entry
 from specdistill.decode.engine.envs import EngineUnavailable, engines_root
 from specdistill.decode.engine.llamacpp_build import LlamaCpp
 from specdistill.decode.engine.vllm_engine import Generation
@@ -72,13 +73,7 @@ ERROR_WORDS = ("error", "failed", "what():", "exception", "abort", "invalid", "u
 def spec_type(export_dir: Path) -> tuple[str, bool]:
     """(llama-server's --spec-type, converter needs the target folder) for an export folder;
     ValueError naming what llama.cpp serves when this one is not among it."""
-    meta = json.loads((Path(export_dir) / "config.json").read_text()).get("specdistill") or {}
-    key = ((meta.get("drafter") or {}).get("name"), meta.get("format"))
-    if key not in SPEC_TYPES:
-        served = ", ".join(f"{d} as format={f}" for d, f in SPEC_TYPES)
-        raise ValueError(f"{export_dir} is drafter {key[0]!r} in format {key[1]!r}, which this check "
-                         f"does not serve in llama.cpp; it serves: {served}")
-    return SPEC_TYPES[key]
+    return served_entry(export_dir, SPEC_TYPES, "which this check does not serve in llama.cpp; it serves")
 
 
 def _last_error(text: str) -> str:

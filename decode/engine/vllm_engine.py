@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from specdistill.decode.engine import served_entry
 from specdistill.decode.engine.envs import EngineUnavailable
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -52,14 +53,8 @@ class Generation:
 def speculative_config(export_dir: Path, k: int) -> dict[str, Any]:
     """vLLM's speculative_config for an export folder written by drafters/export.py; ValueError
     naming the formats vLLM serves when this one is not among them."""
-    meta = json.loads((Path(export_dir) / "config.json").read_text()).get("specdistill") or {}
-    key = ((meta.get("drafter") or {}).get("name"), meta.get("format"))
-    if key not in METHODS:
-        served = ", ".join(f"{d} as format={f}" for d, f in METHODS)
-        raise ValueError(f"{export_dir} is drafter {key[0]!r} in format {key[1]!r}, which vLLM does "
-                         f"not serve; vLLM serves: {served}")
-    return {**METHODS[key], "model": str(Path(export_dir).resolve()),
-            "num_speculative_tokens": int(k)}
+    method = served_entry(export_dir, METHODS, "which vLLM does not serve; vLLM serves")
+    return {**method, "model": str(Path(export_dir).resolve()), "num_speculative_tokens": int(k)}
 
 
 class Worker:

@@ -64,7 +64,8 @@ def check() -> list[str]:
         except AssetMissingError as e:
             print(f"{name:10s} MISSING")
             errors.append(str(e))
-    from specdistill.drafters.target import PACKAGED, TargetLoadError, packaged_gguf  # the target owns the GGUF
+    # the target owns the GGUF
+    from specdistill.drafters.target import PACKAGED, TargetLoadError, packaged_gguf
 
     for name in PACKAGED:
         try:
@@ -76,7 +77,8 @@ def check() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m specdistill.data.assets", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m specdistill.data.assets",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--check", action="store_true", help="print asset paths; fail if one is missing")
     args = parser.parse_args(argv)
     if not args.check:

@@ -213,8 +213,8 @@ class OfflineFeatures:
         self.folder = Path(folder)
         man = read_manifest(self.folder)
         if man is None:
-            raise FileNotFoundError(f"no {MANIFEST} in {self.folder}; run `python -m specdistill.data.capture "
-                                    f"out={self.folder} ...` first")
+            raise FileNotFoundError(f"no {MANIFEST} in {self.folder}; run "
+                                    f"`python -m specdistill.data.capture out={self.folder} ...` first")
         self.manifest = man
         check_target(man, self.folder, target, **expect)
         if not serves(man["layers"], layers):
@@ -231,7 +231,8 @@ class OfflineFeatures:
             path = self.folder / f"shard-{k:05d}.safetensors"
             if not path.is_file():
                 raise FileNotFoundError(f"{path} is missing: the capture is incomplete; rerun "
-                                        f"`python -m specdistill.data.capture` with the same settings to finish it")
+                                        "`python -m specdistill.data.capture` with the same settings "
+                                        "to finish it")
             self._open[k] = safe_open(str(path), framework="pt")
         return self._open[k]
 

@@ -80,14 +80,16 @@ class RegenerateSettings:
 class SelfGenSettings:
     """data.selfgen: train on the target's own answers to the data's first user turns."""
 
-    prompts: Optional[int] = rng(1500, 1, MAX_COUNT)  # conversations whose first user turn is answered (None = all)
+    # conversations whose first user turn is answered (None = all)
+    prompts: Optional[int] = rng(1500, 1, MAX_COUNT)
     max_new_tokens: int = rng(256, 1, MAX_TOKENS)  # answer budget (SmolLM2 often loops to it)
     max_prompt_tokens: int = rng(384, 1, MAX_TOKENS)  # longer prompts are skipped (counted), not cut
     batch_size: int = rng(32, 1, MAX_BATCH)  # prompts per generation batch (one shard each)
     # the dtype the target generates in: auto = bfloat16 where the CPU/GPU runs it natively (what
     # `python -m decode` serves at, so the answers are the ones the drafter will be asked to draft)
     dtype: str = "auto"
-    temperature: float = rng(0.0, 0, MAX_TEMPERATURE)  # 0 = greedy answers (the eval decodes greedily); > 0 samples
+    # 0 = greedy answers (the eval decodes greedily); > 0 samples
+    temperature: float = rng(0.0, 0, MAX_TEMPERATURE)
     seed: int = rng(0, *SEED)  # sampling seed (row i of the store samples with seed + i)
     compact_below: float = rng(0.75, 0, 1)  # finished rows leave the batch once fewer than this share write
     features_dtype: str = "bfloat16"  # storage of the hidden states: bfloat16 | float32

@@ -139,7 +139,8 @@ def compact_cache(cache: Any, start: int, keep: torch.Tensor) -> None:
     committed tokens followed by the accepted branch, contiguous, and nothing else.
     """
     if not hasattr(cache, "layers"):
-        raise TypeError(f"tree decoding needs a transformers DynamicCache or StaticCache, got {type(cache).__name__}")
+        raise TypeError("tree decoding needs a transformers DynamicCache or StaticCache, "
+                        f"got {type(cache).__name__}")
     total = int(cache.get_seq_length())  # a StaticCache returns a tensor
     L = len(keep)
     if int(keep[-1]) != L - 1:  # keep rises from 0, so this means the branch is not in place yet

@@ -20,7 +20,8 @@ long query blocks (prefill, training) it is the right kernel.
 What this does: `grouped_attention` computes attention with plain ops, all query rows of a KV head
 in one matmul (no repeated K/V), an fp32 softmax, then p @ v. `few_query_attention`, registered with
 transformers as FEW_Q, runs it for CPU 16-bit forwards of at most FEW_Q_MAX queries over at least
-KEYS_PER_QUERY keys per query, and hands everything else to SDPA unchanged; `use_few_query_attention(model)` switches an HF model to it.
+KEYS_PER_QUERY keys per query, and hands everything else to SDPA unchanged;
+`use_few_query_attention(model)` switches an HF model to it.
 The two round differently at bf16 (within ~1e-3 relative), so near-tie argmaxes can differ from an
 SDPA run; every forward of one decode goes through the same dispatch.
 """

@@ -22,9 +22,10 @@ Decode-time contract (see decode/spec.py for the loop that drives it):
     sampling, generator)` (tree). Batched decoding (decode/batched/spec.py) instead calls
     `propose_rows(slots, states, ks, ...)` once for every row's chain (slots[r]: row r's copy of
     the drafter, holding its state); the default loops over `propose`, EAGLE-family drafters put
-    the rows through one forward per draft step (drafters/rows.py). `state.tokens` holds every committed token; between two calls
-    it only grows by appending (accepted drafts + the target's bonus token), so a drafter with
-    its own KV cache crops it back to the longest prefix it still shares with `state.tokens`.
+    the rows through one forward per draft step (drafters/rows.py). `state.tokens` holds every
+    committed token; between two calls it only grows by appending (accepted drafts + the target's
+    bonus token), so a drafter with its own KV cache crops it back to the longest prefix it still
+    shares with `state.tokens`.
   * Drafters that read target features (EAGLE, Medusa) list the hidden-state indices they need in
     `feature_layers` (HF `hidden_states` indexing: 0 = embeddings, i = output of layer i, -1 = the
     final-normed state the LM head sees); the decoder then fills `state.features`.
@@ -39,13 +40,13 @@ from typing import Any, Callable, ClassVar, Sequence
 import torch
 from torch import nn
 
-from specdistill.drafters.folder import (CONFIG_FILE, DECODE_TIME_PREFIX, WEIGHTS_FILE,  # noqa: F401  (re-exported)
-                             TargetMismatch, check_trained_target, config_dict, parse_config,
-                             save_drafter)
+from specdistill.drafters.folder import (  # noqa: F401  (re-exported)
+    CONFIG_FILE, DECODE_TIME_PREFIX, WEIGHTS_FILE, TargetMismatch, check_trained_target, config_dict,
+    parse_config, save_drafter)
 from specdistill.drafters.head import fit_draft_vocab  # noqa: F401  (re-exported)
 from specdistill.drafters.head import set_draft_vocab as _set_draft_vocab
-from specdistill.drafters.proposals import (ChainDraw, ChainProposal, DecodeState,  # noqa: F401  (re-exported)
-                                TreeProposal)
+from specdistill.drafters.proposals import (  # noqa: F401  (re-exported)
+    ChainDraw, ChainProposal, DecodeState, TreeProposal)
 from specdistill.drafters.sampling import SamplingParams
 from specdistill.drafters.vocab import d2t_to_offsets, offsets_to_d2t
 
@@ -212,7 +213,7 @@ class ExportContext:
     drafter_config: dict[str, Any]  # the drafter's full config (every field)
     dtype: str  # weights dtype name: float32 | bfloat16 | float16
     meta: dict[str, Any]  # config.json's `specdistill` section (format, drafter, target, ...)
-    speculative_tokens: int = 5  # k for configs that carry one
+    k: int = 5  # the draft length, for configs that carry one (written as their own key)
 
     def common(self) -> dict[str, Any]:
         """The config.json keys every layout ends with."""

@@ -134,7 +134,7 @@ def _write_speculators(drafter, state, ctx):
            "speculators_model_type": "eagle", "speculators_version": "0.1.0",
            "transformer_layer_architecture": "LlamaDecoderLayer",
            "transformer_layer_config": layer, "layernorms": False, "fusion_bias": False,
-           "speculators_config": speculators_config("eagle", ctx.speculative_tokens,
+           "speculators_config": speculators_config("eagle", ctx.k,
                                                     ctx.meta.get("base_model"), ctx.target),
            **ctx.common()}
     return cfg, {WEIGHTS: tensors}

@@ -91,7 +91,7 @@ def _layout(engine: str, summary: str, usage: str) -> ExportLayout:
     """The export layout of `engine`: engine_state / engine_config written, state_from_engine read."""
     def write(drafter, state, ctx):
         tensors = engine_state(drafter, engine, state, torch_dtype(ctx.dtype))
-        config = engine_config(drafter, engine, ctx.speculative_tokens, ctx.meta.get("base_model"),
+        config = engine_config(drafter, engine, ctx.k, ctx.meta.get("base_model"),
                                ctx.dtype)
         return {**config, **ctx.common()}, {WEIGHTS: tensors}
 

@@ -240,7 +240,7 @@ def _round_trip(tmp: Path, drafter: Drafter, target, fmt: str, dtype: torch.dtyp
 
 def export_drafter(drafter: Drafter, drafter_cfg, target, fmt: str, out, *, dtype: str = "float32",
                    base_model: str | None = None, license: str = "apache-2.0",
-                   facts: CardFacts | None = None, speculative_tokens: int = 5,
+                   facts: CardFacts | None = None, k: int = 5,
                    overwrite: bool = False, check: Callable[[Path], dict] | None = None) -> dict:
     """Write `drafter` in layout fmt into `out` (steps in the module docstring). facts: the run's
     measurements for the card; check(staging folder) may measure the export before it is
@@ -252,8 +252,8 @@ def export_drafter(drafter: Drafter, drafter_cfg, target, fmt: str, out, *, dtyp
         raise ExportError(f"{out} exists; pass overwrite=true or another out=")
     _check_replaceable(out)
     meta = {"format": fmt, "drafter": dcfg, "target": target_meta(target), "base_model": base_model,
-            "speculative_tokens": speculative_tokens, "specdistill_version": VERSION}
-    ctx = ExportContext(target, dcfg, dtype, meta, speculative_tokens)
+            "speculative_tokens": k, "specdistill_version": VERSION}
+    ctx = ExportContext(target, dcfg, dtype, meta, k)
     result: dict[str, Any] = {"path": out, "warnings": [], "parity": None}
 
     def fill(tmp: Path) -> None:

@@ -8,7 +8,8 @@ from typing import Any
 import torch
 
 WEIGHTS = "model.safetensors"  # the weights file of most layouts
-EXPORT_DTYPES = ("float32", "bfloat16", "float16")  # dtype names an export may carry (target.DTYPES maps them)
+# dtype names an export may carry (target.DTYPES maps them)
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 
 
 class ExportError(ValueError):
@@ -53,12 +54,12 @@ def llama_layer_config(llama_config, target, dtype: str) -> dict[str, Any]:
     return out
 
 
-def speculators_config(algorithm: str, speculative_tokens: int, verifier: str | None,
+def speculators_config(algorithm: str, k: int, verifier: str | None,
                        target) -> dict[str, Any]:
     """The `speculators_config` section of a speculators-format config.json (src/speculators/
     config.py): one greedy proposal method of k tokens and the verifier (the target)."""
     return {"algorithm": algorithm,
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k,
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": verifier,

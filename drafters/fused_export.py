@@ -88,7 +88,7 @@ def state_from_engine(tensors: dict[str, torch.Tensor], engine: str, pruned: boo
     return state
 
 
-def engine_config(drafter: FusedDrafter, engine: str, speculative_tokens: int = 5,
+def engine_config(drafter: FusedDrafter, engine: str, k: int = 5,
                   verifier: Optional[str] = None, dtype: str = "float32") -> dict:
     """config.json for `engine`: `LlamaForCausalLMEagle3` (SGLang: ids in eagle_config; vLLM: ids
     at the top level, read first) or the speculators format. tie_word_embeddings is false: the
@@ -110,5 +110,5 @@ def engine_config(drafter: FusedDrafter, engine: str, speculative_tokens: int = 
             "transformer_layer_config": layer, "draft_vocab_size": vd, "target_hidden_size": None,
             "eagle_aux_hidden_state_layer_ids": ids, "embed_requires_grad": False,
             "tie_word_embeddings": False, **flags,
-            "speculators_config": speculators_config("eagle3", speculative_tokens, verifier,
+            "speculators_config": speculators_config("eagle3", k, verifier,
                                                      drafter.target)}

@@ -45,7 +45,7 @@ def save_causal_lm(drafter, folder, ctx) -> None:
     gen = getattr(ctx.target.model, "generation_config", None)
     if gen is not None:  # the target's EOS / BOS / pad, and our draft length for HF assisted decoding
         model.generation_config = gen.__class__.from_dict(gen.to_dict())
-    model.generation_config.num_assistant_tokens = ctx.speculative_tokens
+    model.generation_config.num_assistant_tokens = ctx.k
     model.generation_config.num_assistant_tokens_schedule = "constant"
     model.config.specdistill = ctx.meta  # what load_export needs to know it again
     model.save_pretrained(folder)  # 2. config.json, model.safetensors, generation_config.json

@@ -10,8 +10,9 @@ that the token repeats the target's next-token distribution" rather than from no
 
 The vocab projection is the draft head (drafters/head.py): the target's LM head, frozen and shared
 by all heads, or, with draft_vocab_size, one trainable Linear(H -> Vd) shared by all heads and
-started from the target's rows d2t. Heads do not see each other's drafts, so drafting costs no drafter recurrence
-and the chain is just every head's argmax (or sample) at once; trees come from a static shape.
+started from the target's rows d2t. Heads do not see each other's drafts, so drafting costs no
+drafter recurrence and the chain is just every head's argmax (or sample) at once; trees come from a
+static shape.
 """
 from __future__ import annotations
 
@@ -158,7 +159,8 @@ def _verify_medusa(files, dcfg, target, dtype) -> list[str]:
         L = dcfg["num_layers"]
         for name, v in orig.items():  # {i}.{j}.linear.{kind} or {i}.{L}.weight
             i, rest = name.split(".", 1)
-            twin = head if rest == f"{L}.weight" else w.get(f"blocks.{i}.layers.{rest.replace('.linear', '')}")
+            inner = rest.replace('.linear', '')
+            twin = head if rest == f"{L}.weight" else w.get(f"blocks.{i}.layers.{inner}")
             if twin is not None and twin.shape == v.shape and not torch.equal(twin, v):
                 out.append(f"{ORIGINAL}: {name} differs from its copy in {WEIGHTS}")
     return out

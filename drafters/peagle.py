@@ -96,7 +96,7 @@ class PeagleConfig(FusedConfig):
 # == vllm layout, `mask_hidden` (3H,) loaded into its (1, 3H) buffer, the mask id in config.    ==
 def _write_vllm(drafter, state, ctx):
     tensors = engine_state(drafter, "vllm", state, torch_dtype(ctx.dtype))  # mask_hidden kept as is
-    config = engine_config(drafter, "vllm", ctx.speculative_tokens, ctx.meta.get("base_model"),
+    config = engine_config(drafter, "vllm", ctx.k, ctx.meta.get("base_model"),
                            ctx.dtype)
     config.update(parallel_drafting=True, mask_token_id=drafter.mask_token_id)
     return {**config, **ctx.common()}, {WEIGHTS: tensors}
@@ -127,12 +127,12 @@ def peagle_speculators_state(drafter, state: Optional[dict] = None,
     return out
 
 
-def peagle_speculators_config(drafter, speculative_tokens: int = 5,
+def peagle_speculators_config(drafter, k: int = 5,
                               verifier: Optional[str] = None, dtype: str = "float32") -> dict:
     """config.json of the speculators `peagle` type: EAGLE-3's with the peagle type, its
     architecture, mask_token_id, at most ttt_length speculative tokens; embed_requires_grad is
     false (its default is true): the embedding is the target's, never trained here."""
-    k = min(speculative_tokens, drafter.cfg.ttt_length)
+    k = min(k, drafter.cfg.ttt_length)
     config = engine_config(drafter, "speculators", k, verifier, dtype)
     config.update(architectures=["PEagleSpeculator"], speculators_model_type="peagle",
                   mask_token_id=drafter.mask_token_id, embed_requires_grad=False)
@@ -142,7 +142,7 @@ def peagle_speculators_config(drafter, speculative_tokens: int = 5,
 
 def _write_speculators(drafter, state, ctx):
     tensors = peagle_speculators_state(drafter, state, torch_dtype(ctx.dtype))
-    config = peagle_speculators_config(drafter, ctx.speculative_tokens,
+    config = peagle_speculators_config(drafter, ctx.k,
                                        ctx.meta.get("base_model"), ctx.dtype)
     return {**config, **ctx.common()}, {WEIGHTS: tensors}
 

@@ -17,7 +17,8 @@ import torch
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 # CPU flags (as /proc/cpuinfo names them) of native bf16 matmuls: with one of them a bf16 forward
-# is faster than fp32 (SmolLM2 one-token step 0.76x, 6-token verify 1.08 steps vs 1.49: BENCHMARKS.md "Fast decoding on CPUs").
+# is faster than fp32 (SmolLM2 one-token step 0.76x, 6-token verify 1.08 steps vs 1.49:
+# BENCHMARKS.md "Fast decoding on CPUs").
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 

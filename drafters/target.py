@@ -24,8 +24,9 @@ from omegaconf import MISSING, OmegaConf
 
 from specdistill.drafters.attention import use_few_query_attention
 from specdistill.drafters.identity import architecture, folder_identity, parameters_sha256
-from specdistill.drafters.precision import (DTYPES, NATIVE_BF16_FLAGS, DtypeChoice, available_cores,  # noqa: F401
-                                cpu_flags, idle_cores, resolve_dtype, set_threads)
+from specdistill.drafters.precision import (  # noqa: F401
+    DTYPES, NATIVE_BF16_FLAGS, DtypeChoice, available_cores, cpu_flags, idle_cores, resolve_dtype,
+    set_threads)
 from specdistill.drafters.ranges import MAX_THREADS, SEED, rng
 
 log = logging.getLogger(__name__)

@@ -68,7 +68,8 @@ def _truncate(path: Path, size: int = 100) -> None:
 
 
 # -- data commands ----------------------------------------------------------------------------------
-def test_capture_refuses_layers_the_target_lacks_and_a_missing_file(tmp_path, chat_file, capsys):  # noqa: F811
+def test_capture_refuses_layers_the_target_lacks_and_a_missing_file(  # noqa: F811
+        tmp_path, chat_file, capsys):
     out = tmp_path / "out"
     base = ["target=tiny", "data=jsonl", f"data.cache_dir={tmp_path / 'cache'}", f"out={out}"]
     cfg = _compose("capture", [*base, f"data.path={chat_file}", "layers=[99]"])
@@ -172,7 +173,8 @@ def test_a_damaged_drafter_is_named_and_a_run_dir_falls_back_loudly(run_copy, ca
     with caplog.at_level(logging.WARNING):
         source = resolve_drafter(run_copy)  # decode ckpt=<run dir>, train.export run=<run dir>
     assert source.folder == run_copy / "checkpoints" / "step-0000004"
-    assert "USING AN OLDER DRAFTER" in caplog.text and "NOT the drafter the run's final eval" in source.fallback
+    assert "USING AN OLDER DRAFTER" in caplog.text
+    assert "NOT the drafter the run's final eval" in source.fallback
     for step in (2, 4):
         (run_copy / "checkpoints" / f"step-{step:07d}" / "drafter.json").unlink()
     err = _one_line(capsys, resolve_drafter, run_copy)

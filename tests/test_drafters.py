@@ -111,7 +111,8 @@ def test_proposals_are_target_ids(target, name, prune):
     assert d.propose(st, 3, GREEDY, min_confidence=1.01).tokens.shape == (1,)  # at least one token
     assert d.propose(st, 0, GREEDY).tokens.shape == (0,)
     tree = d.propose_tree(st, GREEDY)
-    assert tree.tokens.shape == tree.parents.shape and bool((tree.parents < torch.arange(len(tree.parents))).all())
+    assert tree.tokens.shape == tree.parents.shape
+    assert bool((tree.parents < torch.arange(len(tree.parents))).all())
     for ids in (chain.tokens, greedy.tokens, tree.tokens):
         assert bool(((ids >= 0) & (ids < V)).all())
         if prune:

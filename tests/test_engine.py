@@ -168,7 +168,7 @@ def overfit(target, cfg: dict, steps: int = 60):
 def export(d, cfg, target, fmt, folder):
     from specdistill.drafters.export import export_drafter
 
-    export_drafter(d, cfg, target, fmt, folder, speculative_tokens=K)
+    export_drafter(d, cfg, target, fmt, folder, k=K)
     return folder
 
 

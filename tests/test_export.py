@@ -214,7 +214,7 @@ def engine_logits(folder: Path, target, b: TrainBatch) -> list[torch.Tensor] | N
 def test_round_trip_logits_decoding_and_engine_forward(tmp_path, target, fmt, cfg):
     src, cfg = trained(target, cfg)
     out = export_drafter(src, cfg, target, fmt, tmp_path / "x", base_model="org/tiny",
-                         speculative_tokens=4)["path"]
+                         k=4)["path"]
     back = load_export(out, target).eval()
     b = batch(target, src)
     with torch.no_grad():
@@ -265,18 +265,20 @@ def test_every_non_hf_tensor_layout_has_an_engine_check(tmp_path, target):
 
 def test_config_values_engines_read(tmp_path, target):
     src, cfg = trained(target, EAGLE_ENGINE)
-    vllm = json.loads((export_drafter(src, cfg, target, "vllm", tmp_path / "v")["path"] / "config.json").read_text())
+    vllm_dir = export_drafter(src, cfg, target, "vllm", tmp_path / "v")["path"]
+    vllm = json.loads((vllm_dir / "config.json").read_text())
     assert vllm["architectures"] == ["LlamaForCausalLM"]  # vLLM's EAGLEConfig adds the Eagle prefix
     assert vllm["rope_theta"] == 50000.0 and vllm["num_hidden_layers"] == 1 and vllm["vocab_size"] == V
     sgl = export_drafter(src, cfg, target, "sglang", tmp_path / "s")["path"]
     assert json.loads((sgl / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle"]
     assert not load_file(str(sgl / "model.safetensors"))["fc.bias"].any()
     spec = json.loads((export_drafter(src, cfg, target, "speculators", tmp_path / "p",
-                                      base_model="org/tiny", speculative_tokens=3)["path"]
+                                      base_model="org/tiny", k=3)["path"]
                        / "config.json").read_text())
     sc = spec["speculators_config"]  # the fields vLLM's SpeculatorsConfig validation reads
     assert spec["speculators_model_type"] == "eagle" and sc["algorithm"] == "eagle"
-    assert sc["proposal_methods"][0]["speculative_tokens"] == 3 and sc["verifier"]["name_or_path"] == "org/tiny"
+    assert sc["proposal_methods"][0]["speculative_tokens"] == 3
+    assert sc["verifier"]["name_or_path"] == "org/tiny"
     assert isinstance(spec["transformer_layer_config"], dict) and spec["layernorms"] is False
 
 
@@ -330,13 +332,15 @@ CORRUPTIONS = {  # exports of one configuration per layout validator, corrupted
         f, lambda t: t["d2t"].__setitem__(-1, 500)), r"outside \[0, 128\)"),
     "t2d disagrees": (EAGLE_PRUNED, "hf", lambda f: _edit_tensors(
         f, lambda t: t["t2d"].__setitem__(int((~t["t2d"]).nonzero()[0]), True)), "t2d disagrees with d2t"),
-    "token_map repeats": ({"name": "medusa", "draft_vocab_size": 48, "num_layers": 2}, "medusa", lambda f: _edit_tensors(
+    "token_map repeats": ({"name": "medusa", "draft_vocab_size": 48, "num_layers": 2}, "medusa",
+                          lambda f: _edit_tensors(
         f, lambda t: t["token_map"].__setitem__(1, t["token_map"][0])), "strictly increasing"),
     "config value": (MEDUSA, "medusa", lambda f: _edit_config(f, lambda c: c.update(num_heads=3)),
                      "num_heads = 3, expected 4"),
     "config key": (EAGLE_ENGINE, "vllm", lambda f: _edit_config(f, lambda c: c.pop("rope_theta")),
                    "required key 'rope_theta' is missing"),
-    "not ours": ({"name": "eagle", "draft_vocab_size": None}, "hf", lambda f: _edit_config(f, lambda c: c.pop("specdistill")),
+    "not ours": ({"name": "eagle", "draft_vocab_size": None}, "hf",
+                 lambda f: _edit_config(f, lambda c: c.pop("specdistill")),
                  "not an export written by drafters.export"),
     "weights file": (MEDUSA, "medusa", lambda f: (f / "medusa_lm_head.pt").unlink() or
                      (f / "model.safetensors").unlink(), "weights file model.safetensors is missing"),

@@ -150,7 +150,8 @@ def test_cli_user_errors_are_one_line_and_exit_2(tmp_path):
     res = _cli("train", "target=tiny", "trainer=smoke", "trainer.batch_size=-2",
                f"run_dir={tmp_path / 'run'}")
     assert res.returncode == 2
-    assert "python -m train: error: invalid settings: trainer.batch_size=-2 is outside [1, 4096]" in res.stderr
+    assert ("python -m train: error: invalid settings: trainer.batch_size=-2 is outside [1, 4096]"
+            in res.stderr)
     assert "Traceback" not in res.stderr and "SPECDISTILL_DEBUG=1" in res.stderr
     res = _cli("decode", "target=tiny", "drafter=ngram", "eval.limit=0", f"run_dir={tmp_path / 'd'}")
     assert res.returncode == 2 and "eval.limit=0 is outside [1, 1000000000]" in res.stderr

@@ -4,7 +4,8 @@
   decode/ does not import train/;
 * no import cycles between the project's modules, counting module-level AND function-level imports
   (a function-level import only hides a cycle until the function runs);
-* no non-test source file over 400 lines; no function over 80 lines in decode/ and drafters/;
+* no non-test source file over 400 lines; no function over 80 lines in decode/ and drafters/; no
+  line of the project's Python (tests included) over pyproject's [tool.ruff] line-length;
 * no module of decode/, data/, train/ uses another module's underscore names (`from m import _x`,
   `m._x`): what another module needs is public, named and documented where it lives.
 
@@ -14,6 +15,7 @@ import of the module pkg.name when that is a module of the project, else of pkg 
 from __future__ import annotations
 
 import ast
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -223,6 +225,41 @@ def test_no_source_file_over_the_limit():
                   if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES)
     assert not long, (f"source files over {MAX_FILE_LINES} lines; split them by function:\n  "
                       + "\n  ".join(long))
+
+
+ENGINE_NAMES_OF_K = {"speculative_tokens", "num_speculative_tokens"}  # the engines' keys, not ours
+
+
+def names_of_k(tree: ast.AST) -> list[str]:
+    """Python names (variables, arguments, attributes, keywords) spelled as an engine's draft-length key."""
+    found = []
+    for node in ast.walk(tree):
+        name = (node.id if isinstance(node, ast.Name)
+                else node.arg if isinstance(node, (ast.arg, ast.keyword))
+                else node.attr if isinstance(node, ast.Attribute) else None)
+        if name in ENGINE_NAMES_OF_K:
+            found.append((node.lineno, name))
+    return [f"{name} (line {line})" for line, name in sorted(found)]
+
+
+def test_the_draft_length_is_k_in_our_names():
+    assert names_of_k(ast.parse("f(speculative_tokens=1)\nx.num_speculative_tokens\n"
+                                "def g(speculative_tokens): pass")) == [
+        "speculative_tokens (line 1)", "num_speculative_tokens (line 2)", "speculative_tokens (line 3)"]
+    assert names_of_k(ast.parse('c = {"speculative_tokens": k}')) == []  # a key others define: fine
+    files = [*MODULES.values(), *sorted((ROOT / "tests").rglob("*.py"))]
+    bad = {str(p.relative_to(ROOT)): n for p in files if (n := names_of_k(ast.parse(p.read_text())))}
+    assert not bad, f"name the draft length k (README 'Names'): {bad}"
+
+
+def test_no_line_over_the_projects_line_length():
+    limit = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["ruff"]["line-length"]
+    files = [*MODULES.values(), *sorted((ROOT / "tests").rglob("*.py"))]
+    assert len(files) > 100  # the walk sees the project
+    over = [f"{path.relative_to(ROOT)}:{n}: {len(line)} chars"
+            for path in files for n, line in enumerate(path.read_text().splitlines(), 1)
+            if len(line) > limit]
+    assert not over, f"lines over {limit} characters (wrap them):\n" + "\n".join(over)
 
 
 def test_no_long_function_in_decode_and_drafters():

@@ -200,6 +200,7 @@ def test_training_run_logs_every_metric_to_every_backend(tiny_run):
     assert last["final/tau"] == pytest.approx(final["tau"])
     assert last["final/accepted_length_hist"]["values"] == final["spec_accept_hist"]
     ea = EventAccumulator(str(tiny_run / "tensorboard")).Reload()
-    assert len(ea.Scalars("train/loss")) == 4 and ea.Scalars("final/tau")[0].value == pytest.approx(final["tau"])
+    assert len(ea.Scalars("train/loss")) == 4
+    assert ea.Scalars("final/tau")[0].value == pytest.approx(final["tau"])
     jsonl = [json.loads(line) for line in open(tiny_run / "metrics.jsonl")]
     assert [r["step"] for r in jsonl if "loss" in r] == [1, 2, 3, 4]

@@ -215,7 +215,7 @@ def test_hf_export_reloads_and_assists_target_generate(target, tmp_path):
                       simulated={"step": 8, "tau": 1.5, "acceptance": [0.8, 0.6]})
     cfg = {"name": "small_lm", "num_layers": 2, "lora": {"r": 2}}
     out = export_drafter(d, cfg, target, "causal_lm", tmp_path / "export", facts=facts,
-                         speculative_tokens=4)["path"]
+                         k=4)["path"]
     files = {p.name for p in out.iterdir()}
     assert {"config.json", "model.safetensors", "README.md", "tokenizer.json"} <= files
     card = (out / "README.md").read_text()  # the measurements the caller handed over

@@ -39,16 +39,19 @@ class TrainerConfig:
     min_lr_ratio: float = rng(0.1, 0, 1)  # floor of the cosine schedule, as a fraction of lr
     grad_clip: float = rng(1.0, 0, 1e6)  # max global grad norm (0 = off)
     precision: str = "fp32"  # fp32 | bf16 (autocast for the drafter; the target runs in target.dtype)
-    loss: str = "forward_kl"  # forward_kl | reverse_kl | jsd | tv | nla | lk_hybrid | hard_ce (train/losses.py)
+    # forward_kl | reverse_kl | jsd | tv | nla | lk_hybrid | hard_ce (train/losses.py)
+    loss: str = "forward_kl"
     # temperature of the target (and draft) distributions in the loss
     loss_temperature: float = rng(1.0, 0.1, MAX_TEMPERATURE)
     # weight of the feature regression (EAGLE) next to the divergence
     feature_weight: float = rng(1.0, 0, 1000)
     eval_k: int = rng(5, 1, MAX_DRAFT)  # draft length of the evals (simulated and real decoder)
     features: str = "online"  # online: target forward every step | offline: capture once, reuse every epoch
-    # the target's training forwards (offline capture, online, on-policy batches) under torch.autocast: bfloat16 (None = target.dtype)
+    # the target's training forwards (offline capture, online, on-policy batches) under
+    # torch.autocast: bfloat16 (None = target.dtype)
     capture_autocast: Optional[str] = None
-    features_dir: Optional[str] = None  # offline: a `python -m specdistill.data.capture` out folder (None = auto, in the cache)
+    # offline: a `python -m specdistill.data.capture` out folder (None = auto, in the cache)
+    features_dir: Optional[str] = None
     # train on the first N conversations of the train split only (None = all): data-scaling studies
     # (tokens vs passes) on ONE capture of the whole split; the draft vocabulary is fitted to them
     train_conversations: Optional[int] = rng(None, 1, MAX_COUNT)
@@ -108,7 +111,8 @@ class DeepSpeedConfig:
 class LoggerConfig:
     """Where metrics go (rank 0 only). Several kinds at once; train/loggers.py implements them."""
 
-    kinds: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # console | jsonl | wandb | tensorboard
+    # console | jsonl | wandb | tensorboard
+    kinds: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     # W&B: online | offline | disabled, or auto = offline under pytest/CI, else WANDB_MODE from the
     # environment, else online when an API key is configured (WANDB_API_KEY or ~/.netrc) and
     # offline when not (sync later with `wandb sync <run_dir>/wandb/offline-run-*`)

@@ -44,7 +44,8 @@ class ExportConfig:
     """`python -m train.export` (conf/export.yaml)."""
 
     run: str = MISSING  # training run dir (best/, else latest checkpoint) or a checkpoint folder
-    format: str = "hf"  # a layout the drafter registered: hf (all), vllm, sglang, speculators, medusa, causal_lm
+    # a layout the drafter registered: hf (all), vllm, sglang, speculators, medusa, causal_lm
+    format: str = "hf"
     out: str = MISSING  # export folder, written atomically
     overwrite: bool = False  # replace an existing `out`
     dtype: str = "float32"  # float32 | bfloat16 | float16 (float32 keeps greedy parity exact)
@@ -180,7 +181,8 @@ def measure_parity(folder: Path, target, info: RunInfo, limit: int | None = None
         f"| training end (final_eval) | {_tau_text(tau_train)} | reference |",
         f"| this export | {_tau_text(tau_export)} | {'identical' if result['identical'] else 'DIFFERENT'} |"])
     if not result["identical"]:
-        raise ExportError(f"train/serve parity failed: the export decodes {len(result['mismatched_prompts'])} "
+        bad = len(result['mismatched_prompts'])
+        raise ExportError(f"train/serve parity failed: the export decodes {bad} "
                           f"of {n} prompts differently (tau {_tau_text(tau_export)} vs "
                           f"{_tau_text(tau_train)} at training end); use dtype=float32 and the "
                           f"run's own target")
@@ -246,7 +248,7 @@ def run_export(cfg, check: Callable | None = None) -> dict:
     result = export_drafter(drafter, dcfg, target, cfg.format, cfg.out, dtype=cfg.dtype,
                             base_model=cfg.base_model or hub_id(tcfg), license=cfg.license,
                             facts=info.facts, overwrite=cfg.overwrite, check=hook,
-                            speculative_tokens=cfg.k or run_cfg.get("trainer", {}).get("eval_k") or 5)
+                            k=cfg.k or run_cfg.get("trainer", {}).get("eval_k") or 5)
     print(f"exported {info.drafter_dir} as {cfg.format} to {result['path']}")
     for w in result["warnings"]:
         print(f"warning: {w}")

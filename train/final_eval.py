@@ -67,7 +67,7 @@ def engine_eval(cfg: DictConfig, run_dir: Path, target, drafter, ours: list[dict
     if out.exists():  # a resumed job's earlier check: measured again
         shutil.rmtree(out)
     folder = export_drafter(drafter, cfg.drafter, target, fmt, out / f"export-{fmt}",
-                            speculative_tokens=tcfg.eval_k)["path"]
+                            k=tcfg.eval_k)["path"]
     result = engine_check(folder, target, drafter, engine=engine, eval_kind=tcfg.final_eval,
                           limit=tcfg.engine_check_limit or tcfg.final_eval_limit,
                           max_new_tokens=tcfg.final_eval_max_new_tokens, k=tcfg.eval_k,

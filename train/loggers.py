@@ -1,7 +1,7 @@
 """Metric loggers, rank 0 only: console lines, metrics.jsonl, Weights & Biases and TensorBoard.
 
     loggers = Loggers(cfg.logger, run_dir, is_main, config=cfg)   # kinds: any of KINDS, several at once
-    loggers.progress(step, total, loss=...)   # tqdm bar over the training steps (quiet off a terminal / in CI)
+    loggers.progress(step, total, loss=...)   # tqdm bar over the steps (quiet off a terminal / in CI)
     loggers.log({"loss": 2.3, "lr": 3e-4}, step)                   # training and simulated-eval scalars
     loggers.log_decoder_eval(summary, step)   # the real decoder's result (decode/evaluate.py summary)
     loggers.close()

@@ -24,7 +24,7 @@ class EngineCheckConfig:
     target: TargetConfig = MISSING  # the export's target (conf/target/*.yaml)
     eval: EvalConfig = MISSING  # the prompts (first turns)
     max_new_tokens: int = rng(128, 1, MAX_TOKENS)  # tokens generated at most per prompt
-    # draft tokens per round (None = the export's speculative_tokens)
+    # draft tokens per round (None = the k the export was written for)
     k: Optional[int] = rng(None, 1, MAX_DRAFT)
     # also decode with our own decoder (its tau and outputs beside the engine's; a replay of our
     # decoder on the engine's text is always measured)

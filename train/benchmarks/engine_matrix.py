@@ -132,7 +132,7 @@ def run_matrix(target, pairs: list[tuple[str, str]], ks: list[int], prompts: int
         folder = out / "exports" / f"{name}-{fmt}"
         base = {"drafter": name, "format": fmt, "source": source}
         try:  # 2.
-            export_drafter(d, cfg, target, fmt, folder, speculative_tokens=max(ks), overwrite=True)
+            export_drafter(d, cfg, target, fmt, folder, k=max(ks), overwrite=True)
         except Exception as e:  # our exporter refusing is a row too: say why
             rows += [{**base, "k": k, "exported": False, "error": f"{type(e).__name__}: {e}"}
                      for k in ks]
@@ -167,9 +167,9 @@ def table_row(r: dict) -> str:
     if r.get("verdict") == "failed while decoding":
         return (f"{head} yes, then the {r.get('failed_engine')} engine failed: "
                 f"{_cell(r.get('error'))} | | | | | | |")
+    ties = r["spec_differs_at_near_tie"]
     same = ("—" if r["spec_equals_plain"] is None else
-            f"{r['spec_equals_plain']}/{r['prompts']}" + (f" (+{r['spec_differs_at_near_tie']} "
-                                                          f"near-tie)" if r["spec_differs_at_near_tie"] else ""))
+            f"{r['spec_equals_plain']}/{r['prompts']}" + (f" (+{ties} near-tie)" if ties else ""))
     pos = " / ".join(f"{_f(a, '.2f')}:{_f(b, '.2f')}"
                      for a, b in zip(r["accept_per_pos_engine"], r["accept_per_pos_replay"]))
     speed = (f"{_f(r['engine_plain_tokens_per_s'], '.1f')} / {_f(r['engine_spec_tokens_per_s'], '.1f')}"

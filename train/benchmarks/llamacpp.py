@@ -100,7 +100,7 @@ def run(target, pairs: list[tuple[str, str]], ks: list[int], prompts: int, token
                                          {"prompts": prompts, "tokens": tokens})
         d, cfg, source = drafters[name]
         folder = out / "exports" / f"{name}-{fmt}"
-        export_drafter(d, cfg, target, fmt, folder, speculative_tokens=max(ks), overwrite=True)
+        export_drafter(d, cfg, target, fmt, folder, k=max(ks), overwrite=True)
         for k in ks:  # 2.
             check_dir = out / "checks" / f"{name}-{fmt}-k{k}"
             mine = evaluate_drafter(target, d, eval_kind="mtbench", limit=prompts,

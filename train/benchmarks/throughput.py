@@ -1,7 +1,7 @@
 """Training throughput benchmark: target tokens/s and peak memory of one training job run single-
 process, as torch DDP over N ranks and as DeepSpeed ZeRO-2 over N ranks, on each target.
 
-    python -m train.benchmarks.throughput                                   # tiny + smollm2; single, ddp, zero2
+    python -m train.benchmarks.throughput                # tiny + smollm2; single, ddp, zero2
     python -m train.benchmarks.throughput --targets tiny --rounds 1 --steps 3      # a quick look
     python -m train.benchmarks.throughput --ranks 8 --device cuda --targets llama  # on a GPU node
 
@@ -195,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
             "machine": f"{_cpu_name()}, {psutil.cpu_count()} cores, "
                        f"{psutil.virtual_memory().total / 2**30:.0f} GiB RAM, {_gpu_name()}",
-            "command": "python -m train.benchmarks.throughput " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "command": "python -m train.benchmarks.throughput "
+                       + " ".join(argv if argv is not None else sys.argv[1:]),
             "load_average_1min": [load_before, os.getloadavg()[0]],  # other processes' load
             "settings": {k: str(v) for k, v in vars(args).items()}}
     (args.out / "results.json").write_text(json.dumps({**meta, "runs": results, "summary": rows},

@@ -49,6 +49,8 @@ def test_defaults_are_the_embedded_default():
     assert cfg.target.path == "packaged:smollm2"
     assert cfg.data.kind == "sharegpt"
     assert cfg.drafter.name == "eagle"
+    assert cfg.trainer.engine_check == "vllm"  # skipped, the reason logged, where no layout serves
+    assert _compose("train", ["trainer=smoke"]).trainer.engine_check is None  # tests stay engine-free
     assert cfg.trainer.backend == "torch"
     dec = _compose("decode", [])
     assert dec.drafter.name == "ngram" and dec.eval.kind == "mtbench"

@@ -81,6 +81,22 @@ def test_a_format_vllm_does_not_serve_is_refused_by_name(tmp_path):
         ve.speculative_config(_export_config(tmp_path, "eagle", "hf"), k=2)
 
 
+def test_the_default_drafter_says_why_the_engine_check_skips_it(tiny_target_cfg):
+    """The main job checks its drafter in vLLM (trainer.engine_check=vllm); EAGLE-1 with the pruned
+    head and input norm (conf/drafter/eagle.yaml's defaults) has no layout vLLM reads, so the job
+    logs the settings that would have one instead of installing an engine it cannot use."""
+    from specdistill.decode.engine.check import engine_format
+    from specdistill.drafters.base import build_drafter
+    from specdistill.drafters.target import load_target
+
+    target = load_target(tiny_target_cfg)
+    fmt, why = engine_format(build_drafter({"name": "eagle", "draft_vocab_size": 64}, target))
+    assert fmt is None and "draft_vocab_size=null" in why and "input_norm=false" in why
+    fmt, why = engine_format(build_drafter({"name": "eagle", "draft_vocab_size": None,
+                                            "input_norm": False}, target))
+    assert (fmt, why) == ("vllm", "")
+
+
 def test_a_given_vllm_python_that_does_not_exist_is_a_one_line_reason(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECDISTILL_VLLM_PYTHON", str(tmp_path / "nope"))
     with pytest.raises(EngineUnavailable, match="SPECDISTILL_VLLM_PYTHON=.* is not a file"):

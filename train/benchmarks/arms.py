@@ -28,6 +28,8 @@ ARMS: dict[str, tuple[str, list[str]]] = {
     "eagle_tv": ("EAGLE-1, TV loss (1 - acceptance)", ["drafter=eagle", "trainer.loss=tv"]),
     "eagle_lk": ("EAGLE-1, LK hybrid loss", ["drafter=eagle", "trainer.loss=lk_hybrid"]),
     "e3_ttt1": ("EAGLE-3, no training-time test", ["drafter=eagle3", "drafter.ttt_length=1"]),
+    "e3_ttt1_op": ("EAGLE-3, no training-time test, on-policy heads (depth 2) in the last 20%", [
+        "drafter=eagle3", "drafter.ttt_length=1", "trainer.on_policy_heads_start=0.8"]),
     "e3_ttt2": ("EAGLE-3, ttt 2", ["drafter=eagle3", "drafter.ttt_length=2"]),
     "e3_ttt3": ("EAGLE-3, ttt 3", ["drafter=eagle3", "drafter.ttt_length=3"]),
     "e3_ttt2_tv": ("EAGLE-3, ttt 2, TV loss", ["drafter=eagle3", "drafter.ttt_length=2",

@@ -14,9 +14,9 @@ Sources (`source`):
 Design decision (embeddings and LM head): with freeze_embeddings=true (the default) and the target's
 hidden size, the drafter does NOT copy the target's embedding and LM head: it calls the target's
 frozen modules (drafters.head.Shared, outside the module tree). A V x H matrix is the biggest weight
-a small LM has (SmolLM2: 28 M of a 2-layer drafter's 35 M; Llama-3: 0.5 B), so this saves that memory twice,
-keeps it out of the optimizer and out of every checkpoint, and keeps the interface's rule that
-saved drafters never hold the target's weights. The export copies them in, so the exported folder
+a small LM has (SmolLM2: 28 M of a 2-layer drafter's 35 M; Llama-3: 0.5 B), so this saves that
+memory twice, keeps it out of the optimizer and out of every checkpoint, and keeps the interface's
+rule that saved drafters never hold the target's weights. The export copies them in, so the exported folder
 is a standalone model. With freeze_embeddings=false (or a pretrained source) the drafter owns
 untied copies: separate matrices train freely and safetensors can save them.
 

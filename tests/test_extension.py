@@ -5,8 +5,8 @@ The throwaway drafter below lives only in a temporary folder (tmp/drafters/toy.p
 tmp/conf/drafter/toy.yaml). It is written against the public interface alone (drafters/base.py
 Drafter and register, the shared draft head and chain loop; no underscore name of the project,
 checked below) and registers its config schema and one export layout of its own. The test checks
-that it registers, trains a few steps through the real recipe (`python -m train` with the temporary folder
-in $SPECDISTILL_DRAFTERS and on Hydra's search path), decodes losslessly (greedy output == the
+that it registers, trains a few steps through the real recipe (`python -m train` with the temporary
+folder in $SPECDISTILL_DRAFTERS and on Hydra's search path), decodes losslessly (greedy output == the
 plain target's), saves / loads, and exports in every layout it registered (its own and `hf`)."""
 from __future__ import annotations
 

@@ -227,6 +227,7 @@ def test_no_source_file_over_the_limit():
                       + "\n  ".join(long))
 
 
+PYTHON_FILES = [*MODULES.values(), *sorted((ROOT / "tests").rglob("*.py"))]  # sources + tests
 ENGINE_NAMES_OF_K = {"speculative_tokens", "num_speculative_tokens"}  # the engines' keys, not ours
 
 
@@ -247,17 +248,16 @@ def test_the_draft_length_is_k_in_our_names():
                                 "def g(speculative_tokens): pass")) == [
         "speculative_tokens (line 1)", "num_speculative_tokens (line 2)", "speculative_tokens (line 3)"]
     assert names_of_k(ast.parse('c = {"speculative_tokens": k}')) == []  # a key others define: fine
-    files = [*MODULES.values(), *sorted((ROOT / "tests").rglob("*.py"))]
-    bad = {str(p.relative_to(ROOT)): n for p in files if (n := names_of_k(ast.parse(p.read_text())))}
+    bad = {str(p.relative_to(ROOT)): n for p in PYTHON_FILES
+           if (n := names_of_k(ast.parse(p.read_text())))}
     assert not bad, f"name the draft length k (README 'Names'): {bad}"
 
 
 def test_no_line_over_the_projects_line_length():
     limit = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["ruff"]["line-length"]
-    files = [*MODULES.values(), *sorted((ROOT / "tests").rglob("*.py"))]
-    assert len(files) > 100  # the walk sees the project
+    assert len(PYTHON_FILES) > 100  # the walk sees the project
     over = [f"{path.relative_to(ROOT)}:{n}: {len(line)} chars"
-            for path in files for n, line in enumerate(path.read_text().splitlines(), 1)
+            for path in PYTHON_FILES for n, line in enumerate(path.read_text().splitlines(), 1)
             if len(line) > limit]
     assert not over, f"lines over {limit} characters (wrap them):\n" + "\n".join(over)
 

@@ -58,11 +58,11 @@ def engine_eval(cfg: DictConfig, run_dir: Path, target, drafter, ours: list[dict
 
     tcfg = cfg.trainer
     engine, best = tcfg.engine_check, run_dir / "best"
-    drafter = (load_drafter(best, target) if best.is_dir() else drafter).eval()
-    fmt, why = engine_format(drafter, engine)
+    fmt, why = engine_format(drafter, engine)  # best/ has the training copy's config: no read yet
     if fmt is None:
         log.warning("engine check skipped: %s", why)
         return None
+    drafter = (load_drafter(best, target) if best.is_dir() else drafter).eval()
     out = run_dir / "final_eval" / "engine"
     if out.exists():  # a resumed job's earlier check: measured again
         shutil.rmtree(out)

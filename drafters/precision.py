@@ -65,16 +65,38 @@ def resolve_dtype(requested: str, device: str, training: bool = False) -> DtypeC
         return DtypeChoice(requested, name, "set explicitly")
     if training:
         return DtypeChoice(requested, "float32", "training: auto is float32 (autocast does the rest)")
+    native, why, found = native_bf16(device)
+    return DtypeChoice(requested, "bfloat16" if native else "float32", why, found)
+
+
+def native_bf16(device: str) -> tuple[bool, str, list[str]]:
+    """Does `device` run bf16 matmuls natively? (yes/no, what decided it in words, the CPU's
+    native-bf16 flags found). Without them torch runs bf16 on a CPU 3-100x slower than fp32
+    (an AVX2-only EPYC: BENCHMARKS.md "Training precision where bf16 is not native")."""
     if device.startswith("cuda"):
         ok = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-        return DtypeChoice(requested, "bfloat16" if ok else "float32",
-                           f"torch.cuda.is_bf16_supported() = {ok}")
+        return ok, f"torch.cuda.is_bf16_supported() = {ok}", []
     if device != "cpu":
-        return DtypeChoice(requested, "float32", f"device {device}: no bf16 check, float32")
+        return False, f"device {device}: no bf16 check, float32", []
     found = sorted(set(NATIVE_BF16_FLAGS) & cpu_flags())
-    return DtypeChoice(requested, "bfloat16" if found else "float32",
-                       f"/proc/cpuinfo flags {' or '.join(NATIVE_BF16_FLAGS)}: "
-                       f"{'found ' + ', '.join(found) if found else 'none found'}", found)
+    return bool(found), (f"/proc/cpuinfo flags {' or '.join(NATIVE_BF16_FLAGS)}: "
+                         f"{'found ' + ', '.join(found) if found else 'none found'}"), found
+
+
+def training_precision(precision: str, capture_autocast: str | None, device: str
+                       ) -> tuple[str, str | None, str]:
+    """trainer.precision and trainer.capture_autocast with `auto` resolved for `device`: bf16 /
+    bfloat16 where it runs bf16 natively (native_bf16), else fp32 / None; and why, in words."""
+    if precision not in ("fp32", "bf16", "auto"):
+        raise ValueError(f"trainer.precision={precision!r}: use fp32, bf16 or auto")
+    if capture_autocast not in (None, "bfloat16", "float16", "auto"):
+        raise ValueError(f"trainer.capture_autocast={capture_autocast!r}: use bfloat16, float16, "
+                         f"auto or null")
+    if "auto" not in (precision, capture_autocast):
+        return precision, capture_autocast, "set explicitly"
+    native, why, _ = native_bf16(device)
+    return (("bf16" if native else "fp32") if precision == "auto" else precision,
+            ("bfloat16" if native else None) if capture_autocast == "auto" else capture_autocast, why)
 
 
 def available_cores() -> int:

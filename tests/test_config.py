@@ -52,6 +52,8 @@ def test_defaults_are_the_embedded_default():
     assert cfg.trainer.engine_check == "vllm"  # skipped, the reason logged, where no layout serves
     assert _compose("train", ["trainer=smoke"]).trainer.engine_check is None  # tests stay engine-free
     assert cfg.trainer.backend == "torch"
+    # bf16 only where the machine runs it natively (train/recipe.py _resolve_precision)
+    assert (cfg.trainer.precision, cfg.trainer.capture_autocast) == ("auto", "auto")
     dec = _compose("decode", [])
     assert dec.drafter.name == "ngram" and dec.eval.kind == "mtbench"
 

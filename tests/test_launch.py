@@ -149,7 +149,8 @@ def test_gpu_bench_commands_compose():
     assert train["drafter"]["name"] == drafter and train["target"]["device"] == "cuda"
     assert train["target"]["path"] == "packaged:smollm2" and train["data"]["kind"] == "sharegpt"
     assert train["data"]["max_conversations"] is None  # the whole packaged ShareGPT
-    assert train["data"]["max_length"] == 1024 and train["trainer"]["precision"] == "bf16"
+    # precision auto: bf16 on a GPU that supports it (drafters/precision.py native_bf16)
+    assert train["data"]["max_length"] == 1024 and train["trainer"]["precision"] == "auto"
     t = train["trainer"]
     assert t["features"] == "online" and t["batch_size"] == 32 and t["max_steps"] == 1000
     assert t["final_eval"] is None and t["lr"] == 1e-3  # the default recipe's lr

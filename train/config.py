@@ -38,7 +38,9 @@ class TrainerConfig:
     warmup_steps: int = rng(50, 0, MAX_COUNT)
     min_lr_ratio: float = rng(0.1, 0, 1)  # floor of the cosine schedule, as a fraction of lr
     grad_clip: float = rng(1.0, 0, 1e6)  # max global grad norm (0 = off)
-    precision: str = "fp32"  # fp32 | bf16 (autocast for the drafter; the target runs in target.dtype)
+    # fp32 | bf16 (autocast for the drafter; the target runs in target.dtype) | auto (bf16 where
+    # the device runs it natively, fp32 elsewhere: drafters/precision.py native_bf16)
+    precision: str = "fp32"
     # forward_kl | reverse_kl | jsd | tv | nla | lk_hybrid | hard_ce (train/losses.py)
     loss: str = "forward_kl"
     # temperature of the target (and draft) distributions in the loss
@@ -48,7 +50,7 @@ class TrainerConfig:
     eval_k: int = rng(5, 1, MAX_DRAFT)  # draft length of the evals (simulated and real decoder)
     features: str = "online"  # online: target forward every step | offline: capture once, reuse every epoch
     # the target's training forwards (offline capture, online, on-policy batches) under
-    # torch.autocast: bfloat16 (None = target.dtype)
+    # torch.autocast: bfloat16 | float16 | auto (bfloat16 where native, else off) | None (target.dtype)
     capture_autocast: Optional[str] = None
     # offline: a `python -m specdistill.data.capture` out folder (None = auto, in the cache)
     features_dir: Optional[str] = None
@@ -69,8 +71,11 @@ class TrainerConfig:
     on_policy_heads_start: Optional[float] = rng(None, 0, 1)
     # draft steps unrolled on the drafter's own tokens (>= 2)
     on_policy_heads_depth: int = rng(2, 2, 16)
-    # share of answer positions whose drafts are scored
+    # share of the scored rows' answer positions whose drafts the target scores
     on_policy_heads_anchors: float = rng(0.25, 1e-3, 1)
+    # rows of each micro-batch whose drafts the target scores (None = every row): its forward
+    # runs over these rows only, so fewer rows at a larger anchor share score as many drafts for less
+    on_policy_heads_rows: Optional[int] = rng(None, 1, MAX_COUNT)
     eval_every: int = rng(200, 0, MAX_COUNT)  # steps between held-out evals (0 = only at the end)
     save_every: int = rng(200, 0, MAX_COUNT)  # steps between checkpoints (0 = only at the end)
     keep_last: int = rng(2, 1, 1000)  # rolling checkpoints kept (the best one is always kept)

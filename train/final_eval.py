@@ -9,6 +9,7 @@ the decoder's dtype (auto: bf16 on native-bf16 CPUs), not the training copy at f
 """
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from pathlib import Path
@@ -44,6 +45,18 @@ def final_eval(cfg: DictConfig, run_dir: Path, target, drafter, loggers, step: i
                                        loggers, step)
     write_report(run_dir)
     return result
+
+
+def publish(result: dict, run_dir: Path) -> None:
+    """Print the final eval's tables (our decoder's, then the serving engine's check beside it)
+    and write <run_dir>/summary.json."""
+    print(result["markdown"], flush=True)
+    summary = dict(result["summary"])
+    if result.get("engine"):
+        print(result["engine"]["markdown"], flush=True)
+        summary["engine_check"] = {k: v for k, v in result["engine"]["summary"].items()
+                                   if k != "error_detail"}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
 
 
 def engine_eval(cfg: DictConfig, run_dir: Path, target, drafter, ours: list[dict], loggers,

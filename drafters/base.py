@@ -83,9 +83,9 @@ class DraftPrediction:
     # (B, T, F') EAGLE: predicted target feature of position t + shift, regressed on the target's
     features: torch.Tensor | None = None
     anchors: torch.Tensor | None = None  # (B, A): logits (B, A, Vd) at these anchors (None: all)
-    # on-policy steps (Drafter.forward_own): the tokens this step was fed (B, T) (target ids), and,
-    # set by the trainer, the target's logits after them (B, T, Vd | V) at the same anchors with the
-    # anchors it scored (B, T) bool: the teacher then is `teacher`, not the batch's shifted logits
+    # on-policy steps (Drafter.forward_own): the tokens fed (B, T) (target ids); the anchors the
+    # target scores (B, T) bool, logits then (M, Vd) there (row-major); set by the trainer, the
+    # target's logits after the fed tokens there (M, Vd | V), the teacher instead of the batch's
     inputs: torch.Tensor | None = None
     teacher: torch.Tensor | None = None
     scored: torch.Tensor | None = None
@@ -137,16 +137,17 @@ class Drafter(nn.Module):
         """Teacher-forced training predictions on a batch (trainable drafters only)."""
         raise NotImplementedError(f"drafter {self.name!r} is not trainable")
 
-    def forward_own(self, batch: TrainBatch, steps: int) -> list[DraftPrediction]:
+    def forward_own(self, batch: TrainBatch, steps: int, at=None) -> list[DraftPrediction]:
         """On-policy training predictions: `steps` draft steps at every anchor, step j > 1 fed
         the drafter's own step j-1 draft (DraftPrediction.inputs) instead of the real token, as a
-        chain drafts at decode time (drafters that draft step by step; train/on_policy_heads.py)."""
+        chain drafts at decode time (train/on_policy_heads.py); with `at` (B, T) bool, steps j > 1
+        predict only at those anchors (DraftPrediction.scored)."""
         raise NotImplementedError(f"drafter {self.name!r} has no on-policy steps (forward_own)")
 
-    def forward(self, batch: TrainBatch, own_steps: int = 0) -> list[DraftPrediction]:
+    def forward(self, batch: TrainBatch, own_steps: int = 0, at=None) -> list[DraftPrediction]:
         """`module(batch)` trains: DDP and DeepSpeed wrappers hook into forward(); own_steps > 0
         runs forward_own."""
-        return self.forward_own(batch, own_steps) if own_steps else self.forward_train(batch)
+        return self.forward_own(batch, own_steps, at) if own_steps else self.forward_train(batch)
 
     def propose_rows(self, slots: Sequence["Drafter"], states: Sequence[DecodeState],
                      ks: Sequence[int], sampling: SamplingParams,

@@ -54,12 +54,17 @@ class Eagle3(FusedDrafter):  # registered at the end of the module, with its exp
         only (features=None)."""
         return self._unroll(batch, self.cfg.ttt_length, own_tokens=False)
 
-    def forward_own(self, batch: TrainBatch, steps: int) -> list[DraftPrediction]:
+    def forward_own(self, batch: TrainBatch, steps: int,
+                    at: torch.Tensor | None = None) -> list[DraftPrediction]:
         """As forward_train over `steps` steps, but step j > 1 is fed the drafter's own draft of step
-        j-1 (its argmax, as a greedy chain drafts), kept in DraftPrediction.inputs."""
-        return self._unroll(batch, steps, own_tokens=True)
+        j-1 at the same anchor (its argmax, as a greedy chain drafts), kept in
+        DraftPrediction.inputs. With `at` (B, T) bool, steps j > 1 apply the head only at those
+        anchors (logits (M, Vd), row-major; DraftPrediction.scored = at): the anchors the target
+        scores (train/on_policy_heads.py)."""
+        return self._unroll(batch, steps, own_tokens=True, at=at)
 
-    def _unroll(self, batch: TrainBatch, steps: int, own_tokens: bool) -> list[DraftPrediction]:
+    def _unroll(self, batch: TrainBatch, steps: int, own_tokens: bool,
+                at: torch.Tensor | None = None) -> list[DraftPrediction]:
         ids, feats = batch.input_ids, batch.features  # (B, T), (B, T, 3H)
         H = self.target.hidden_size
         if feats is None or feats.shape[-1] != 3 * H:
@@ -72,17 +77,23 @@ class Eagle3(FusedDrafter):  # registered at the end of the module, with its exp
         store: list[list] = [[] for _ in self.layers]  # per layer: (k, v) of each step
         h, preds = self.fuse(feats), []
         for j in range(1, capped_steps("drafter.ttt_length", steps, T) + 1):
+            # token t+j; the last j columns get a filler id: those anchors are never counted
+            tok = torch.cat([ids[:, j:], ids[:, -1:].expand(B, min(j, T))], dim=1)[:, :T]
             if own_tokens and preds:  # the previous step's draft at each anchor, as target ids
-                d = preds[-1].logits.detach().argmax(-1)  # (B, T)
-                tok = d if self.d2t is None else self.d2t[d]
-            else:  # token t+j; the last j columns get a filler id: those anchors are never counted
-                tok = torch.cat([ids[:, j:], ids[:, -1:].expand(B, min(j, T))], dim=1)[:, :T]
+                d = preds[-1].logits.detach().argmax(-1)  # (B, T), or (M,) at the anchors `at`
+                d = d if self.d2t is None else self.d2t[d]
+                if d.dim() == 1:
+                    tok = tok.masked_scatter(at, d)
+                else:
+                    tok = d
             emb = self.target.embed_tokens()(tok).to(h.dtype)  # (B, T, H), frozen
             h = self.run(emb, h, (pos + j - 1).expand(B, T),
                          lambda i: lambda q, k, v: ttt_attention(q, k, v, store[i], causal))
-            preds.append(DraftPrediction(logits=self.head(h), shift=j,  # (B, T, Vd)
+            sparse = own_tokens and at is not None and j > 1
+            preds.append(DraftPrediction(logits=self.head(h[at] if sparse else h), shift=j,
                                          weight=self.cfg.ttt_decay ** (j - 1),
-                                         inputs=tok if own_tokens else None))
+                                         inputs=tok if own_tokens else None,
+                                         scored=at if sparse else None))
         return preds
 
 

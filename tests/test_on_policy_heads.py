@@ -12,7 +12,7 @@ from specdistill.data.capture import target_logits
 from specdistill.drafters.base import DecodeState, build_drafter
 from specdistill.drafters.sampling import SamplingParams
 from specdistill.train.losses import aligned, distill_loss
-from specdistill.train.on_policy_heads import check_on_policy_heads, score_own_drafts
+from specdistill.train.on_policy_heads import check_on_policy_heads, score_own_drafts, scored_anchors
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -39,30 +39,49 @@ def test_the_own_unroll_drafts_what_the_chain_drafts(target, vocab):
         assert [int(p.inputs[row, t]) for p in preds[1:]] == chain[:2].tolist()  # fed its own
 
 
-def test_the_target_scores_the_drafts_not_the_real_tokens(target):
+def test_the_head_at_the_scored_anchors_is_the_dense_head_there(target):
     d = perturbed_drafter(target, "eagle3", draft_vocab_size=48).eval()
     batch = feature_batch(target, d)
+    at = scored_anchors(batch, 0.5, torch.Generator().manual_seed(1))
     with torch.no_grad():
-        preds = d.forward_own(batch, steps=3)
-    scored = score_own_drafts(target, batch, preds, share=1.0, generator=torch.Generator(),
-                              d2t=d.d2t, autocast_dtype=None)
-    anchors = preds[1].scored.nonzero().tolist()
-    assert scored == 2 * len(anchors) and len(anchors) == 12 + 8  # t + 2 real: rows of 14 / 10
+        dense = d.forward_own(batch, steps=3)
+        sparse = d.forward_own(batch, steps=3, at=at)
+    assert sparse[0].scored is None and torch.equal(sparse[0].logits, dense[0].logits)
+    for j in (1, 2):  # steps 2, 3: the head only at the anchors, fed the same own drafts there
+        assert torch.equal(sparse[j].scored, at)
+        torch.testing.assert_close(sparse[j].logits, dense[j].logits[at])
+        assert torch.equal(sparse[j].inputs[at], dense[j].inputs[at])
+
+
+@pytest.mark.parametrize("share,rows", [(1.0, None), (0.5, 1)])
+def test_the_target_scores_the_drafts_not_the_real_tokens(target, share, rows):
+    d = perturbed_drafter(target, "eagle3", draft_vocab_size=48).eval()
+    batch = feature_batch(target, d)
+    at = scored_anchors(batch, share, torch.Generator().manual_seed(3), rows)
+    with torch.no_grad():
+        preds = d.forward_own(batch, steps=3, at=at)
+    scored = score_own_drafts(target, batch, preds, d2t=d.d2t, autocast_dtype=None)
+    anchors = at.nonzero().tolist()  # row-major: the order of the logits and teachers
+    assert scored == 2 * len(anchors)
+    if rows is None:
+        assert len(anchors) == 12 + 8  # every anchor with t + 2 real: rows of 14 / 10
+    else:  # one row, half of its anchors: the prefix it scores ends at its last anchor
+        assert len({r for r, _ in anchors}) == 1 and 0 < len(anchors) < 12
     differs = 0
-    for row, t in anchors:
+    for i, (row, t) in enumerate(anchors):
         d1, d2 = (int(preds[j].inputs[row, t]) for j in (1, 2))
         ids = torch.cat([batch.input_ids[row, :t + 2], torch.tensor([d1, d2])])[None]
         fresh = target_logits(target, target.forward(ids, layers=(-1,), logits=False).features,
                               d.d2t)[0]  # the target after the real text up to t+1, then d1, d2
-        torch.testing.assert_close(preds[1].teacher[row, t], fresh[-2], atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(preds[2].teacher[row, t], fresh[-1], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(preds[1].teacher[i], fresh[-2], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(preds[2].teacher[i], fresh[-1], atol=1e-4, rtol=1e-4)
         real = batch.input_ids[row, t + 2]  # teacher forcing would score after the real token
         differs += int(d1 != real)
         if d1 != real:
             forced = target_logits(target, target.forward(batch.input_ids[row:row + 1, :t + 3],
                                                           layers=(-1,), logits=False).features,
                                    d.d2t)[0, -1]
-            assert not torch.allclose(preds[1].teacher[row, t], forced, atol=1e-3)
+            assert not torch.allclose(preds[1].teacher[i], forced, atol=1e-3)
     assert differs > 0  # the check above ran
 
 
@@ -71,13 +90,18 @@ def test_the_loss_trains_the_own_steps_towards_the_score(target):
     batch = feature_batch(target, d)
     batch.target_logits = target_logits(target, target.forward(
         batch.input_ids, layers=(-1,), logits=False).features, d.d2t)
-    preds = d.forward_own(batch, steps=2)
-    score_own_drafts(target, batch, preds, share=0.5, generator=torch.Generator().manual_seed(0),
-                     d2t=d.d2t, autocast_dtype=None)
+    at = scored_anchors(batch, 0.5, torch.Generator().manual_seed(0))
+    preds = d.forward_own(batch, steps=2, at=at)
+    with pytest.raises(ValueError, match="not scored"):  # the loss never guesses a teacher
+        distill_loss(preds, batch)
+    score_own_drafts(target, batch, preds, d2t=d.d2t, autocast_dtype=None)
     draft, teacher, _, _ = aligned(preds[1], batch)
-    assert 0 < len(draft) <= preds[1].scored.sum()  # the scored anchors (loss mask permitting)
-    b, t = preds[1].scored.nonzero(as_tuple=True)
-    assert any(torch.equal(teacher[0], preds[1].teacher[bi, ti]) for bi, ti in zip(b, t))
+    assert 0 < len(draft) <= at.sum()  # the scored anchors (loss mask permitting)
+    b, t = at.nonzero(as_tuple=True)
+    last = (t + 3 >= batch.attention_mask.sum(-1)[b])  # token t+3 past the row: not counted
+    assert len(draft) == int((~last).sum())
+    torch.testing.assert_close(teacher, preds[1].teacher[~last])
+    torch.testing.assert_close(draft, preds[1].logits[~last])
     loss, parts = distill_loss(preds, batch)
     loss.backward()
     assert "div/s2" in parts and d.fc.weight.grad is not None

@@ -138,7 +138,10 @@ def aligned(pred: DraftPrediction, batch: TrainBatch):
     """
     if pred.anchors is not None:
         return _aligned_at(pred, batch)
-    if pred.teacher is not None:
+    if pred.scored is not None:
+        if pred.teacher is None:
+            raise ValueError(f"on-policy step {pred.shift} was not scored: the trainer sets its "
+                             f"teacher (train/on_policy_heads.py score_own_drafts) before the loss")
         return _aligned_own(pred, batch)
     s = pred.shift
     T = batch.input_ids.shape[1]
@@ -169,14 +172,16 @@ def _aligned_at(pred: DraftPrediction, batch: TrainBatch):
 
 
 def _aligned_own(pred: DraftPrediction, batch: TrainBatch):
-    """aligned() for an on-policy step: logits[:, t] meets pred.teacher[:, t] (the target after the
-    drafter's own tokens at anchor t) where the trainer scored anchor t and token t+1+shift lies in
-    an assistant turn (the draft continues one)."""
+    """aligned() for an on-policy step: its logits (M, Vd) at the scored anchors (pred.scored, row-
+    major) meet pred.teacher (M, Vd | V), the target after the drafter's own tokens there, where
+    token t+1+shift lies in an assistant turn (the draft continues one)."""
     s, T = pred.shift, batch.input_ids.shape[1]
-    n = max(0, min(pred.logits.shape[1], T - 1 - s))
-    counted = (pred.scored[:, :n] & batch.loss_mask[:, 1 + s:1 + s + n].bool()
-               & batch.attention_mask[:, 1 + s:1 + s + n].bool())  # (B, n)
-    return pred.logits[:, :n][counted], pred.teacher[:, :n][counted], None, None
+    n = max(0, T - 1 - s)
+    counted = torch.zeros_like(pred.scored)
+    counted[:, :n] = (batch.loss_mask[:, 1 + s:1 + s + n].bool()
+                      & batch.attention_mask[:, 1 + s:1 + s + n].bool())
+    keep = counted[pred.scored]  # (M,)
+    return pred.logits[keep], pred.teacher[keep], None, None
 
 
 def distill_loss(predictions: list[DraftPrediction], batch: TrainBatch, divergence: str = "forward_kl",

@@ -9,20 +9,25 @@ Draft-OPD) trains on what the drafter itself drafts. Here, in the job's on-polic
 1. The drafter unrolls `depth` steps at every anchor t on its own greedy drafts
    (Drafter.forward_own): d_1(t) from the real token t+1 and the target's feature t, d_j(t) from
    d_{j-1}(t) and its own state, as its chain would draft them.
-2. ONE target forward scores the drafts at a sampled share of the anchors: each row's real tokens,
-   then for each scored anchor t its block d_1(t) .. d_{depth-1}(t) at positions t+2, ...,
+   Steps j > 1 apply the head only at the anchors the target will score (drawn first:
+   `scored_anchors`, trainer.on_policy_heads_rows rows of each micro-batch and
+   trainer.on_policy_heads_anchors of their answer positions).
+2. ONE target forward scores the drafts at those anchors: each scored row's real tokens up to its
+   last anchor, then for each anchor t its block d_1(t) .. d_{depth-1}(t) at positions t+2, ...,
    attending to the real tokens up to t+1 and causally within its block (a 4-D mask): the target's
    logits after d_1 .. d_{j-1}, which is what verification compares draft d_j with.
 3. The loss trains step j > 1 at the scored anchors towards those logits (DraftPrediction.teacher);
-   step 1 reads only real tokens and keeps the batch's teacher.
+   step 1 reads only real tokens, in every row, and keeps the batch's teacher.
 
 On the target's own greedy text (data.selfgen) with greedy decoding, a draft that verification
 counts follows accepted drafts, i.e. the target's own tokens: there teacher forcing on the real
 text already is on-policy for every draft that can be accepted; the on-policy steps add the target's
 verdict on the drafts after a wrong one, which matters for sampled decoding and for other data.
 
-Cost: the target forward over T + A(depth-1) tokens per row (A = scored anchors), ~one capture
-forward, plus the drafter's depth steps (BENCHMARKS.md "Acceptance per minute").
+Cost: the target forward over ~T + A(depth-1) tokens per scored row (A = its scored anchors), ~a
+capture forward of those rows, plus the drafter's depth steps; scoring fewer rows at a larger
+share of their anchors buys the same number of scored drafts for less target compute
+(BENCHMARKS.md "A cheaper on-policy step").
 """
 from __future__ import annotations
 
@@ -53,77 +58,96 @@ def anchor_generator(seed: int, step: int, micro: int, rank: int) -> torch.Gener
     return torch.Generator().manual_seed(((seed * 1_000_003 + step) * 997 + micro) * 101 + rank)
 
 
-def scored_anchors(batch: TrainBatch, depth: int, share: float, generator: torch.Generator
-                   ) -> list[torch.Tensor]:
-    """Per row, the anchors t whose first draft (token t+2) lies in an assistant turn, a random
-    `share` of them (at least one where any exists), sorted."""
+def own_predictions(model, target, batch: TrainBatch, tcfg, steps: int, d2t: torch.Tensor | None,
+                    generator: torch.Generator) -> tuple[list[DraftPrediction], int]:
+    """One on-policy micro-batch: the scored anchors drawn, the drafter's `steps` steps on its own
+    drafts (model = the backend-wrapped drafter), the target's verdict on them (score_own_drafts);
+    returns the predictions for the loss and the number of drafted tokens scored."""
+    at = scored_anchors(batch, tcfg.on_policy_heads_anchors, generator, tcfg.on_policy_heads_rows)
+    preds = model(batch, steps, at)
+    return preds, score_own_drafts(target, batch, preds, d2t, tcfg.capture_autocast)
+
+
+def scored_anchors(batch: TrainBatch, share: float, generator: torch.Generator,
+                   rows: int | None = None) -> torch.Tensor:
+    """(B, T) bool: the anchors t whose drafts the target scores. An anchor qualifies where its
+    first draft (token t+2) lies in an assistant turn; `rows` rows that have one (None = every
+    row) are drawn, and in each a random `share` of its qualifying anchors (at least one)."""
     B, T = batch.input_ids.shape
     ok = torch.zeros(B, T, dtype=torch.bool)
     ok[:, :T - 2] = (batch.loss_mask[:, 2:].bool() & batch.attention_mask[:, 2:].bool()).cpu()
-    out = []
-    for b in range(B):
+    have = ok.any(-1).nonzero().flatten()  # rows with a qualifying anchor
+    if rows is not None and rows < len(have):
+        have = have[torch.randperm(len(have), generator=generator)[:rows]]
+    at = torch.zeros(B, T, dtype=torch.bool)
+    for b in have.sort().values.tolist():
         cand = ok[b].nonzero().flatten()  # (n,)
-        n = len(cand) and max(1, math.ceil(share * len(cand)))
-        pick = torch.randperm(len(cand), generator=generator)[:n]
-        out.append(cand[pick].sort().values)
-    return out
+        pick = torch.randperm(len(cand), generator=generator)[:max(1, math.ceil(share * len(cand)))]
+        at[b, cand[pick]] = True
+    return at.to(batch.input_ids.device)
 
 
-def score_inputs(batch: TrainBatch, drafted: torch.Tensor, anchors: list[torch.Tensor]
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The scoring forward's ids (B, Q), bool mask (B, 1, Q, Q) and positions (B, Q): each row's
-    real tokens (its length L_b), then per anchor t the block drafted[b, t] (D,) at positions
-    t+2 .. t+D+1, seeing the real tokens 0..t+1 and its block causally. Padding sees itself."""
+def score_inputs(batch: TrainBatch, drafted: torch.Tensor, at: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """The scoring forward over the rows with scored anchors: ids (R, Q), bool mask (R, 1, Q, Q),
+    positions (R, Q) and the batch row of each. A row holds its real tokens up to its last scored
+    anchor's t+1 (the later ones are never attended to), then per anchor t (in order) its block
+    drafted[b, t] (D,) at positions t+2 .. t+D+1, seeing the real tokens 0..t+1 and its block
+    causally. Padding sees itself."""
     B, T, D = drafted.shape
-    lens = batch.attention_mask.sum(-1).tolist()
-    Q = max(L + len(a) * D for L, a in zip(lens, anchors))
-    ids = torch.zeros(B, Q, dtype=torch.long)
-    pos = torch.zeros(B, Q, dtype=torch.long)
-    allow = torch.zeros(B, Q, Q, dtype=torch.bool)
+    at = at.cpu()
+    rows = at.any(-1).nonzero().flatten().tolist()
+    anchors = [at[b].nonzero().flatten() for b in rows]
+    prefix = [int(a[-1]) + 2 for a in anchors]  # real tokens 0..t+1 of the last anchor
+    Q = max((L + len(a) * D for L, a in zip(prefix, anchors)), default=0)
+    R = len(rows)
+    ids = torch.zeros(R, Q, dtype=torch.long)
+    pos = torch.zeros(R, Q, dtype=torch.long)
+    allow = torch.zeros(R, Q, Q, dtype=torch.bool)
     causal = torch.ones(D, D, dtype=torch.bool).tril()  # (D, D)
-    for b, (L, a) in enumerate(zip(lens, anchors)):
-        ids[b, :L] = batch.input_ids[b, :L].cpu()
-        pos[b, :L] = torch.arange(L)
-        allow[b, :L, :L] = torch.ones(L, L, dtype=torch.bool).tril()
+    for r, (b, L, a) in enumerate(zip(rows, prefix, anchors)):
+        ids[r, :L] = batch.input_ids[b, :L].cpu()
+        pos[r, :L] = torch.arange(L)
+        allow[r, :L, :L] = torch.ones(L, L, dtype=torch.bool).tril()
         for i, t in enumerate(a.tolist()):
             s = L + i * D  # the block's first column
-            ids[b, s:s + D] = drafted[b, t].cpu()
-            pos[b, s:s + D] = torch.arange(t + 2, t + 2 + D)
-            allow[b, s:s + D, :t + 2] = True  # the real tokens up to t+1
-            allow[b, s:s + D, s:s + D] = causal
+            ids[r, s:s + D] = drafted[b, t].cpu()
+            pos[r, s:s + D] = torch.arange(t + 2, t + 2 + D)
+            allow[r, s:s + D, :t + 2] = True  # the real tokens up to t+1
+            allow[r, s:s + D, s:s + D] = causal
         end = L + len(a) * D
-        allow[b, end:, end:] = torch.eye(Q - end, dtype=torch.bool)  # padding: itself only
-    return ids, allow[:, None], pos
+        allow[r, end:, end:] = torch.eye(Q - end, dtype=torch.bool)  # padding: itself only
+    return ids, allow[:, None], pos, rows
 
 
 @torch.no_grad()
-def score_own_drafts(target, batch: TrainBatch, preds: list[DraftPrediction], share: float,
-                     generator: torch.Generator, d2t: torch.Tensor | None,
-                     autocast_dtype: str | None) -> int:
-    """Set the teacher of every on-policy step j > 1 of `preds` (forward_own's) from one target
-    forward over the drafts at a `share` of the anchors (module docstring, 2.); returns the
-    number of drafted tokens the target scored."""
+def score_own_drafts(target, batch: TrainBatch, preds: list[DraftPrediction],
+                     d2t: torch.Tensor | None, autocast_dtype: str | None) -> int:
+    """Set the teacher of every on-policy step j > 1 of `preds` (forward_own's with `at`: their
+    logits are at the anchors `scored`) from one target forward over the drafts at those anchors
+    (module docstring, 2.); returns the number of drafted tokens the target scored."""
     D = len(preds) - 1  # drafts scored per anchor: d_1 .. d_{depth-1}
     if D < 1:
         return 0
+    at = preds[1].scored
+    if at is None:
+        raise ValueError("score_own_drafts: the drafter's own steps were not drafted at scored "
+                         "anchors; call forward_own(batch, steps, at=scored_anchors(...))")
     drafted = torch.stack([p.inputs for p in preds[1:]], dim=-1)  # (B, T, D) d_1..d_D at t
-    anchors = scored_anchors(batch, D + 1, share, generator)
-    ids, mask, pos = score_inputs(batch, drafted, anchors)
+    ids, mask, pos, rows = score_inputs(batch, drafted, at)
+    if not rows:  # no anchor qualifies in this batch: nothing to train the own steps on
+        for pred in preds[1:]:
+            pred.teacher = pred.logits.new_zeros(0, pred.logits.shape[-1])
+        return 0
     dev = target.device
     with autocast(target, autocast_dtype):
         final = target.forward(ids.to(dev), layers=(-1,), logits=False,
                                attention_mask=mask.to(dev), position_ids=pos.to(dev)).features
-    lens = batch.attention_mask.sum(-1).tolist()
-    B, T = batch.input_ids.shape
+    at = at.cpu()
+    starts = [int(at[b].nonzero()[-1]) + 2 for b in rows]  # each row's first block column
+    counts = [int(at[b].sum()) for b in rows]
     for j, pred in enumerate(preds[1:]):  # step j+2: the target after d_1 .. d_{j+1}
-        rows = [L + torch.arange(len(a)) * D + j for L, a in zip(lens, anchors)]  # block cols
-        logits = target_logits(target, torch.cat([final[b, r.to(dev)] for b, r in enumerate(rows)]),
-                               d2t).float()  # (sum A, Vd)
-        teacher = torch.zeros(B, T, logits.shape[-1], device=pred.logits.device)
-        scored = torch.zeros(B, T, dtype=torch.bool, device=pred.logits.device)
-        b_idx = torch.cat([torch.full((len(a),), b) for b, a in enumerate(anchors)])
-        t_idx = torch.cat(anchors)
-        teacher[b_idx, t_idx] = logits.to(teacher.device)
-        scored[b_idx, t_idx] = True
-        pred.teacher, pred.scored = teacher, scored
-    return int(sum(len(a) for a in anchors) * D)
+        cols = [L + torch.arange(n) * D + j for L, n in zip(starts, counts)]  # row-major anchors
+        hidden = torch.cat([final[r, c.to(dev)] for r, c in enumerate(cols)])  # (M, H)
+        pred.teacher = target_logits(target, hidden, d2t).float().to(pred.logits.device)
+    return int(sum(counts) * D)

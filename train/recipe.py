@@ -11,7 +11,6 @@ The recipe depends only on the drafter interface (drafters/base.py) and the back
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -37,7 +36,7 @@ from specdistill.train import checkpoint as ckpt
 from specdistill.train.backends import build_backend
 from specdistill.train.config import TrainConfig
 from specdistill.train.distributed import peer_failure_message
-from specdistill.train.final_eval import final_eval
+from specdistill.train.final_eval import final_eval, publish
 from specdistill.train.resume import check_resume_config
 from specdistill.train.rundir import (check_contents, check_disk_space, set_aside_unfinished,
                                       write_config)
@@ -46,8 +45,9 @@ from specdistill.train.batches import BatchIterator, first_conversations
 from specdistill.train.loggers import Loggers
 from specdistill.train.losses import distill_loss
 from specdistill.train.on_policy import OnPolicyMixer
-from specdistill.train.on_policy_heads import (anchor_generator, check_on_policy_heads, own_steps,
-                                               score_own_drafts)
+from specdistill.drafters.precision import training_precision
+from specdistill.train.on_policy_heads import (anchor_generator, check_on_policy_heads,
+                                               own_predictions, own_steps)
 from specdistill.train.report import write_report
 
 log = logging.getLogger(__name__)
@@ -93,6 +93,7 @@ class DistillRecipe:
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
+        self._resolve_precision(str(cfg.target.device))
         self.backend = build_backend(self.tcfg, cfg.target.device, cfg.get("deepspeed"))
         self._prepare_run_dir()
         self.loggers = Loggers(cfg.logger, self.run_dir, self.backend.is_main, config=cfg)
@@ -109,6 +110,14 @@ class DistillRecipe:
         self._write_config()  # 7. only now: a failed setup leaves the run's config.yaml as it was
         log.info("drafter %s: %.2f M trainable parameters", cfg.drafter.name,
                  sum(p.numel() for p in self.params) / 1e6)
+
+    def _resolve_precision(self, device: str) -> None:
+        """trainer.precision / capture_autocast = auto -> bf16 where `device` runs it natively."""
+        tcfg, asked = self.tcfg, (self.tcfg.precision, self.tcfg.capture_autocast)
+        tcfg.precision, tcfg.capture_autocast, why = training_precision(*asked, device)
+        if "auto" in asked:
+            log.info("trainer.precision=%s -> %s, trainer.capture_autocast=%s -> %s (%s)", asked[0],
+                     tcfg.precision, asked[1], tcfg.capture_autocast, why)
 
     def _setup_data(self, cfg: DictConfig):
         """The frozen target, and the chat data rendered with its template (self-distilled: the
@@ -266,13 +275,13 @@ class DistillRecipe:
             own = own_steps(tcfg, self.step)  # > 0 in the on-policy phase of the heads
             with torch.autocast(self.backend.device.type, dtype=torch.bfloat16,
                                 enabled=tcfg.precision == "bf16"):
-                preds = self.model(batch, own) if own else self.model(batch)
-                if own:  # the target's verdict on the drafter's own drafts
-                    totals["scored"] = totals.get("scored", 0.0) + score_own_drafts(
-                        self.target, batch, preds, tcfg.on_policy_heads_anchors,
-                        anchor_generator(self.cfg.seed, self.step, micro, self.backend.rank),
-                        getattr(self.drafter, "d2t", None),
-                        tcfg.capture_autocast)
+                if own:  # the drafter drafts on its own tokens; the target scores the drafts
+                    preds, scored = own_predictions(self.model, self.target, batch, tcfg, own, getattr(
+                        self.drafter, "d2t", None), anchor_generator(self.cfg.seed, self.step, micro,
+                                                                    self.backend.rank))
+                    totals["scored"] = totals.get("scored", 0.0) + scored
+                else:
+                    preds = self.model(batch)
                 loss, parts = distill_loss(preds, batch, divergence=tcfg.loss,
                                            temperature=tcfg.loss_temperature,
                                            feature_weight=tcfg.feature_weight)
@@ -384,12 +393,6 @@ def run(cfg: DictConfig) -> None:
     try:
         result = recipe.final_eval()
         if result is not None:
-            print(result["markdown"], flush=True)
-            summary = dict(result["summary"])
-            if result.get("engine"):  # the serving engine's check beside our decoder's table
-                print(result["engine"]["markdown"], flush=True)
-                summary["engine_check"] = {k: v for k, v in result["engine"]["summary"].items()
-                                           if k != "error_detail"}
-            (Path(cfg.run_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
+            publish(result, Path(cfg.run_dir))
     finally:
         recipe.cleanup()

@@ -8,6 +8,11 @@ SG1200 = ["drafter=eagle3", "drafter.ttt_length=1", "data=sharegpt_selfgen", "da
 # name -> (what it tests, overrides on top of the default job). The default job: conf/train.yaml.
 ARMS: dict[str, tuple[str, list[str]]] = {
     "eagle": ("EAGLE-1 (today's default), teacher-forced", ["drafter=eagle"]),
+    # precision = auto picks these per machine (bf16 only where native): forced, for A/B steps
+    "eagle_fp32": ("EAGLE-1, drafter and target's forwards in fp32", [
+        "drafter=eagle", "trainer.precision=fp32", "trainer.capture_autocast=null"]),
+    "eagle_bf16": ("EAGLE-1, drafter and target's forwards under bf16 autocast", [
+        "drafter=eagle", "trainer.precision=bf16", "trainer.capture_autocast=bfloat16"]),
     "eagle_u2": ("EAGLE-1, 2-step unroll", ["drafter=eagle", "drafter.train_unroll=2"]),
     "eagle_lr3": ("EAGLE-1, lr 3e-3", ["drafter=eagle", "trainer.lr=3e-3"]),
     "eagle_lr2": ("EAGLE-1, lr 2e-3", ["drafter=eagle", "trainer.lr=2e-3"]),
@@ -30,6 +35,16 @@ ARMS: dict[str, tuple[str, list[str]]] = {
     "e3_ttt1": ("EAGLE-3, no training-time test", ["drafter=eagle3", "drafter.ttt_length=1"]),
     "e3_ttt1_op": ("EAGLE-3, no training-time test, on-policy heads (depth 2) in the last 20%", [
         "drafter=eagle3", "drafter.ttt_length=1", "trainer.on_policy_heads_start=0.8"]),
+    "e3_op0": ("EAGLE-3, no training-time test, on-policy heads from step 0 (step profiles)", [
+        "drafter=eagle3", "drafter.ttt_length=1", "trainer.on_policy_heads_start=0"]),
+    "e3_op0_r1": ("EAGLE-3, no training-time test, on-policy heads from step 0, one row's drafts "
+                  "scored at every anchor (step profiles)", [
+        "drafter=eagle3", "drafter.ttt_length=1", "trainer.on_policy_heads_start=0",
+        "trainer.on_policy_heads_rows=1", "trainer.on_policy_heads_anchors=1.0"]),
+    "e3_ttt1_op_r1": ("EAGLE-3, no training-time test, on-policy heads in the last 20%, one row's "
+                      "drafts scored at every anchor", [
+        "drafter=eagle3", "drafter.ttt_length=1", "trainer.on_policy_heads_start=0.8",
+        "trainer.on_policy_heads_rows=1", "trainer.on_policy_heads_anchors=1.0"]),
     "e3_ttt2": ("EAGLE-3, ttt 2", ["drafter=eagle3", "drafter.ttt_length=2"]),
     "e3_ttt3": ("EAGLE-3, ttt 3", ["drafter=eagle3", "drafter.ttt_length=3"]),
     "e3_ttt2_tv": ("EAGLE-3, ttt 2, TV loss", ["drafter=eagle3", "drafter.ttt_length=2",

@@ -2,6 +2,7 @@
 
     python -m train.benchmarks.step_profile --features-dir /data/feats_e3 --arms e3_ttt1 eagle
     python -m train.benchmarks.step_profile --tiny --arms e3_ttt1 --steps 2     # seconds
+    python -m train.benchmarks.step_profile --arms eagle_fp32 eagle_bf16 --set trainer.features=online
 
 1. The machine's bf16 (and fp32) matmul peak on --threads threads: the best of a few large square
    matmuls (--peak-size), the ceiling no training step can pass.
@@ -12,7 +13,8 @@
    from other processes hits them alike.
 3. The FLOPs of a step, counted by torch's FlopCounterMode on the step's real shapes (matmuls and
    attention, forward and backward), and the tokens: real (attention mask) and padded. MFU = step
-   FLOPs / step seconds / the bf16 peak; "useful" counts the real tokens' share only.
+   FLOPs / step seconds / the peak of the dtype the arm trains in (bf16, or fp32 where
+   trainer.precision resolves to it); "useful" counts the real tokens' share only.
 
 Writes <out>/step_profile.json and prints a table.
 """
@@ -26,24 +28,35 @@ from pathlib import Path
 
 import torch
 
-PHASES = ("batch", "teacher", "forward", "loss", "backward", "optimizer")
+PHASES = ("batch", "teacher", "forward", "score", "loss", "backward", "optimizer")
 
 
-def matmul_peak(dtype: torch.dtype, size: int, repeats: int = 5) -> float:
-    """GFLOP/s of the best of `repeats` (size x size) @ (size x size) matmuls in `dtype`."""
-    a, b = (torch.randn(size, size).to(dtype) for _ in range(2))
-    a @ b  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t0)
-    return 2 * size**3 / best / 1e9
+def matmul_peak(dtype: torch.dtype, size: int, repeats: int = 5, budget_s: float = 1.0) -> float:
+    """GFLOP/s of the best of `repeats` (n x n) @ (n x n) matmuls in `dtype`, n = `size` or
+    smaller where one would take over `budget_s` (torch's bf16 on a CPU without native bf16 runs
+    ~0.3 GFLOP/s: one 2048^3 matmul would take a minute)."""
+    def best(n: int, times: int) -> float:
+        a, b = (torch.randn(n, n).to(dtype) for _ in range(2))
+        a @ b  # warm-up
+        t = float("inf")
+        for _ in range(times):
+            t0 = time.perf_counter()
+            a @ b
+            t = min(t, time.perf_counter() - t0)
+        return t
+
+    probe = min(size, 256)
+    est = best(probe, 2) * (size / probe) ** 3
+    while size > probe and est > budget_s:
+        size, est = size // 2, est / 8
+    return 2 * size**3 / best(size, repeats) / 1e9
 
 
 def timed_step(r) -> dict[str, float]:
     """One optimizer step of recipe r (grad_accum 1), timed phase by phase (CPU: synchronous)."""
     from specdistill.train.losses import distill_loss
+    from specdistill.train.on_policy_heads import (anchor_generator, own_steps, score_own_drafts,
+                                                   scored_anchors)
 
     t, tcfg = {}, r.tcfg
     r.model.train()
@@ -63,9 +76,19 @@ def timed_step(r) -> dict[str, float]:
         t2 = time.perf_counter()
         batch = TrainBatch(raw["input_ids"], raw["attention_mask"], raw["loss_mask"], logits,
                            None if feats is None else feats.clone())
+    own = own_steps(tcfg, r.step)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=tcfg.precision == "bf16"):
-        preds = r.model(batch)
-        t3 = time.perf_counter()
+        if own:
+            at = scored_anchors(batch, tcfg.on_policy_heads_anchors, anchor_generator(0, r.step, 0, 0),
+                                tcfg.on_policy_heads_rows)
+            preds = r.model(batch, own, at)
+            t3 = time.perf_counter()
+            score_own_drafts(r.target, batch, preds, getattr(r.drafter, "d2t", None),
+                             tcfg.capture_autocast)
+        else:
+            preds = r.model(batch)
+            t3 = time.perf_counter()
+        t3s = time.perf_counter()
         loss, _ = distill_loss(preds, batch, divergence=tcfg.loss,
                                temperature=tcfg.loss_temperature, feature_weight=tcfg.feature_weight)
     t4 = time.perf_counter()
@@ -73,8 +96,9 @@ def timed_step(r) -> dict[str, float]:
     t5 = time.perf_counter()
     r.backend.step(r.optimizer, r.params, tcfg.grad_clip)
     r.scheduler.step()
+    r.step += 1
     t6 = time.perf_counter()
-    t.update(batch=t1 - t0, teacher=t2 - t1, forward=t3 - t2, loss=t4 - t3, backward=t5 - t4,
+    t.update(batch=t1 - t0, teacher=t2 - t1, forward=t3 - t2, score=t3s - t3, loss=t4 - t3s, backward=t5 - t4,
              optimizer=t6 - t5)
     t["real_tokens"] = int(raw["attention_mask"].sum())
     t["padded_tokens"] = int(raw["attention_mask"].numel())
@@ -106,8 +130,9 @@ def main(argv=None) -> None:
     p.add_argument("--out", default="runs/bench/step_profile")
     p.add_argument("--set", nargs="*", default=[], help="extra overrides for every arm")
     args = p.parse_args(argv)
-    if not args.tiny and not args.features_dir:
-        p.error("--features-dir is needed (a `python -m specdistill.data.capture` folder), or --tiny")
+    if not args.tiny and not args.features_dir and "trainer.features=online" not in args.set:
+        p.error("--features-dir is needed (a `python -m specdistill.data.capture` folder), or --tiny, "
+                "or --set trainer.features=online (the target's forward then is the batch phase)")
     args.seed, args.save_every = 0, 10**6
     torch.set_num_threads(args.threads)
     out = Path(args.out)
@@ -134,24 +159,27 @@ def main(argv=None) -> None:
         med = {ph: statistics.median(t[ph] for t in times[name]) for ph in PHASES}
         step_s = sum(med.values())
         real = statistics.mean(t["real_tokens"] for t in times[name])
+        dtype = "bfloat16" if r.tcfg.precision == "bf16" else "float32"  # the arm's (auto resolved)
         rows[name] = {"phases_s": med, "step_s": step_s, "real_tokens": real, "padded_tokens": tok,
                       "padding_share": 1 - real / tok, "flops_per_step": flops,
-                      "gflops_per_s": flops / step_s / 1e9, "mfu_bf16": flops / step_s / 1e9
-                      / peak["bfloat16"], "useful_mfu_bf16": flops * real / tok / step_s / 1e9
-                      / peak["bfloat16"], "real_tokens_per_s": real / step_s}
+                      "gflops_per_s": flops / step_s / 1e9, "mfu_dtype": dtype,
+                      "mfu": flops / step_s / 1e9 / peak[dtype],
+                      "useful_mfu": flops * real / tok / step_s / 1e9 / peak[dtype],
+                      "real_tokens_per_s": real / step_s}
         r.cleanup()
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "threads": args.threads,
               "peak_gflops": peak, "arms": rows}
     (out / "step_profile.json").write_text(json.dumps(result, indent=1))
-    print(f"matmul peak ({args.threads} threads, {args.peak_size}^3): bf16 {peak['bfloat16']:.0f} "
+    print(f"matmul peak ({args.threads} threads, n <= {args.peak_size}): bf16 {peak['bfloat16']:.0f} "
           f"GFLOP/s, fp32 {peak['float32']:.0f} GFLOP/s")
-    head = "| arm | step s | " + " | ".join(PHASES) + " | padding | GFLOP/s | MFU | useful MFU |"
+    head = ("| arm | step s | " + " | ".join(PHASES)
+            + " | padding | GFLOP/s | MFU (of the peak of its dtype) | useful MFU |")
     lines = [head, "|---" * (len(PHASES) + 6) + "|"]
     for n, x in rows.items():
         ph = " | ".join(f"{x['phases_s'][p]:.3f}" for p in PHASES)
         lines.append(f"| {n} | {x['step_s']:.2f} | {ph} | {100 * x['padding_share']:.0f}% | "
-                     f"{x['gflops_per_s']:.0f} | {100 * x['mfu_bf16']:.0f}% | "
-                     f"{100 * x['useful_mfu_bf16']:.0f}% |")
+                     f"{x['gflops_per_s']:.0f} | {100 * x['mfu']:.0f}% ({x['mfu_dtype']}) | "
+                     f"{100 * x['useful_mfu']:.0f}% |")
     print("\n".join(lines))
 
 

@@ -58,9 +58,9 @@ class Eagle3(FusedDrafter):  # registered at the end of the module, with its exp
                     at: torch.Tensor | None = None) -> list[DraftPrediction]:
         """As forward_train over `steps` steps, but step j > 1 is fed the drafter's own draft of step
         j-1 at the same anchor (its argmax, as a greedy chain drafts), kept in
-        DraftPrediction.inputs. With `at` (B, T) bool, steps j > 1 apply the head only at those
-        anchors (logits (M, Vd), row-major; DraftPrediction.scored = at): the anchors the target
-        scores (train/on_policy_heads.py)."""
+        DraftPrediction.inputs. With `at` (B, T) bool, steps j > 1 run (layers and head) only at
+        those anchors, the ones the target scores (train/on_policy_heads.py): logits (M, Vd),
+        row-major, DraftPrediction.scored = at; each still attends to all of step 1's keys."""
         return self._unroll(batch, steps, own_tokens=True, at=at)
 
     def _unroll(self, batch: TrainBatch, steps: int, own_tokens: bool,
@@ -76,25 +76,52 @@ class Eagle3(FusedDrafter):  # registered at the end of the module, with its exp
         causal = (pos[None, :] <= pos[:, None])[None, None] & keys  # (B, 1, T, T)
         store: list[list] = [[] for _ in self.layers]  # per layer: (k, v) of each step
         h, preds = self.fuse(feats), []
+        idx = valid = None  # on-policy with `at`: steps > 1 run at the anchors only (B, A)
         for j in range(1, capped_steps("drafter.ttt_length", steps, T) + 1):
             # token t+j; the last j columns get a filler id: those anchors are never counted
             tok = torch.cat([ids[:, j:], ids[:, -1:].expand(B, min(j, T))], dim=1)[:, :T]
             if own_tokens and preds:  # the previous step's draft at each anchor, as target ids
                 d = preds[-1].logits.detach().argmax(-1)  # (B, T), or (M,) at the anchors `at`
                 d = d if self.d2t is None else self.d2t[d]
-                if d.dim() == 1:
-                    tok = tok.masked_scatter(at, d)
-                else:
-                    tok = d
-            emb = self.target.embed_tokens()(tok).to(h.dtype)  # (B, T, H), frozen
-            h = self.run(emb, h, (pos + j - 1).expand(B, T),
-                         lambda i: lambda q, k, v: ttt_attention(q, k, v, store[i], causal))
-            sparse = own_tokens and at is not None and j > 1
-            preds.append(DraftPrediction(logits=self.head(h[at] if sparse else h), shift=j,
-                                         weight=self.cfg.ttt_decay ** (j - 1),
+                tok = tok.masked_scatter(at, d) if d.dim() == 1 else d
+            if own_tokens and at is not None and j > 1 and not at.any():  # nothing scored
+                preds.append(DraftPrediction(logits=self.head(h[:, :0]).flatten(0, 1), shift=j,
+                                             weight=self.cfg.ttt_decay ** (j - 1), inputs=tok,
+                                             scored=at))
+                continue
+            if own_tokens and at is not None and j > 1:  # the scored rows' anchors only
+                if idx is None:  # their step-1 states, keys and causal rows
+                    scored = at.any(-1).nonzero().flatten()  # (R,) rows with an anchor
+                    idx, valid = anchor_index(at[scored])  # (R, A) each
+                    h = h[scored].gather(1, idx[..., None].expand(-1, -1, h.shape[-1]))  # (R, A, H)
+                    rows = causal.expand(B, 1, T, T)[scored].gather(
+                        2, idx[:, None, :, None].expand(-1, 1, -1, T))  # (R, 1, A, T)
+                    for kv in store:  # step 1's keys and values of the scored rows
+                        kv[0] = (kv[0][0][scored], kv[0][1][scored])
+                emb = self.target.embed_tokens()(tok[scored].gather(1, idx)).to(h.dtype)  # (R, A, H)
+                h = self.run(emb, h, idx + j - 1,
+                             lambda i: lambda q, k, v: ttt_attention(q, k, v, store[i], rows))
+                logits = self.head(h[valid])  # (M, Vd), row-major as at.nonzero()
+            else:
+                emb = self.target.embed_tokens()(tok).to(h.dtype)  # (B, T, H), frozen
+                h = self.run(emb, h, (pos + j - 1).expand(B, T),
+                             lambda i: lambda q, k, v: ttt_attention(q, k, v, store[i], causal))
+                logits = self.head(h)  # (B, T, Vd)
+            preds.append(DraftPrediction(logits=logits, shift=j, weight=self.cfg.ttt_decay ** (j - 1),
                                          inputs=tok if own_tokens else None,
-                                         scored=at if sparse else None))
+                                         scored=at if idx is not None else None))
         return preds
+
+
+def anchor_index(at: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T) bool anchors -> each row's anchors in order (B, A) (A = the most in a row, at least
+    1; the rest filled with anchor 0) and which of them are real (B, A) bool."""
+    counts = at.sum(-1)  # (B,)
+    A = max(int(counts.max()) if at.numel() else 0, 1)
+    valid = torch.arange(A, device=at.device)[None] < counts[:, None]  # (B, A)
+    idx = torch.zeros(at.shape[0], A, dtype=torch.long, device=at.device)
+    idx[valid] = at.nonzero(as_tuple=True)[1]  # row-major: row b's anchors, ascending
+    return idx, valid
 
 
 # == Export: the engines' EAGLE-3 layouts (names and configs: drafters/fused_export.py). ==

@@ -39,7 +39,7 @@ def test_the_own_unroll_drafts_what_the_chain_drafts(target, vocab):
         assert [int(p.inputs[row, t]) for p in preds[1:]] == chain[:2].tolist()  # fed its own
 
 
-def test_the_head_at_the_scored_anchors_is_the_dense_head_there(target):
+def test_the_own_steps_at_the_scored_anchors_are_the_dense_unroll_there(target):
     d = perturbed_drafter(target, "eagle3", draft_vocab_size=48).eval()
     batch = feature_batch(target, d)
     at = scored_anchors(batch, 0.5, torch.Generator().manual_seed(1))
@@ -47,7 +47,7 @@ def test_the_head_at_the_scored_anchors_is_the_dense_head_there(target):
         dense = d.forward_own(batch, steps=3)
         sparse = d.forward_own(batch, steps=3, at=at)
     assert sparse[0].scored is None and torch.equal(sparse[0].logits, dense[0].logits)
-    for j in (1, 2):  # steps 2, 3: the head only at the anchors, fed the same own drafts there
+    for j in (1, 2):  # steps 2, 3 only at the anchors (layer + head), fed the same own drafts
         assert torch.equal(sparse[j].scored, at)
         torch.testing.assert_close(sparse[j].logits, dense[j].logits[at])
         assert torch.equal(sparse[j].inputs[at], dense[j].inputs[at])
@@ -105,6 +105,19 @@ def test_the_loss_trains_the_own_steps_towards_the_score(target):
     loss, parts = distill_loss(preds, batch)
     loss.backward()
     assert "div/s2" in parts and d.fc.weight.grad is not None
+
+
+def test_a_batch_without_scored_anchors_trains_step_one_only(target):
+    d = perturbed_drafter(target, "eagle3", draft_vocab_size=48)
+    batch = feature_batch(target, d)
+    batch.target_logits = target_logits(target, target.forward(
+        batch.input_ids, layers=(-1,), logits=False).features, d.d2t)
+    none = torch.zeros_like(batch.attention_mask, dtype=torch.bool)
+    preds = d.forward_own(batch, steps=2, at=none)
+    assert score_own_drafts(target, batch, preds, d2t=d.d2t, autocast_dtype=None) == 0
+    loss, parts = distill_loss(preds, batch)
+    loss.backward()
+    assert torch.isfinite(loss) and parts["positions/s2"] == 0 and parts["positions/s1"] > 0
 
 
 def test_drafters_without_own_steps_are_refused(target):

@@ -9,7 +9,7 @@ Draft-OPD) trains on what the drafter itself drafts. Here, in the job's on-polic
 1. The drafter unrolls `depth` steps at every anchor t on its own greedy drafts
    (Drafter.forward_own): d_1(t) from the real token t+1 and the target's feature t, d_j(t) from
    d_{j-1}(t) and its own state, as its chain would draft them.
-   Steps j > 1 apply the head only at the anchors the target will score (drawn first:
+   Steps j > 1 run only at the anchors the target will score (drawn first:
    `scored_anchors`, trainer.on_policy_heads_rows rows of each micro-batch and
    trainer.on_policy_heads_anchors of their answer positions).
 2. ONE target forward scores the drafts at those anchors: each scored row's real tokens up to its

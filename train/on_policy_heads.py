@@ -27,7 +27,7 @@ verdict on the drafts after a wrong one, which matters for sampled decoding and 
 Cost: the target forward over ~T + A(depth-1) tokens per scored row (A = its scored anchors), ~a
 capture forward of those rows, plus the drafter's depth steps; scoring fewer rows at a larger
 share of their anchors buys the same number of scored drafts for less target compute
-(BENCHMARKS.md "A cheaper on-policy step").
+(BENCHMARKS.md "Training precision where bf16 is not native": 3.0x a teacher-forced step).
 """
 from __future__ import annotations
 
@@ -58,14 +58,13 @@ def anchor_generator(seed: int, step: int, micro: int, rank: int) -> torch.Gener
     return torch.Generator().manual_seed(((seed * 1_000_003 + step) * 997 + micro) * 101 + rank)
 
 
-def own_predictions(model, target, batch: TrainBatch, tcfg, steps: int, d2t: torch.Tensor | None,
-                    generator: torch.Generator) -> tuple[list[DraftPrediction], int]:
-    """One on-policy micro-batch: the scored anchors drawn, the drafter's `steps` steps on its own
-    drafts (model = the backend-wrapped drafter), the target's verdict on them (score_own_drafts);
-    returns the predictions for the loss and the number of drafted tokens scored."""
+def own_drafts(model, batch: TrainBatch, tcfg, steps: int, generator: torch.Generator
+               ) -> list[DraftPrediction]:
+    """The drafter's `steps` steps on its own drafts (model = the backend-wrapped drafter), the
+    later ones at the anchors the target will score (scored_anchors, drawn first); the trainer
+    then sets their teacher with score_own_drafts."""
     at = scored_anchors(batch, tcfg.on_policy_heads_anchors, generator, tcfg.on_policy_heads_rows)
-    preds = model(batch, steps, at)
-    return preds, score_own_drafts(target, batch, preds, d2t, tcfg.capture_autocast)
+    return model(batch, steps, at)
 
 
 def scored_anchors(batch: TrainBatch, share: float, generator: torch.Generator,
@@ -87,17 +86,14 @@ def scored_anchors(batch: TrainBatch, share: float, generator: torch.Generator,
     return at.to(batch.input_ids.device)
 
 
-def score_inputs(batch: TrainBatch, drafted: torch.Tensor, at: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
-    """The scoring forward over the rows with scored anchors: ids (R, Q), bool mask (R, 1, Q, Q),
-    positions (R, Q) and the batch row of each. A row holds its real tokens up to its last scored
-    anchor's t+1 (the later ones are never attended to), then per anchor t (in order) its block
-    drafted[b, t] (D,) at positions t+2 .. t+D+1, seeing the real tokens 0..t+1 and its block
-    causally. Padding sees itself."""
+def score_inputs(batch: TrainBatch, drafted: torch.Tensor, rows: list[int],
+                 anchors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The scoring forward over the batch rows `rows`, each with its scored anchors (ascending):
+    ids (R, Q), bool mask (R, 1, Q, Q), positions (R, Q). A row holds its real tokens up to its
+    last anchor's t+1 (the later ones are never attended to), then per anchor t (in order) its
+    block drafted[b, t] (D,) at positions t+2 .. t+D+1, seeing the real tokens 0..t+1 and its
+    block causally. Padding sees itself."""
     B, T, D = drafted.shape
-    at = at.cpu()
-    rows = at.any(-1).nonzero().flatten().tolist()
-    anchors = [at[b].nonzero().flatten() for b in rows]
     prefix = [int(a[-1]) + 2 for a in anchors]  # real tokens 0..t+1 of the last anchor
     Q = max((L + len(a) * D for L, a in zip(prefix, anchors)), default=0)
     R = len(rows)
@@ -117,7 +113,7 @@ def score_inputs(batch: TrainBatch, drafted: torch.Tensor, at: torch.Tensor
             allow[r, s:s + D, s:s + D] = causal
         end = L + len(a) * D
         allow[r, end:, end:] = torch.eye(Q - end, dtype=torch.bool)  # padding: itself only
-    return ids, allow[:, None], pos, rows
+    return ids, allow[:, None], pos
 
 
 @torch.no_grad()
@@ -134,18 +130,20 @@ def score_own_drafts(target, batch: TrainBatch, preds: list[DraftPrediction],
         raise ValueError("score_own_drafts: the drafter's own steps were not drafted at scored "
                          "anchors; call forward_own(batch, steps, at=scored_anchors(...))")
     drafted = torch.stack([p.inputs for p in preds[1:]], dim=-1)  # (B, T, D) d_1..d_D at t
-    ids, mask, pos, rows = score_inputs(batch, drafted, at)
+    at = at.cpu()
+    rows = at.any(-1).nonzero().flatten().tolist()
+    anchors = [at[b].nonzero().flatten() for b in rows]
     if not rows:  # no anchor qualifies in this batch: nothing to train the own steps on
         for pred in preds[1:]:
             pred.teacher = pred.logits.new_zeros(0, pred.logits.shape[-1])
         return 0
+    ids, mask, pos = score_inputs(batch, drafted, rows, anchors)
     dev = target.device
     with autocast(target, autocast_dtype):
         final = target.forward(ids.to(dev), layers=(-1,), logits=False,
                                attention_mask=mask.to(dev), position_ids=pos.to(dev)).features
-    at = at.cpu()
-    starts = [int(at[b].nonzero()[-1]) + 2 for b in rows]  # each row's first block column
-    counts = [int(at[b].sum()) for b in rows]
+    starts = [int(a[-1]) + 2 for a in anchors]  # each row's first block column
+    counts = [len(a) for a in anchors]
     for j, pred in enumerate(preds[1:]):  # step j+2: the target after d_1 .. d_{j+1}
         cols = [L + torch.arange(n) * D + j for L, n in zip(starts, counts)]  # row-major anchors
         hidden = torch.cat([final[r, c.to(dev)] for r, c in enumerate(cols)])  # (M, H)

@@ -47,7 +47,7 @@ from specdistill.train.losses import distill_loss
 from specdistill.train.on_policy import OnPolicyMixer
 from specdistill.drafters.precision import training_precision
 from specdistill.train.on_policy_heads import (anchor_generator, check_on_policy_heads,
-                                               own_predictions, own_steps)
+                                               own_drafts, own_steps, score_own_drafts)
 from specdistill.train.report import write_report
 
 log = logging.getLogger(__name__)
@@ -276,10 +276,11 @@ class DistillRecipe:
             with torch.autocast(self.backend.device.type, dtype=torch.bfloat16,
                                 enabled=tcfg.precision == "bf16"):
                 if own:  # the drafter drafts on its own tokens; the target scores the drafts
-                    preds, scored = own_predictions(self.model, self.target, batch, tcfg, own, getattr(
-                        self.drafter, "d2t", None), anchor_generator(self.cfg.seed, self.step, micro,
-                                                                    self.backend.rank))
-                    totals["scored"] = totals.get("scored", 0.0) + scored
+                    preds = own_drafts(self.model, batch, tcfg, own, anchor_generator(
+                        self.cfg.seed, self.step, micro, self.backend.rank))
+                    totals["scored"] = totals.get("scored", 0.0) + score_own_drafts(
+                        self.target, batch, preds, getattr(self.drafter, "d2t", None),
+                        tcfg.capture_autocast)
                 else:
                     preds = self.model(batch)
                 loss, parts = distill_loss(preds, batch, divergence=tcfg.loss,

@@ -55,8 +55,8 @@ def matmul_peak(dtype: torch.dtype, size: int, repeats: int = 5, budget_s: float
 def timed_step(r) -> dict[str, float]:
     """One optimizer step of recipe r (grad_accum 1), timed phase by phase (CPU: synchronous)."""
     from specdistill.train.losses import distill_loss
-    from specdistill.train.on_policy_heads import (anchor_generator, own_steps, score_own_drafts,
-                                                   scored_anchors)
+    from specdistill.train.on_policy_heads import (anchor_generator, own_drafts, own_steps,
+                                                   score_own_drafts)
 
     t, tcfg = {}, r.tcfg
     r.model.train()
@@ -79,9 +79,7 @@ def timed_step(r) -> dict[str, float]:
     own = own_steps(tcfg, r.step)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=tcfg.precision == "bf16"):
         if own:
-            at = scored_anchors(batch, tcfg.on_policy_heads_anchors, anchor_generator(0, r.step, 0, 0),
-                                tcfg.on_policy_heads_rows)
-            preds = r.model(batch, own, at)
+            preds = own_drafts(r.model, batch, tcfg, own, anchor_generator(0, r.step, 0, 0))
             t3 = time.perf_counter()
             score_own_drafts(r.target, batch, preds, getattr(r.drafter, "d2t", None),
                              tcfg.capture_autocast)
@@ -98,8 +96,8 @@ def timed_step(r) -> dict[str, float]:
     r.scheduler.step()
     r.step += 1
     t6 = time.perf_counter()
-    t.update(batch=t1 - t0, teacher=t2 - t1, forward=t3 - t2, score=t3s - t3, loss=t4 - t3s, backward=t5 - t4,
-             optimizer=t6 - t5)
+    t.update(batch=t1 - t0, teacher=t2 - t1, forward=t3 - t2, score=t3s - t3, loss=t4 - t3s,
+             backward=t5 - t4, optimizer=t6 - t5)
     t["real_tokens"] = int(raw["attention_mask"].sum())
     t["padded_tokens"] = int(raw["attention_mask"].numel())
     return t

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from specdistill.drafters.base import TrainBatch
+from specdistill.drafters.base import DraftPrediction, TrainBatch
 
 log = logging.getLogger(__name__)
 _WARNED: set[tuple[str, int]] = set()  # (setting, value) already warned about in this process
@@ -35,6 +35,27 @@ def capped_steps(setting: str, steps: int, T: int) -> int:
                     "(said once; longer batches train more, up to data.max_length - 2)",
                     setting, steps, T, n)
     return n
+
+
+def counted(batch: TrainBatch, shift: int) -> torch.Tensor:
+    """(B, T) bool: the anchors t where a prediction of `shift` is trained, i.e. whose predicted
+    token t+1+shift exists and is a real assistant token (loss_mask and attention_mask). A drafter
+    runs its head only there (DraftPrediction.at): the loss reads nothing else."""
+    B, T = batch.input_ids.shape
+    out = torch.zeros(B, T, dtype=torch.bool, device=batch.input_ids.device)
+    n = max(0, T - 1 - shift)
+    out[:, :n] = batch.loss_mask[:, 1 + shift:].bool() & batch.attention_mask[:, 1 + shift:].bool()
+    return out
+
+
+def dense_logits(pred: DraftPrediction) -> torch.Tensor:
+    """A prediction's logits as (B, T, Vd): where its head ran only at `pred.at`, NaN at every
+    other anchor (reading one it never computed fails loudly). For tests and inspection."""
+    if pred.at is None:
+        return pred.logits
+    out = pred.logits.new_full((*pred.at.shape, pred.logits.shape[-1]), float("nan"))
+    out[pred.at] = pred.logits.detach()
+    return out
 
 
 def draw_anchors(batch: TrainBatch, lo: int, hi: int, share: float) -> torch.Tensor:

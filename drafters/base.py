@@ -43,8 +43,7 @@ from torch import nn
 from specdistill.drafters.folder import (  # noqa: F401  (re-exported)
     CONFIG_FILE, DECODE_TIME_PREFIX, WEIGHTS_FILE, TargetMismatch, check_trained_target, config_dict,
     parse_config, save_drafter)
-from specdistill.drafters.head import fit_draft_vocab  # noqa: F401  (re-exported)
-from specdistill.drafters.head import set_draft_vocab as _set_draft_vocab
+from specdistill.drafters.head import fit_draft_vocab, set_draft_vocab as _set_draft_vocab  # noqa: F401
 from specdistill.drafters.proposals import (  # noqa: F401  (re-exported)
     ChainDraw, ChainProposal, DecodeState, TreeProposal)
 from specdistill.drafters.sampling import SamplingParams
@@ -74,14 +73,15 @@ class DraftPrediction:
     """One of a drafter's training predictions, aligned for the loss.
 
     logits[:, t] is the drafter's distribution of token t + 1 + shift, so it is compared with
-    target_logits[:, t + shift] and counts where loss_mask[:, t + 1 + shift] == 1.
+    target_logits[:, t + shift] and counts where loss_mask[:, t + 1 + shift] == 1. With `at`
+    (B, T) bool (drafters/anchors.py counted), the head ran only there: logits (M, Vd), row-major.
     """
 
     logits: torch.Tensor  # (B, T, Vd) over the draft vocabulary (Vd = V without a pruned vocab)
+    at: torch.Tensor | None = None  # (B, T) bool: logits (M, Vd) only at these anchors (None: all)
     shift: int = 0  # 0 = next token, 1 = the one after (EAGLE step / Medusa head 1), ...
     weight: float = 1.0  # weight of this prediction in the total loss (e.g. Medusa's 0.8^k)
-    # (B, T, F') EAGLE: predicted target feature of position t + shift, regressed on the target's
-    features: torch.Tensor | None = None
+    features: torch.Tensor | None = None  # (B, T, F') EAGLE: predicted feature of position t + shift
     anchors: torch.Tensor | None = None  # (B, A): logits (B, A, Vd) at these anchors (None: all)
     # on-policy steps (Drafter.forward_own): the tokens fed (B, T) (target ids); the anchors the
     # target scores (B, T) bool, logits then (M, Vd) there (row-major); set by the trainer, the

@@ -39,6 +39,7 @@ from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaRMSNorm,
                                                       LlamaRotaryEmbedding)
 
+from specdistill.drafters.anchors import counted
 from specdistill.drafters.base import DrafterConfig, DraftPrediction, ExportLayout, TrainBatch, register
 from specdistill.drafters.cache import additive_mask
 from specdistill.drafters.drafting import CausalDrafter
@@ -242,6 +243,7 @@ class Eagle(CausalDrafter):
             x = self.inputs(tok, h)  # (B, T, H)
             allowed = torch.cat([causal] + [diag] * (j - 1), dim=-1)  # (B, T, j*T)
             h = self.backbone(x, (pos + j - 1).expand(B, T), additive_mask(allowed, x.dtype), cache)
-            preds.append(DraftPrediction(logits=self.head(h), shift=j,  # (B, T, Vd)
+            at = counted(batch, j)  # (B, T): the head only where the loss reads it
+            preds.append(DraftPrediction(logits=self.head(h[at]), at=at, shift=j,  # (M, Vd)
                                          weight=self.cfg.unroll_decay ** (j - 1), features=h))
         return preds

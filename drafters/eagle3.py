@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdistill.drafters.anchors import capped_steps
+from specdistill.drafters.anchors import capped_steps, counted
 from specdistill.drafters.attention import ttt_attention
 from specdistill.drafters.base import DraftPrediction, ExportLayout, TrainBatch, register
 from specdistill.drafters.export_formats import WEIGHTS, torch_dtype
@@ -81,8 +81,10 @@ class Eagle3(FusedDrafter):  # registered at the end of the module, with its exp
             # token t+j; the last j columns get a filler id: those anchors are never counted
             tok = torch.cat([ids[:, j:], ids[:, -1:].expand(B, min(j, T))], dim=1)[:, :T]
             if own_tokens and preds:  # the previous step's draft at each anchor, as target ids
-                d = preds[-1].logits.detach().argmax(-1)  # (B, T), or (M,) at the anchors `at`
+                d = preds[-1].logits.detach().argmax(-1)  # (B, T), (N,) at step 1's `at`, (M,) at `at`
                 d = d if self.d2t is None else self.d2t[d]
+                if preds[-1].at is not None:  # step 1 ran at its counted anchors, which hold `at`
+                    d = d[at[preds[-1].at]]  # (M,)
                 tok = tok.masked_scatter(at, d) if d.dim() == 1 else d
             if own_tokens and at is not None and j > 1 and not at.any():  # nothing scored
                 preds.append(DraftPrediction(logits=self.head(h[:, :0]).flatten(0, 1), shift=j,
@@ -101,13 +103,18 @@ class Eagle3(FusedDrafter):  # registered at the end of the module, with its exp
                 emb = self.target.embed_tokens()(tok[scored].gather(1, idx)).to(h.dtype)  # (R, A, H)
                 h = self.run(emb, h, idx + j - 1,
                              lambda i: lambda q, k, v: ttt_attention(q, k, v, store[i], rows))
-                logits = self.head(h[valid])  # (M, Vd), row-major as at.nonzero()
+                logits, where = self.head(h[valid]), None  # (M, Vd), row-major as at.nonzero()
             else:
                 emb = self.target.embed_tokens()(tok).to(h.dtype)  # (B, T, H), frozen
                 h = self.run(emb, h, (pos + j - 1).expand(B, T),
                              lambda i: lambda q, k, v: ttt_attention(q, k, v, store[i], causal))
-                logits = self.head(h)  # (B, T, Vd)
-            preds.append(DraftPrediction(logits=logits, shift=j, weight=self.cfg.ttt_decay ** (j - 1),
+                # the head only where the loss reads it (and step 1 drafts for the own steps);
+                # a dense own unroll drafts at every anchor
+                where = None if own_tokens and at is None else counted(batch, j)  # (B, T)
+                where = where | at if own_tokens and where is not None else where
+                logits = self.head(h) if where is None else self.head(h[where])  # (B, T | M, Vd)
+            preds.append(DraftPrediction(logits=logits, at=where, shift=j,
+                                         weight=self.cfg.ttt_decay ** (j - 1),
                                          inputs=tok if own_tokens else None,
                                          scored=at if idx is not None else None))
         return preds

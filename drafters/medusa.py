@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdistill.drafters.anchors import counted
 from specdistill.drafters.base import (ChainProposal, DecodeState, Drafter, DrafterConfig, DraftPrediction,
                            ExportLayout, TrainBatch, TreeProposal, register)
 from specdistill.drafters.export_formats import WEIGHTS, cast, torch_dtype
@@ -205,9 +206,12 @@ class Medusa(Drafter):
         """Head k at position t predicts token t+2+k: shift k+1, weight head_decay**k."""
         if batch.features is None:
             raise ValueError("medusa: the batch has no target features (feature_layers=(-1,))")
-        return [DraftPrediction(logits=self.head_logits(batch.features, k), shift=k + 1,  # (B, T, Vd)
-                                weight=self.cfg.head_decay ** k)
-                for k in range(self.cfg.num_heads)]
+        preds = []
+        for k in range(self.cfg.num_heads):
+            at = counted(batch, k + 1)  # (B, T): the head only where the loss reads it
+            preds.append(DraftPrediction(logits=self.head_logits(batch.features[at], k), at=at,
+                                         shift=k + 1, weight=self.cfg.head_decay ** k))  # (M, Vd)
+        return preds
 
     @torch.no_grad()
     def propose(self, state: DecodeState, k: int, sampling: SamplingParams,

@@ -60,7 +60,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from specdistill.drafters.anchors import capped_steps, check_anchor_share, draw_anchors
+from specdistill.drafters.anchors import capped_steps, check_anchor_share, counted, draw_anchors
 from specdistill.drafters.base import (ChainProposal, DecodeState, DraftPrediction, ExportLayout,
                                       TrainBatch, TreeProposal, register)
 from specdistill.drafters.attention import ttt_attention
@@ -243,9 +243,11 @@ class Peagle(FusedDrafter):
                 emb, h = mask_emb, mask_h
             out = self.run(emb, h, positions,
                             lambda i: lambda q, k, v: ttt_attention(q, k, v, store[i], mask))
-            preds.append(DraftPrediction(logits=self.head(out), shift=j,  # (B, T | A, Vd)
-                                         weight=self._weight(j),
-                                         anchors=None if j == 1 else anchors))
+            dense = j == 1 or anchors is None  # out (B, T, H): the head only where the loss reads it
+            where = counted(batch, j) if dense else None  # (B, T)
+            preds.append(DraftPrediction(logits=self.head(out if where is None else out[where]),
+                                         at=where, shift=j, weight=self._weight(j),  # (M | B, A, Vd)
+                                         anchors=None if dense else anchors))
         return preds
 
     # -- decoding: parallel drafts (drafters/parallel.py) from one forward of drafters/drafting.py --

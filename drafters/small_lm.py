@@ -35,6 +35,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from specdistill.drafters.anchors import counted
 from specdistill.drafters.attention import use_few_query_attention
 from specdistill.drafters.base import (ChainProposal, DecodeState, Drafter, DrafterConfig, DraftPrediction,
                            ExportLayout, TrainBatch, TreeProposal, register)
@@ -263,17 +264,20 @@ class SmallLm(Drafter):
         return self.hf_model.get_output_embeddings()
 
     def logits(self, ids: torch.Tensor, attention_mask=None, position_ids=None,
-               cache=None) -> torch.Tensor:
-        """ids (B, Q) -> next-token logits (B, Q, Vd); masks and positions as HF takes them."""
+               cache=None, at: torch.Tensor | None = None) -> torch.Tensor:
+        """ids (B, Q) -> next-token logits (B, Q, Vd), or (M, Vd) at the (B, Q) bool `at` only;
+        masks and positions as HF takes them."""
         h = self.hf_model.base_model(input_ids=ids, attention_mask=attention_mask,
                                      position_ids=position_ids, cache=cache,
                                      use_cache=cache is not None).last_hidden_state  # (B, Q, H)
         head = self.lm_head if self.lm_head is not None else self.hf_model.get_output_embeddings()
-        return head(h)  # (B, Q, Vd)
+        return head(h if at is None else h[at])  # (B, Q | M, Vd)
 
     def forward_train(self, batch: TrainBatch) -> list[DraftPrediction]:
-        """logits[:, t] = the drafter's distribution of token t+1: shift 0 (target_logits[:, t])."""
-        return [DraftPrediction(logits=self.logits(batch.input_ids, batch.attention_mask))]
+        """logits[:, t] = the drafter's distribution of token t+1: shift 0 (target_logits[:, t]),
+        computed only where the loss reads them."""
+        at = counted(batch, 0)  # (B, T)
+        return [DraftPrediction(logits=self.logits(batch.input_ids, batch.attention_mask, at=at), at=at)]
 
     # -- decoding ---------------------------------------------------------------------------------
     def reset(self) -> None:

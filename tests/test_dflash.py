@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from decode_toys import check_sampling_lossless, greedy_lossless_accepted, make_target, teach
 from eagle3_engines import (TOY_H, TOY_L, TOY_V, dflash_block, feature_batch, perturbed_drafter,
                             recipe_cfg, tiny8_target, train_rows, twin)
+from specdistill.drafters.anchors import dense_logits
 from specdistill.drafters.base import DecodeState, TrainBatch, build_drafter
 from specdistill.drafters.dflash import DFlash
 from specdistill.drafters.export import export_drafter, load_export
@@ -50,7 +51,7 @@ def test_shapes_weights_and_bad_settings(target):
     preds = d.forward_train(feature_batch(target, d))
     assert [p.shift for p in preds] == [0, 1, 2, 3]  # slot i predicts token anchor + i
     assert [p.weight for p in preds] == pytest.approx([math.exp(-i / 4) for i in range(4)])
-    assert all(p.logits.shape == (2, 14, 48) and p.anchors is None for p in preds)
+    assert all(dense_logits(p).shape == (2, 14, 48) and p.anchors is None for p in preds)
     s = d.state_dict()
     assert s["fc.weight"].shape == (H, 3 * H) and s["hidden_norm.weight"].shape == (H,)
     assert s["layers.0.self_attn.q_norm.weight"].shape == (H // 4,)  # per head
@@ -113,7 +114,7 @@ def test_training_logits_equal_the_decode_forward(target, cfg):
             logits = d.draft_logits(state_at(batch, row, t), b - 1)  # (b-1, Vd)
             assert len(d.cache) == t  # only the context stays cached, never the block
             for i in range(b - 1):
-                torch.testing.assert_close(logits[i], preds[i].logits[row, t].float(),
+                torch.testing.assert_close(logits[i], dense_logits(preds[i])[row, t].float(),
                                            atol=1e-4, rtol=1e-4)
 
 
@@ -276,7 +277,7 @@ def test_export_matches_the_engine_block_forward(target, fmt, cfg, tmp_path):
         for t in (0, 4, 9):
             logits = dflash_block(config, W, target, batch.input_ids[0], t)  # (b, Vd)
             for i in range(1, b):
-                torch.testing.assert_close(logits[i], preds[i - 1].logits[0, t].float(),
+                torch.testing.assert_close(logits[i], dense_logits(preds[i - 1])[0, t].float(),
                                            atol=2e-4, rtol=1e-4)
     back = load_export(folder, target)
     assert all(torch.equal(v, back.state_dict()[k]) for k, v in d.state_dict().items())

@@ -13,6 +13,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import specdistill.drafters  # noqa: F401  (registers every drafter)
+from specdistill.drafters.anchors import counted, dense_logits
 from specdistill.drafters.base import (CONFIGS, DecodeState, TrainBatch, build_drafter, fit_draft_vocab,
                            load_drafter, save_drafter, trainable_drafters)
 from specdistill.drafters.sampling import SamplingParams
@@ -83,13 +84,81 @@ def test_forward_backward_shapes(target, name, prune):
     preds = d.forward_train(batch)
     Vd = 48 if prune else V
     # shift 0 = next token (a small LM); EAGLE / Medusa predict from shift 1 on
-    assert preds and all(p.logits.shape == (2, 16, Vd) and p.shift >= 0 for p in preds)
+    # the head runs only where the loss counts (p.at), or at sampled anchors, or everywhere
+    lead = [(int(p.at.sum()),) if p.at is not None else tuple(p.anchors.shape)
+            if p.anchors is not None else (2, 16) for p in preds]
+    assert preds and all(p.logits.shape == (*r, Vd) and p.shift >= 0 for p, r in zip(preds, lead))
+    assert all(p.at is None or int(p.at.sum()) < 2 * 16 for p in preds)  # padding, prompts skipped
     loss, parts = distill_loss(preds, batch, "forward_kl", 1.0, 0.1, d2t=d.d2t)
     loss.backward()
     grads = [p.grad for p in d.parameters() if p.requires_grad]
     assert grads and all(g is not None for g in grads)
     assert not any(p.requires_grad for p in target.model.parameters())
     assert torch.isfinite(loss) and all(torch.isfinite(v) for v in parts.values())
+
+
+@pytest.fixture
+def own_rng():
+    """Seed freely inside the test: the other tests' random draws stay as they were."""
+    with torch.random.fork_rng():
+        yield
+
+
+@pytest.mark.parametrize("name", TRAINABLE)
+def test_head_only_where_the_loss_counts_changes_nothing(target, name, monkeypatch, own_rng):
+    """The head runs only at the anchors the loss counts (drafters/anchors.py counted): the loss
+    and every gradient equal those of the head run at every position, the loss picking its rows."""
+    import importlib
+
+    def run(everywhere: bool):
+        torch.manual_seed(0)  # the same init and sampled anchors (P-EAGLE, DFlash) in both runs
+        d = build_drafter(pruned(name), target)
+        randomise(d)
+        module = importlib.import_module(type(d).__module__)
+        if everywhere and hasattr(module, "counted"):
+            monkeypatch.setattr(module, "counted",
+                                lambda b, s: torch.ones(b.input_ids.shape, dtype=torch.bool))
+        batch = make_batch(target, d)
+        preds = d.forward_train(batch)
+        monkeypatch.undo()
+        loss, _ = distill_loss(preds, batch, "forward_kl", 1.0, 0.1, d2t=d.d2t)
+        loss.backward()
+        rows = sum(p.logits[..., 0].numel() for p in preds)
+        return loss.detach(), {n: p.grad for n, p in d.named_parameters() if p.grad is not None}, rows
+
+    lazy, dense = run(False), run(True)
+    assert torch.allclose(lazy[0], dense[0], rtol=1e-5, atol=1e-6)
+    assert lazy[1].keys() == dense[1].keys() and lazy[1]
+    for n in lazy[1]:
+        assert torch.allclose(lazy[1][n], dense[1][n], rtol=1e-4, atol=1e-6), n
+    if name != "dflash":  # dflash drafts at sampled anchors already
+        assert lazy[2] < dense[2]  # and the head really ran at fewer rows
+
+
+@pytest.mark.parametrize("name", TRAINABLE)
+def test_teacher_only_where_the_loss_reads_it(target, name, own_rng):
+    """The trainer's batch (data/teacher.py train_batch) holds the target's logits only where a
+    loss reads them, NaN elsewhere: the loss equals the one against the teacher at every position
+    (so no NaN is ever read), and prompts and padding cost no LM-head rows."""
+    from specdistill.data.capture import capture
+    from specdistill.data.teacher import train_batch
+
+    torch.manual_seed(0)
+    d = build_drafter(pruned(name), target)
+    randomise(d)
+    dense = make_batch(target, d)  # the target's full logits at every position
+    feats, final = capture(target, dense.input_ids, dense.attention_mask, d.feature_layers)
+    raw = {"input_ids": dense.input_ids, "attention_mask": dense.attention_mask,
+           "loss_mask": dense.loss_mask}
+    lazy = train_batch(raw, feats, target, final, d.d2t, "cpu")
+    at = counted(lazy, 0)
+    assert 0 < int(at.sum()) < at.numel() and bool(lazy.target_logits[~at].isnan().all())
+    torch.testing.assert_close(lazy.target_logits[at], dense.target_logits[at][:, d.d2t])
+    torch.manual_seed(1)
+    want = distill_loss(d.forward_train(dense), dense, "forward_kl", 1.0, 0.1, d2t=d.d2t)[0]
+    torch.manual_seed(1)
+    got = distill_loss(d.forward_train(lazy), lazy, "forward_kl", 1.0, 0.1)[0]
+    assert torch.isfinite(got) and torch.allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", TRAINABLE)
@@ -158,13 +227,13 @@ def test_eagle_training_matches_decoding(target):
     preds = d.forward_train(batch)
     assert [p.shift for p in preds] == [1, 2, 3]
     ids = batch.input_ids[0]
-    for t in (3, 8):
+    for t in (3, 7):  # anchors every step is trained at (token t+4 < T)
         d.reset()
         h = d.drafting.sync(DecodeState(ids[:t + 2], batch.features[0, :t + 1]))  # (1, 1, H)
-        assert torch.allclose(d.head(h)[0, 0], preds[0].logits[0, t], atol=1e-4)
+        assert torch.allclose(d.head(h)[0, 0], dense_logits(preds[0])[0, t], atol=1e-4)
         for j in (2, 3):  # feed the true next token and the drafter's own feature
             h = d.backbone(d.inputs(ids[t + j].view(1, 1), h), torch.tensor([[t + j - 1]]), None, d.cache.kv)
-            assert torch.allclose(d.head(h)[0, 0], preds[j - 1].logits[0, t], atol=1e-4)
+            assert torch.allclose(d.head(h)[0, 0], dense_logits(preds[j - 1])[0, t], atol=1e-4)
 
 
 def test_eagle_tree_expands_each_node_correctly(target, monkeypatch):
@@ -216,7 +285,7 @@ def test_medusa_alignment_and_fresh_heads(target):
     d = build_drafter(full("medusa"), target)
     batch = make_batch(target, d)
     for p in d.forward_train(batch):  # zero-init blocks: every head is the target's LM head
-        assert torch.allclose(p.logits, batch.target_logits, atol=1e-5)
+        assert torch.allclose(p.logits, batch.target_logits[p.at], atol=1e-5)  # at its anchors
     assert [(p.shift, p.weight) for p in d.forward_train(batch)] == [(1, 1.0), (2, 0.8),
                                                                      (3, 0.8 ** 2), (4, 0.8 ** 3)]
     randomise(d)

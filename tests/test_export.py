@@ -25,6 +25,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 
 import specdistill.drafters  # noqa: F401  (registers every drafter)
 from specdistill.decode.spec import generate
+from specdistill.drafters.anchors import dense_logits
 from specdistill.drafters.base import DRAFTERS, DecodeState, TrainBatch, build_drafter, fit_draft_vocab
 from specdistill.drafters.export import export_drafter, full_config, load_export, validate_export
 from specdistill.drafters.export_formats import ExportError
@@ -242,7 +243,9 @@ def test_round_trip_logits_decoding_and_engine_forward(tmp_path, target, fmt, cf
         cols = src.d2t if src.d2t is not None else torch.arange(V)  # (Vd,) target ids
         for pred, logits in zip(want, theirs):  # logits (1, n, V) over positions 0..n-1
             n = logits.shape[1]
-            assert torch.allclose(logits[..., cols], pred.logits[:, :n], atol=1e-5)
+            ours = dense_logits(pred)[:, :n]  # NaN where our head never ran (nothing trained there)
+            ran = ~ours[..., 0].isnan()  # (1, n)
+            assert ran.sum() >= n // 2 and torch.allclose(logits[..., cols][ran], ours[ran], atol=1e-5)
             assert int(torch.isinf(logits).sum()) == logits[..., 0].numel() * (V - len(cols))
 
 

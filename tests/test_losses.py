@@ -103,6 +103,26 @@ def test_distill_loss_is_the_masked_mean():
     assert parts["positions/s1"].item() == 6
 
 
+def test_logits_at_the_counted_anchors_only():
+    """A head run only at `at` (row-major (M, Vd)) gives the masked mean of the dense one; `at`
+    may hold more anchors than the loss counts, never fewer."""
+    from specdistill.drafters.anchors import counted
+
+    batch = make_batch()
+    draft = torch.randn(2, 6, 5)
+    want = distill_loss([DraftPrediction(draft, shift=1)], batch)[0]
+    at = counted(batch, 1)
+    assert int(at.sum()) == 6
+    assert torch.equal(distill_loss([DraftPrediction(draft[at], at=at, shift=1)], batch)[0], want)
+    wider = at.clone()
+    wider[1, 5] = True  # an anchor the loss never reads: computed, ignored
+    assert torch.equal(distill_loss([DraftPrediction(draft[wider], at=wider, shift=1)], batch)[0], want)
+    short = at.clone()
+    short[0, 2] = False
+    with pytest.raises(ValueError, match="miss 1 the loss counts"):
+        distill_loss([DraftPrediction(draft[short], at=short, shift=1)], batch)
+
+
 def test_masked_positions_do_not_change_the_loss():
     batch = make_batch()
     batch.loss_mask[0, 3] = 0  # a user token inside row 0

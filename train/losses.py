@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from specdistill.drafters.anchors import counted
 from specdistill.drafters.base import DraftPrediction, TrainBatch
 
 LOG_FLOOR = -1e4  # log-probs are clamped here so 0 * log 0 never turns into NaN
@@ -144,15 +145,21 @@ def aligned(pred: DraftPrediction, batch: TrainBatch):
                              f"teacher (train/on_policy_heads.py score_own_drafts) before the loss")
         return _aligned_own(pred, batch)
     s = pred.shift
-    T = batch.input_ids.shape[1]
-    n = max(0, min(pred.logits.shape[1], T - 1 - s))  # anchors t whose token t+1+s exists
-    counted = (batch.loss_mask[:, 1 + s:1 + s + n].bool()
-               & batch.attention_mask[:, 1 + s:1 + s + n].bool())  # (B, n)
-    draft = pred.logits[:, :n][counted]  # (M, Vd)
-    target = batch.target_logits[:, s:s + n][counted]  # (M, V)
+    ok = counted(batch, s)  # (B, T)
+    if pred.at is None:  # logits (B, T', Vd) at every anchor (T' <= T)
+        ok = ok[:, :pred.logits.shape[1]]
+        draft = pred.logits[ok]  # (M, Vd)
+    else:  # logits (N, Vd) at pred.at (row-major), which must hold every counted anchor
+        if (ok & ~pred.at).any():
+            raise ValueError(f"prediction of shift {s}: its head ran at {int(pred.at.sum())} "
+                             f"anchors that miss {int((ok & ~pred.at).sum())} the loss counts; "
+                             f"run it at drafters/anchors.py counted(batch, {s})")
+        draft = pred.logits[ok[pred.at]]  # (M, Vd)
+    b, t = ok.nonzero(as_tuple=True)  # (M,) each, row-major
+    target = batch.target_logits[b, t + s]  # (M, V)
     if pred.features is None or batch.features is None:
         return draft, target, None, None
-    return draft, target, pred.features[:, :n][counted], batch.features[:, s:s + n][counted]
+    return draft, target, pred.features[b, t], batch.features[b, t + s]
 
 
 def _aligned_at(pred: DraftPrediction, batch: TrainBatch):
@@ -175,12 +182,7 @@ def _aligned_own(pred: DraftPrediction, batch: TrainBatch):
     """aligned() for an on-policy step: its logits (M, Vd) at the scored anchors (pred.scored, row-
     major) meet pred.teacher (M, Vd | V), the target after the drafter's own tokens there, where
     token t+1+shift lies in an assistant turn (the draft continues one)."""
-    s, T = pred.shift, batch.input_ids.shape[1]
-    n = max(0, T - 1 - s)
-    counted = torch.zeros_like(pred.scored)
-    counted[:, :n] = (batch.loss_mask[:, 1 + s:1 + s + n].bool()
-                      & batch.attention_mask[:, 1 + s:1 + s + n].bool())
-    keep = counted[pred.scored]  # (M,)
+    keep = counted(batch, pred.shift)[pred.scored]  # (M,)
     return pred.logits[keep], pred.teacher[keep], None, None
 
 

@@ -23,10 +23,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from specdistill.data import quiet
 from specdistill.data.capture import (CaptureConfig, OfflineFeatures, autocast, capture, capture_dir,
-                          offline_features, target_logits)
+                                      offline_features)
 from specdistill.data.dataset import load_chat_dataset
 from specdistill.data.regenerate import self_distilled
 from specdistill.data.selfgen import build_selfgen
+from specdistill.data.teacher import train_batch
 from specdistill.decode.simulate import simulate_acceptance
 from specdistill.drafters.base import TrainBatch, build_drafter, fit_draft_vocab
 from specdistill.drafters.target import cache_root, load_target
@@ -240,24 +241,21 @@ class DistillRecipe:
 
     # ------------------------------------------------------------------------------------- train
     def make_batch(self, raw: dict[str, torch.Tensor]) -> TrainBatch:
-        """Run the frozen target on a batch (online capture) and package it for the drafter."""
-        dev = self.backend.device
+        """The frozen target's outputs on a batch, packaged for the drafter with its teacher."""
+        feats, final = self.target_outputs(raw)
+        return train_batch(raw, feats, self.target, final, getattr(self.drafter, "d2t", None),
+                           self.backend.device)
+
+    def target_outputs(self, raw: dict[str, torch.Tensor]):
+        """(features of the drafter's layers or None, final hidden): read from the offline capture,
+        or the target's forward (online capture)."""
         if self.offline is not None and "index" in raw:  # on-policy batches have no captured rows
             idx = raw["index"].tolist()
-            feats, final = self.offline.batch(idx, [self.train_ds[i] for i in idx],
-                                              raw["input_ids"].shape[1])
-        else:  # online, or an on-policy batch: under the same autocast as an offline capture
-            with autocast(self.target, self.tcfg.capture_autocast):
-                feats, final = capture(self.target, raw["input_ids"], raw["attention_mask"],
-                                       self.drafter.feature_layers)
-            feats = None if feats is None else feats.to(self.target.dtype)
-            final = final.to(self.target.dtype)
-        d2t = getattr(self.drafter, "d2t", None)
-        logits = target_logits(self.target, final, d2t)  # (B, T, Vd) restricted when pruned
-        return TrainBatch(input_ids=raw["input_ids"].to(dev),
-                          attention_mask=raw["attention_mask"].to(dev),
-                          loss_mask=raw["loss_mask"].to(dev), target_logits=logits.to(dev).clone(),
-                          features=None if feats is None else feats.to(dev).clone())
+            return self.offline.batch(idx, [self.train_ds[i] for i in idx], raw["input_ids"].shape[1])
+        with autocast(self.target, self.tcfg.capture_autocast):  # as an offline capture's
+            feats, final = capture(self.target, raw["input_ids"], raw["attention_mask"],
+                                   self.drafter.feature_layers)
+        return None if feats is None else feats.to(self.target.dtype), final.to(self.target.dtype)
 
     def train_step(self) -> dict[str, float]:
         tcfg = self.tcfg

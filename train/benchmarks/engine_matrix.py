@@ -59,8 +59,8 @@ def overfit(target, cfg: dict, seqs: list[torch.Tensor], steps: int, lr: float =
     """A drafter of config `cfg` trained on `seqs` (the target's own greedy answers, whole
     sequences) for `steps` AdamW steps, one sequence per step: it learns those answers nearly by
     heart, so an engine that computes it as we do accepts most of its drafts on them."""
-    from specdistill.data.capture import target_logits
-    from specdistill.drafters.base import TrainBatch, build_drafter, fit_draft_vocab
+    from specdistill.data.teacher import train_batch
+    from specdistill.drafters.base import build_drafter, fit_draft_vocab
     from specdistill.train.losses import distill_loss
 
     torch.manual_seed(seed)
@@ -74,9 +74,9 @@ def overfit(target, cfg: dict, seqs: list[torch.Tensor], steps: int, lr: float =
             out = target.forward(s, layers=(*layers, -1), logits=False)
         feats, final = out.features[..., :-H], out.features[..., -H:]  # (1, T, F), (1, T, H)
         ones = torch.ones_like(s)
-        features = None if not layers else final.clone() if layers == (-1,) else feats.clone()
-        batches.append(TrainBatch(s, ones, ones, target_logits(target, final, d.d2t).clone(),
-                                  features))
+        features = None if not layers else final if layers == (-1,) else feats
+        raw = {"input_ids": s, "attention_mask": ones, "loss_mask": ones}
+        batches.append(train_batch(raw, features, target, final, d.d2t, s.device))
     opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=lr)
     for step in range(steps):
         b = batches[step % len(batches)]

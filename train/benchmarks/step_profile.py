@@ -60,22 +60,14 @@ def timed_step(r) -> dict[str, float]:
 
     t, tcfg = {}, r.tcfg
     r.model.train()
-    from specdistill.data.capture import target_logits
-    from specdistill.drafters.base import TrainBatch
+    from specdistill.data.teacher import train_batch
 
     t0 = time.perf_counter()
     raw = next(r.batches)
-    if r.offline is None:  # online features: the target's forward is the batch's price
-        batch = r.make_batch(raw)
-        t1 = t2 = time.perf_counter()
-    else:
-        idx = raw["index"].tolist()
-        feats, final = r.offline.batch(idx, [r.train_ds[i] for i in idx], raw["input_ids"].shape[1])
-        t1 = time.perf_counter()
-        logits = target_logits(r.target, final, getattr(r.drafter, "d2t", None)).clone()
-        t2 = time.perf_counter()
-        batch = TrainBatch(raw["input_ids"], raw["attention_mask"], raw["loss_mask"], logits,
-                           None if feats is None else feats.clone())
+    feats, final = r.target_outputs(raw)  # offline: read and padded; online: the target's forward
+    t1 = time.perf_counter()
+    batch = train_batch(raw, feats, r.target, final, getattr(r.drafter, "d2t", None), r.backend.device)
+    t2 = time.perf_counter()  # the teacher: the target's logits where the loss reads them
     own = own_steps(tcfg, r.step)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=tcfg.precision == "bf16"):
         if own:

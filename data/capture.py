@@ -1,7 +1,8 @@
 """Target feature capture: what the frozen target says about a batch of conversations.
 
 Online (inside the training loop) and offline (`python -m specdistill.data.capture`, sharded to disk) capture
-both go through `capture` and `target_logits`, so they produce the same batches.
+both go through `capture` and `target_logits` (data/teacher.py in training: only where a loss
+reads them), so they produce the same batches.
 
 Only the features a drafter reads and the final-normed hidden state are kept; the target's logits
 are recomputed from the final hidden state with the LM head when needed (restricted to the draft
@@ -56,6 +57,7 @@ def target_logits(target, final_hidden: torch.Tensor, d2t: torch.Tensor | None =
     if bias is not None and d2t is not None:
         bias = bias[d2t]
     return torch.nn.functional.linear(final_hidden.to(weight.dtype), weight, bias)
+
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,10 +20,11 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from specdistill.drafters.base import DraftPrediction, TrainBatch
-from specdistill.train.losses import (DIVERGENCES, distill_loss, feature_loss, forward_kl, get_divergence,
-                          greedy_accept, lk_hybrid, nla, tv)
+from specdistill.train.losses import (DIVERGENCES, LOG_FLOOR, distill_loss, feature_loss, forward_kl,
+                                      get_divergence, greedy_accept, lk_hybrid, nla, tv)
 
 P = torch.tensor([[0.7, 0.2, 0.1]])
 Q = torch.tensor([[0.4, 0.4, 0.2]])
@@ -101,6 +102,37 @@ def test_distill_loss_is_the_masked_mean():
                           for b, t in rows]).mean()
     assert total.item() == pytest.approx(manual.item(), rel=1e-6)
     assert parts["positions/s1"].item() == 6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_kl_gradient_in_one_expression_equals_autograd(dtype):
+    """forward_kl's own backward (train/losses.py _ForwardKL) == autograd through the formula,
+    at a temperature and with a pruned vocabulary; a teacher that needs gradients gets them."""
+    g = torch.Generator().manual_seed(0)
+    draft = (3 * torch.randn(9, 6, generator=g)).to(dtype).requires_grad_()
+    target = 3 * torch.randn(9, 11, generator=g)
+    d2t = torch.tensor([0, 2, 3, 5, 8, 10])
+    weights = torch.rand(9, generator=g)  # a per-row upstream gradient, as distill_loss's mean gives
+
+    def plain(z, t):
+        log_q = F.log_softmax(z.float() / 0.7, -1).clamp_min(LOG_FLOOR)
+        log_p = F.log_softmax(t[:, d2t].float() / 0.7, -1).clamp_min(LOG_FLOOR)
+        return (log_p.exp() * (log_p - log_q)).sum(-1)
+
+    (want,) = torch.autograd.grad((plain(draft, target) * weights).sum(), draft)
+    got_loss = forward_kl(draft, target, 0.7, d2t)
+    (got,) = torch.autograd.grad((got_loss * weights).sum(), draft)
+    assert got.dtype == dtype and torch.allclose(got_loss, plain(draft, target).detach(), atol=1e-6)
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-6 if dtype == torch.float32 else 4e-3,
+                               rtol=1e-5 if dtype == torch.float32 else 2e-2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the training step's autocast: same value
+        assert torch.allclose(forward_kl(draft, target, 0.7, d2t), got_loss, atol=1e-6)
+    z = torch.randn(4, 6, dtype=torch.float64, generator=g).requires_grad_()
+    t = torch.randn(4, 6, dtype=torch.float64, generator=g)
+    assert torch.autograd.gradcheck(lambda z: forward_kl(z, t, 1.3), (z,))
+    teacher = target.clone().requires_grad_()  # a teacher that learns too: gradients to both
+    forward_kl(draft, teacher, 0.7, d2t).sum().backward()
+    assert teacher.grad is not None and bool(teacher.grad[:, d2t].abs().sum() > 0)
 
 
 def test_logits_at_the_counted_anchors_only():

@@ -24,9 +24,9 @@ from specdistill.drafters.base import DraftPrediction, TrainBatch
 LOG_FLOOR = -1e4  # log-probs are clamped here so 0 * log 0 never turns into NaN
 
 
-def _log_probs(draft_logits: torch.Tensor, target_logits: torch.Tensor, temperature: float,
-               d2t: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (log q, log p'), both (N, Vd) in fp32, p' restricted to the draft vocab and renormalised."""
+def _checked(draft_logits: torch.Tensor, target_logits: torch.Tensor, temperature: float,
+             d2t: torch.Tensor | None) -> torch.Tensor:
+    """The target logits over the draft vocabulary (N, Vd), after checking the pair."""
     if temperature <= 0:
         raise ValueError(f"loss temperature must be > 0, got {temperature}")
     if d2t is not None:
@@ -35,6 +35,13 @@ def _log_probs(draft_logits: torch.Tensor, target_logits: torch.Tensor, temperat
         raise ValueError(f"draft vocab {draft_logits.shape[-1]} != target vocab "
                          f"{target_logits.shape[-1]}; for a pruned draft vocabulary pass d2t or "
                          f"target logits already restricted to it")
+    return target_logits
+
+
+def _log_probs(draft_logits: torch.Tensor, target_logits: torch.Tensor, temperature: float,
+               d2t: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (log q, log p'), both (N, Vd) in fp32, p' restricted to the draft vocab and renormalised."""
+    target_logits = _checked(draft_logits, target_logits, temperature, d2t)
     log_q = F.log_softmax(draft_logits.float() / temperature, dim=-1).clamp_min(LOG_FLOOR)
     log_p = F.log_softmax(target_logits.float() / temperature, dim=-1).clamp_min(LOG_FLOOR)
     return log_q, log_p
@@ -42,8 +49,49 @@ def _log_probs(draft_logits: torch.Tensor, target_logits: torch.Tensor, temperat
 
 def forward_kl(draft_logits, target_logits, temperature=1.0, d2t=None) -> torch.Tensor:
     """KL(p || q) = sum p (log p - log q): mass-covering; the classic distillation loss."""
-    log_q, log_p = _log_probs(draft_logits, target_logits, temperature, d2t)
-    return (log_p.exp() * (log_p - log_q)).sum(-1)  # (N,)
+    target_logits = _checked(draft_logits, target_logits, temperature, d2t)
+    if target_logits.requires_grad:  # a teacher that learns too: the formula through autograd
+        log_q, log_p = _log_probs(draft_logits, target_logits, temperature, None)
+        return (log_p.exp() * (log_p - log_q)).sum(-1)  # (N,)
+    return _ForwardKL.apply(draft_logits, target_logits, temperature)  # (N,)
+
+
+class _ForwardKL(torch.autograd.Function):
+    """forward_kl at half the plain formula's price (BENCHMARKS.md "Head and teacher only where
+    the loss reads them"). With x = z / temperature (the draft logits), lse = logsumexp(x) and p'
+    the teacher's softmax: KL = sum p' log p' - sum p' x + lse sum p' (no log q tensor), the two
+    sums as row-wise dot products; the gradient in one expression, d/dz = (q sum p' - p') /
+    temperature with q = exp(x - lse) formed only in the backward (sum p' = 1 up to rounding: the
+    exact gradient of the formula). Autograd through the plain formula (float copy, log_softmax,
+    clamp, difference, product, sum) walks and keeps several more (N, Vd) tensors."""
+
+    @staticmethod
+    def forward(ctx, draft_logits, target_logits, temperature):
+        at_least_fp32 = torch.promote_types(draft_logits.dtype, torch.float32)  # fp64 stays fp64
+        x, t = draft_logits.to(at_least_fp32), target_logits.to(at_least_fp32)
+        if temperature != 1:
+            x, t = x / temperature, t / temperature
+        lse = torch.logsumexp(x, -1, keepdim=True)  # (N, 1)
+        log_p = F.log_softmax(t, -1).clamp_min(LOG_FLOOR)  # (N, Vd): 0 * log 0 stays 0
+        p = log_p.exp()
+        mass = p.sum(-1, keepdim=True)  # (N, 1)
+        loss = _rowdot(p, log_p) - _rowdot(p, x) + lse * mass  # (N, 1)
+        ctx.save_for_backward(x, lse, p, mass)
+        ctx.temperature, ctx.dtype = temperature, draft_logits.dtype
+        return loss.view(-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, lse, p, mass = ctx.saved_tensors
+        q = (x - lse).exp_()  # (N, Vd)
+        return q.mul_(mass).sub_(p).mul_(grad[:, None] / ctx.temperature).to(ctx.dtype), None, None
+
+
+def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """(N, V) x (N, V) -> (N, 1): each row's dot product, without an (N, V) product tensor; in
+    the inputs' precision even under a bf16 autocast (which would lower bmm)."""
+    with torch.autocast(a.device.type, enabled=False):
+        return torch.bmm(a[:, None, :], b[:, :, None]).view(-1, 1)
 
 
 def reverse_kl(draft_logits, target_logits, temperature=1.0, d2t=None) -> torch.Tensor:

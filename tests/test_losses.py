@@ -326,3 +326,16 @@ def test_acceptance_losses_on_a_pruned_vocab(name):
     batch.target_logits = batch.target_logits[..., d2t]
     assert distill_loss([DraftPrediction(other, shift=1)], batch, name)[0].item() \
         == pytest.approx(full.item(), rel=1e-6)
+
+
+def test_loss_kernel_benchmark_writes_both_modes(tmp_path):
+    """python -m train.benchmarks.loss_kernel, tiny: both modes timed, and they agree."""
+    import json
+
+    from specdistill.train.benchmarks.loss_kernel import main
+
+    main(["--rows", "8", "--vocab", "16", "--rounds", "2", "--warmup", "0", "--threads", "1",
+          "--out", str(tmp_path)])
+    res = json.loads((tmp_path / "loss_kernel.json").read_text())
+    assert set(res["modes"]) == {"autograd", "own_backward"}
+    assert res["max_diff"]["loss"] < 1e-5 and res["max_diff"]["grad"] < 1e-6

@@ -127,6 +127,8 @@ def test_forward_kl_gradient_in_one_expression_equals_autograd(dtype):
                                rtol=1e-5 if dtype == torch.float32 else 2e-2)
     with torch.autocast("cpu", dtype=torch.bfloat16):  # the training step's autocast: same value
         assert torch.allclose(forward_kl(draft, target, 0.7, d2t), got_loss, atol=1e-6)
+    same = forward_kl(target[:, d2t], target, 0.7, d2t)  # q = p': 0 exactly, never a rounded -1e-7
+    assert bool((same >= 0).all()) and float(same.max()) < 1e-5
     z = torch.randn(4, 6, dtype=torch.float64, generator=g).requires_grad_()
     t = torch.randn(4, 6, dtype=torch.float64, generator=g)
     assert torch.autograd.gradcheck(lambda z: forward_kl(z, t, 1.3), (z,))

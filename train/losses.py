@@ -78,7 +78,7 @@ class _ForwardKL(torch.autograd.Function):
         loss = _rowdot(p, log_p) - _rowdot(p, x) + lse * mass  # (N, 1)
         ctx.save_for_backward(x, lse, p, mass)
         ctx.temperature, ctx.dtype = temperature, draft_logits.dtype
-        return loss.view(-1)
+        return loss.view(-1).clamp_min_(0.0)  # KL >= 0: rounding of the three terms can dip below
 
     @staticmethod
     def backward(ctx, grad):

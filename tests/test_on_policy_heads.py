@@ -46,7 +46,9 @@ def test_the_own_steps_at_the_scored_anchors_are_the_dense_unroll_there(target):
     with torch.no_grad():
         dense = d.forward_own(batch, steps=3)
         sparse = d.forward_own(batch, steps=3, at=at)
-    assert sparse[0].scored is None and torch.equal(sparse[0].logits, dense[0].logits)
+    # step 1: its head only where its loss counts and at the scored anchors (dense: everywhere)
+    assert sparse[0].scored is None and bool((sparse[0].at & at).eq(at).all())
+    assert torch.equal(sparse[0].logits, dense[0].logits[sparse[0].at])
     for j in (1, 2):  # steps 2, 3 only at the anchors (layer + head), fed the same own drafts
         assert torch.equal(sparse[j].scored, at)
         torch.testing.assert_close(sparse[j].logits, dense[j].logits[at])

@@ -213,12 +213,8 @@ def aligned(pred: DraftPrediction, batch: TrainBatch):
 def _aligned_at(pred: DraftPrediction, batch: TrainBatch):
     """aligned() for a prediction computed at sampled anchors (pred.anchors (B, A)): the same
     rule per (row, anchor) pair, pairs in row-major order."""
-    s, T = pred.shift, batch.input_ids.shape[1]
-    t = pred.anchors  # (B, A)
-    tok = (t + 1 + s).clamp(max=T - 1)  # (B, A): the predicted token, where it exists
-    counted = ((t + 1 + s < T) & batch.loss_mask.gather(1, tok).bool()
-               & batch.attention_mask.gather(1, tok).bool())  # (B, A)
-    b, a = counted.nonzero(as_tuple=True)  # (M,) each
+    s, t = pred.shift, pred.anchors  # (B, A)
+    b, a = counted(batch, s).gather(1, t).nonzero(as_tuple=True)  # (M,) each
     at = t[b, a] + s  # (M,) the position whose target logits predict that token
     draft, target = pred.logits[b, a], batch.target_logits[b, at]  # (M, Vd), (M, V)
     if pred.features is None or batch.features is None:

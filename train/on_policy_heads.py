@@ -36,6 +36,7 @@ import math
 import torch
 
 from specdistill.data.capture import autocast, target_logits
+from specdistill.drafters.anchors import counted
 from specdistill.drafters.base import DraftPrediction, Drafter, TrainBatch
 
 
@@ -73,8 +74,7 @@ def scored_anchors(batch: TrainBatch, share: float, generator: torch.Generator,
     first draft (token t+2) lies in an assistant turn; `rows` rows that have one (None = every
     row) are drawn, and in each a random `share` of its qualifying anchors (at least one)."""
     B, T = batch.input_ids.shape
-    ok = torch.zeros(B, T, dtype=torch.bool)
-    ok[:, :T - 2] = (batch.loss_mask[:, 2:].bool() & batch.attention_mask[:, 2:].bool()).cpu()
+    ok = counted(batch, 1).cpu()  # (B, T): the first draft (token t+2) is trained there
     have = ok.any(-1).nonzero().flatten()  # rows with a qualifying anchor
     if rows is not None and rows < len(have):
         have = have[torch.randperm(len(have), generator=generator)[:rows]]

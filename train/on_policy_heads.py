@@ -12,10 +12,11 @@ Draft-OPD) trains on what the drafter itself drafts. Here, in the job's on-polic
    Steps j > 1 run only at the anchors the target will score (drawn first:
    `scored_anchors`, trainer.on_policy_heads_rows rows of each micro-batch and
    trainer.on_policy_heads_anchors of their answer positions).
-2. ONE target forward scores the drafts at those anchors: each scored row's real tokens up to its
-   last anchor, then for each anchor t its block d_1(t) .. d_{depth-1}(t) at positions t+2, ...,
-   attending to the real tokens up to t+1 and causally within its block (a 4-D mask): the target's
-   logits after d_1 .. d_{j-1}, which is what verification compares draft d_j with.
+2. The target scores the drafts at those anchors: each scored row's real tokens up to its last
+   anchor run causally into a KV cache, then for each anchor t its block d_1(t) .. d_{depth-1}(t)
+   at positions t+2, ..., attending to the cached real tokens up to t+1 and causally within its
+   block (a 4-D mask over the cache and the blocks): the target's logits after d_1 .. d_{j-1},
+   which is what verification compares draft d_j with.
 3. The loss trains step j > 1 at the scored anchors towards those logits (DraftPrediction.teacher);
    step 1 reads only real tokens, in every row, and keeps the batch's teacher.
 
@@ -34,6 +35,7 @@ from __future__ import annotations
 import math
 
 import torch
+from transformers import DynamicCache
 
 from specdistill.data.capture import autocast, target_logits
 from specdistill.drafters.anchors import counted
@@ -86,42 +88,46 @@ def scored_anchors(batch: TrainBatch, share: float, generator: torch.Generator,
     return at.to(batch.input_ids.device)
 
 
-def score_inputs(batch: TrainBatch, drafted: torch.Tensor, rows: list[int],
-                 anchors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The scoring forward over the batch rows `rows`, each with its scored anchors (ascending):
-    ids (R, Q), bool mask (R, 1, Q, Q), positions (R, Q). A row holds its real tokens up to its
-    last anchor's t+1 (the later ones are never attended to), then per anchor t (in order) its
-    block drafted[b, t] (D,) at positions t+2 .. t+D+1, seeing the real tokens 0..t+1 and its
-    block causally. Padding sees itself."""
+def score_inputs(batch: TrainBatch, drafted: torch.Tensor, rows: list[int], anchors: list[torch.Tensor]
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The scoring forward's inputs over the batch rows `rows`, each with its scored anchors
+    (ascending), in two parts. `real` (R, P): each row's real tokens up to its last anchor's t+1
+    (the later ones are never attended to), right-padded: run causally into a KV cache. Then the
+    drafts: per anchor t (in order) its block drafted[b, t] (D,) at positions t+2 .. t+D+1,
+    seeing the real tokens 0..t+1 (the cache's first t+2 columns) and its own block causally:
+    ids (R, N), bool mask (R, 1, N, P + N) over the cache's columns then the blocks', positions
+    (R, N). Padding sees itself. The real tokens attend causally only, so they run on the plain
+    causal path, and the masked part is N x (P + N) instead of (P + N)^2."""
     B, T, D = drafted.shape
     prefix = [int(a[-1]) + 2 for a in anchors]  # real tokens 0..t+1 of the last anchor
-    Q = max((L + len(a) * D for L, a in zip(prefix, anchors)), default=0)
+    P = max(prefix, default=0)
+    N = max((len(a) * D for a in anchors), default=0)
     R = len(rows)
-    ids = torch.zeros(R, Q, dtype=torch.long)
-    pos = torch.zeros(R, Q, dtype=torch.long)
-    allow = torch.zeros(R, Q, Q, dtype=torch.bool)
+    real = torch.zeros(R, P, dtype=torch.long)
+    ids = torch.zeros(R, N, dtype=torch.long)
+    pos = torch.zeros(R, N, dtype=torch.long)
+    allow = torch.zeros(R, N, P + N, dtype=torch.bool)
     causal = torch.ones(D, D, dtype=torch.bool).tril()  # (D, D)
     for r, (b, L, a) in enumerate(zip(rows, prefix, anchors)):
-        ids[r, :L] = batch.input_ids[b, :L].cpu()
-        pos[r, :L] = torch.arange(L)
-        allow[r, :L, :L] = torch.ones(L, L, dtype=torch.bool).tril()
+        real[r, :L] = batch.input_ids[b, :L].cpu()
         for i, t in enumerate(a.tolist()):
-            s = L + i * D  # the block's first column
+            s = i * D  # the block's first column among the drafts
             ids[r, s:s + D] = drafted[b, t].cpu()
             pos[r, s:s + D] = torch.arange(t + 2, t + 2 + D)
             allow[r, s:s + D, :t + 2] = True  # the real tokens up to t+1
-            allow[r, s:s + D, s:s + D] = causal
-        end = L + len(a) * D
-        allow[r, end:, end:] = torch.eye(Q - end, dtype=torch.bool)  # padding: itself only
-    return ids, allow[:, None], pos
+            allow[r, s:s + D, P + s:P + s + D] = causal
+        end = len(a) * D
+        allow[r, end:, P + end:] = torch.eye(N - end, dtype=torch.bool)  # padding: itself only
+    return real, ids, allow[:, None], pos
 
 
 @torch.no_grad()
 def score_own_drafts(target, batch: TrainBatch, preds: list[DraftPrediction],
                      d2t: torch.Tensor | None, autocast_dtype: str | None) -> int:
     """Set the teacher of every on-policy step j > 1 of `preds` (forward_own's with `at`: their
-    logits are at the anchors `scored`) from one target forward over the drafts at those anchors
-    (module docstring, 2.); returns the number of drafted tokens the target scored."""
+    logits are at the anchors `scored`) from the target's forward over the drafts at those
+    anchors after the real tokens' (module docstring, 2.); returns the number of drafted tokens
+    the target scored."""
     D = len(preds) - 1  # drafts scored per anchor: d_1 .. d_{depth-1}
     if D < 1:
         return 0
@@ -137,15 +143,16 @@ def score_own_drafts(target, batch: TrainBatch, preds: list[DraftPrediction],
         for pred in preds[1:]:
             pred.teacher = pred.logits.new_zeros(0, pred.logits.shape[-1])
         return 0
-    ids, mask, pos = score_inputs(batch, drafted, rows, anchors)
+    real, ids, mask, pos = score_inputs(batch, drafted, rows, anchors)
     dev = target.device
+    cache = DynamicCache()  # full layers: the mask, not a sliding window, says what a draft sees
     with autocast(target, autocast_dtype):
-        final = target.forward(ids.to(dev), layers=(-1,), logits=False,
+        target.forward(real.to(dev), logits=False, cache=cache)  # the real tokens, causal
+        final = target.forward(ids.to(dev), layers=(-1,), logits=False, cache=cache,
                                attention_mask=mask.to(dev), position_ids=pos.to(dev)).features
-    starts = [int(a[-1]) + 2 for a in anchors]  # each row's first block column
     counts = [len(a) for a in anchors]
     for j, pred in enumerate(preds[1:]):  # step j+2: the target after d_1 .. d_{j+1}
-        cols = [L + torch.arange(n) * D + j for L, n in zip(starts, counts)]  # row-major anchors
+        cols = [torch.arange(n) * D + j for n in counts]  # row-major anchors
         hidden = torch.cat([final[r, c.to(dev)] for r, c in enumerate(cols)])  # (M, H)
         pred.teacher = target_logits(target, hidden, d2t).float().to(pred.logits.device)
     return int(sum(counts) * D)

@@ -98,7 +98,8 @@ def score_inputs(batch: TrainBatch, drafted: torch.Tensor, rows: list[int], anch
     ids (R, N), bool mask (R, 1, N, P + N) over the cache's columns then the blocks', positions
     (R, N). Padding sees itself. The real tokens attend causally only, so they run on the plain
     causal path, and the masked part is N x (P + N) instead of (P + N)^2."""
-    B, T, D = drafted.shape
+    D = drafted.shape[-1]
+    drafted, input_ids = drafted.cpu(), batch.input_ids.cpu()  # one copy each, not one per anchor
     prefix = [int(a[-1]) + 2 for a in anchors]  # real tokens 0..t+1 of the last anchor
     P = max(prefix, default=0)
     N = max((len(a) * D for a in anchors), default=0)
@@ -107,16 +108,15 @@ def score_inputs(batch: TrainBatch, drafted: torch.Tensor, rows: list[int], anch
     ids = torch.zeros(R, N, dtype=torch.long)
     pos = torch.zeros(R, N, dtype=torch.long)
     allow = torch.zeros(R, N, P + N, dtype=torch.bool)
-    causal = torch.ones(D, D, dtype=torch.bool).tril()  # (D, D)
+    q = torch.arange(N)  # the drafts' columns: block q // D, its draft q % D
+    in_block = (q[:, None] // D == q[None] // D) & (q[None] <= q[:, None])  # (N, N) causal blocks
     for r, (b, L, a) in enumerate(zip(rows, prefix, anchors)):
-        real[r, :L] = batch.input_ids[b, :L].cpu()
-        for i, t in enumerate(a.tolist()):
-            s = i * D  # the block's first column among the drafts
-            ids[r, s:s + D] = drafted[b, t].cpu()
-            pos[r, s:s + D] = torch.arange(t + 2, t + 2 + D)
-            allow[r, s:s + D, :t + 2] = True  # the real tokens up to t+1
-            allow[r, s:s + D, P + s:P + s + D] = causal
-        end = len(a) * D
+        a, end = a.cpu(), len(a) * D
+        real[r, :L] = input_ids[b, :L]
+        ids[r, :end] = drafted[b, a].reshape(-1)
+        pos[r, :end] = (a[:, None] + 2 + torch.arange(D)).reshape(-1)  # t+2 .. t+D+1
+        allow[r, :end, :P] = (torch.arange(P) < a[:, None] + 2).repeat_interleave(D, 0)  # 0..t+1
+        allow[r, :end, P:P + end] = in_block[:end, :end]
         allow[r, end:, P + end:] = torch.eye(N - end, dtype=torch.bool)  # padding: itself only
     return real, ids, allow[:, None], pos
 
@@ -152,7 +152,6 @@ def score_own_drafts(target, batch: TrainBatch, preds: list[DraftPrediction],
                                attention_mask=mask.to(dev), position_ids=pos.to(dev)).features
     counts = [len(a) for a in anchors]
     for j, pred in enumerate(preds[1:]):  # step j+2: the target after d_1 .. d_{j+1}
-        cols = [torch.arange(n) * D + j for n in counts]  # row-major anchors
-        hidden = torch.cat([final[r, c.to(dev)] for r, c in enumerate(cols)])  # (M, H)
+        hidden = torch.cat([final[r, j:n * D:D] for r, n in enumerate(counts)])  # (M, H) row-major
         pred.teacher = target_logits(target, hidden, d2t).float().to(pred.logits.device)
     return int(sum(counts) * D)

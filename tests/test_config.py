@@ -11,7 +11,7 @@ import specdistill.decode.__main__  # noqa: F401  (stores the decode schemas)
 import specdistill.train.__main__  # noqa: F401  (stores the train schemas)
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
-GROUPS = {"train": ["target", "data", "drafter", "trainer", "logger", "deepspeed"],
+GROUPS = {"train": ["target", "data", "drafter", "trainer", "logger", "deepspeed", "budget"],
           "decode": ["target", "drafter", "eval"]}
 TRAIN_ONLY_DRAFTERS = set()  # every drafter YAML must compose in both jobs
 
@@ -32,6 +32,16 @@ def _options():
 def test_every_yaml_composes(job, group, option):
     cfg = _compose(job, [f"{group}={option}"])
     container = OmegaConf.to_container(cfg, resolve=False, throw_on_missing=False)
+    if group == "budget":  # a <trainer>_<drafter> specialization: global keys of those two groups
+        trainer, drafter = option.split("_", 1)
+        spec = OmegaConf.load(CONF / group / f"{option}.yaml")
+        assert set(spec) <= {"trainer", "drafter"} and (CONF / "trainer" / f"{trainer}.yaml").is_file()
+        cfg = _compose(job, [f"trainer={trainer}", f"drafter={drafter}"])  # picked by itself
+        assert cfg.drafter.name == drafter
+        for g, keys in spec.items():
+            for key, value in keys.items():
+                assert cfg[g][key] == value, f"{option}: {g}.{key}"
+        return
     assert container[group] is not None
     if group == "drafter":
         assert cfg.drafter.name == option  # the schema named in the YAML is the drafter's own
@@ -48,7 +58,15 @@ def test_defaults_are_the_embedded_default():
     cfg = _compose("train", [])
     assert cfg.target.path == "packaged:smollm2"
     assert cfg.data.kind == "sharegpt"
-    assert cfg.drafter.name == "eagle"
+    # EAGLE-3 (an engine-loadable layout) with its budget recipe (conf/budget/default_eagle3.yaml)
+    assert cfg.drafter.name == "eagle3" and cfg.drafter.ttt_length == 1
+    assert (cfg.trainer.on_policy_heads_start, cfg.trainer.on_policy_heads_rows,
+            cfg.trainer.on_policy_heads_anchors) == (0.8, 1, 1.0)
+    full = _compose("train", ["trainer=full"])  # other budgets: EAGLE-3's own recipe
+    assert full.drafter.ttt_length == 7 and full.trainer.on_policy_heads_start is None
+    eagle = _compose("train", ["drafter=eagle"])  # the specialization follows the drafter
+    assert eagle.drafter.name == "eagle" and eagle.trainer.on_policy_heads_start is None
+    assert _compose("train", ["drafter.ttt_length=2"]).drafter.ttt_length == 2  # the command wins
     assert cfg.trainer.engine_check == "vllm"  # skipped, the reason logged, where no layout serves
     assert _compose("train", ["trainer=smoke"]).trainer.engine_check is None  # tests stay engine-free
     assert cfg.trainer.backend == "torch"

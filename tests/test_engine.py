@@ -81,15 +81,25 @@ def test_a_format_vllm_does_not_serve_is_refused_by_name(tmp_path):
         ve.speculative_config(_export_config(tmp_path, "eagle", "hf"), k=2)
 
 
-def test_the_default_drafter_says_why_the_engine_check_skips_it(tiny_target_cfg):
-    """The main job checks its drafter in vLLM (trainer.engine_check=vllm); EAGLE-1 with the pruned
-    head and input norm (conf/drafter/eagle.yaml's defaults) has no layout vLLM reads, so the job
-    logs the settings that would have one instead of installing an engine it cannot use."""
+def test_the_default_drafter_is_one_vllm_loads_and_eagle1s_pruned_head_says_why(tiny_target_cfg):
+    """The main job checks its drafter in vLLM (trainer.engine_check=vllm): the default drafter
+    (EAGLE-3 with a pruned head, conf/train.yaml) has a layout vLLM reads; EAGLE-1 with the pruned
+    head and input norm (conf/drafter/eagle.yaml's defaults) has none, so such a job logs the
+    settings that would have one instead of installing an engine it cannot use."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
     from specdistill.decode.engine.check import engine_format
     from specdistill.drafters.base import build_drafter
     from specdistill.drafters.target import load_target
 
     target = load_target(tiny_target_cfg)
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"),
+                               version_base="1.3"):
+        default = OmegaConf.to_container(compose(config_name="train").drafter)
+    assert default["name"] == "eagle3" and default["draft_vocab_size"]
+    fmt, why = engine_format(build_drafter({**default, "draft_vocab_size": 64}, target))
+    assert (fmt, why) == ("vllm", "")
     fmt, why = engine_format(build_drafter({"name": "eagle", "draft_vocab_size": 64}, target))
     assert fmt is None and "draft_vocab_size=null" in why and "input_norm=false" in why
     fmt, why = engine_format(build_drafter({"name": "eagle", "draft_vocab_size": None,

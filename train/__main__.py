@@ -17,11 +17,19 @@ ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 
 @hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    import logging
+
+    from hydra.core.hydra_config import HydraConfig
+
     from specdistill.drafters.cli import user_errors
     from specdistill.train.recipe import run
-
     from specdistill.train.rundir import interrupt_hint
 
+    budget = HydraConfig.get().runtime.choices.get("budget")
+    if budget:  # conf/train.yaml's `optional budget: ${trainer}_${drafter}`
+        logging.getLogger(__name__).info(
+            "recipe of drafter=%s at trainer=%s: conf/budget/%s.yaml (`~budget` drops it)",
+            cfg.drafter.name, HydraConfig.get().runtime.choices.get("trainer"), budget)
     with user_errors("python -m train", interrupt_hint=lambda: interrupt_hint(cfg.run_dir)):
         run(cfg)
 

@@ -1,13 +1,14 @@
 """The recipe study's arms (train/benchmarks/recipe.py): each a name, what it tests and its Hydra
-overrides on top of the default job (conf/train.yaml)."""
+overrides on top of the default job's trainer (conf/train.yaml without its budget specialization,
+conf/budget/: every arm names its whole recipe, so an arm means the same whatever the default is)."""
 from __future__ import annotations
 
 # EAGLE-3 ttt 1 on the target's own answers to 1200 prompts: the candidate default's overrides
 SG1200 = ["drafter=eagle3", "drafter.ttt_length=1", "data=sharegpt_selfgen", "data.selfgen.prompts=1200"]
 
-# name -> (what it tests, overrides on top of the default job). The default job: conf/train.yaml.
+# name -> (what it tests, overrides on top of conf/train.yaml with `~budget`)
 ARMS: dict[str, tuple[str, list[str]]] = {
-    "eagle": ("EAGLE-1 (today's default), teacher-forced", ["drafter=eagle"]),
+    "eagle": ("EAGLE-1 (the default until 2026-12-03), teacher-forced", ["drafter=eagle"]),
     # precision = auto picks these per machine (bf16 only where native): forced, for A/B steps
     "eagle_fp32": ("EAGLE-1, drafter and target's forwards in fp32", [
         "drafter=eagle", "trainer.precision=fp32", "trainer.capture_autocast=null"]),

@@ -58,7 +58,7 @@ def arm_overrides(spec: str, args) -> list[str]:
     base = TINY if args.tiny else []
     feats = [f"trainer.features_dir={args.features_dir}"] if args.features_dir and not args.tiny \
         and "data=sharegpt_selfgen" not in ARMS[name][1] else []  # selfgen: the store's own
-    return [*base, *ARMS[name][1], *feats, f"trainer.max_steps={steps}",
+    return ["~budget", *base, *ARMS[name][1], *feats, f"trainer.max_steps={steps}",
             f"trainer.save_every={args.save_every}",
             f"trainer.keep_last={steps // max(args.save_every, 1) + 1}",  # every curve point
             "trainer.eval_every=0", "trainer.final_eval=null", f"seed={args.seed}", *args.set]

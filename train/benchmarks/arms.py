@@ -42,17 +42,8 @@ ARMS: dict[str, tuple[str, list[str]]] = {
                   "scored at every anchor (step profiles)", [
         "drafter=eagle3", "drafter.ttt_length=1", "trainer.on_policy_heads_start=0",
         "trainer.on_policy_heads_rows=1", "trainer.on_policy_heads_anchors=1.0"]),
-    # the default job's recipe (conf/budget/default_eagle3.yaml) with less padding: each run of 16
-    # global batches sorted by length and cut again (train/batches.py), the same rows per epoch
-    "e3_ttt1_op_r1_g16": ("the default's recipe (e3_ttt1_op_r1), batches of similar lengths", [
-        "drafter=eagle3", "drafter.ttt_length=1", "trainer.on_policy_heads_start=0.8",
-        "trainer.on_policy_heads_rows=1", "trainer.on_policy_heads_anchors=1.0",
-        "trainer.group_by_length=16"]),
-    "e3_op0_g16": ("EAGLE-3 ttt 1, on-policy heads from step 0, batches of similar lengths (step "
-                   "profiles)", [
-        "drafter=eagle3", "drafter.ttt_length=1", "trainer.on_policy_heads_start=0.0",
-        "trainer.on_policy_heads_rows=1", "trainer.on_policy_heads_anchors=1.0",
-        "trainer.group_by_length=16"]),
+    # less padding: each run of 16 global batches sorted by length and cut again (train/batches.py),
+    # the same rows per epoch (BENCHMARKS.md "Length-grouped batches"; no faster per real token)
     "e3_ttt1_g16": ("EAGLE-3 ttt 1, batches of similar lengths (step profiles)", [
         "drafter=eagle3", "drafter.ttt_length=1", "trainer.group_by_length=16"]),
     "e3_ttt1_op_r1": ("EAGLE-3, no training-time test, on-policy heads in the last 20%, one row's "

@@ -25,11 +25,11 @@ def main(cfg: DictConfig) -> None:
     from specdistill.train.recipe import run
     from specdistill.train.rundir import interrupt_hint
 
-    budget = HydraConfig.get().runtime.choices.get("budget")
-    if budget:  # conf/train.yaml's `optional budget: ${trainer}_${drafter}`
+    choices = HydraConfig.get().runtime.choices
+    if choices.get("budget"):  # conf/train.yaml's `optional budget: ${trainer}_${drafter}`
         logging.getLogger(__name__).info(
             "recipe of drafter=%s at trainer=%s: conf/budget/%s.yaml (`~budget` drops it)",
-            cfg.drafter.name, HydraConfig.get().runtime.choices.get("trainer"), budget)
+            cfg.drafter.name, choices.get("trainer"), choices["budget"])
     with user_errors("python -m train", interrupt_hint=lambda: interrupt_hint(cfg.run_dir)):
         run(cfg)
 

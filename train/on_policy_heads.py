@@ -108,14 +108,14 @@ def score_inputs(batch: TrainBatch, drafted: torch.Tensor, rows: list[int], anch
     ids = torch.zeros(R, N, dtype=torch.long)
     pos = torch.zeros(R, N, dtype=torch.long)
     allow = torch.zeros(R, N, P + N, dtype=torch.bool)
-    q = torch.arange(N)  # the drafts' columns: block q // D, its draft q % D
+    q, cols, step = torch.arange(N), torch.arange(P), torch.arange(D)
     in_block = (q[:, None] // D == q[None] // D) & (q[None] <= q[:, None])  # (N, N) causal blocks
     for r, (b, L, a) in enumerate(zip(rows, prefix, anchors)):
         a, end = a.cpu(), len(a) * D
         real[r, :L] = input_ids[b, :L]
         ids[r, :end] = drafted[b, a].reshape(-1)
-        pos[r, :end] = (a[:, None] + 2 + torch.arange(D)).reshape(-1)  # t+2 .. t+D+1
-        allow[r, :end, :P] = (torch.arange(P) < a[:, None] + 2).repeat_interleave(D, 0)  # 0..t+1
+        pos[r, :end] = (a[:, None] + 2 + step).reshape(-1)  # t+2 .. t+D+1
+        allow[r, :end, :P] = (cols < a[:, None] + 2).repeat_interleave(D, 0)  # real tokens 0..t+1
         allow[r, :end, P:P + end] = in_block[:end, :end]
         allow[r, end:, P + end:] = torch.eye(N - end, dtype=torch.bool)  # padding: itself only
     return real, ids, allow[:, None], pos

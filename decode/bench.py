@@ -249,6 +249,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the target's attention: few_q (ours, drafters/attention.py: plain ops "
                          "for 16-bit CPU forwards of few queries) and / or sdpa (torch's fused "
                          "kernel everywhere), each a separate column set, interleaved")
+    ap.add_argument("--prepack", nargs="+", default=["on"], choices=["on", "off"], help="fp32 CPU "
+                    "linear layers: oneDNN, packed once (drafters/prepack.py) / F.linear; both: interleaved")
     ap.add_argument("--eval", default="mtbench")
     d = DEFAULTS
     ap.add_argument("--limit", type=int, default=d.limit)
@@ -306,16 +308,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def load_targets(args) -> dict:
-    """One target per (dtype, attention) asked, the same weights: name -> Target. The attention
-    A/B (--attn few_q sdpa) switches the target's attention only; drafters keep theirs."""
+    """One target per (dtype, attention, prepack) asked, the same weights: name -> Target. The
+    attention A/B (--attn few_q sdpa) switches the target's attention only; drafters keep theirs;
+    the prepack A/B (--prepack on off) the target's linear layers."""
     targets = {}
+    packs = getattr(args, "prepack", None) or ["on"]
     for dn in args.dtypes:
         for attn in args.attn:
-            t = load_target(TargetConfig(path=args.target, dtype=dn, threads=args.threads))
-            if attn == "sdpa":
-                t.model.set_attn_implementation("sdpa")
-            name = f"{t.dtype_choice.dtype}" + (" (auto)" if dn == "auto" else "")
-            targets[name + (f" {attn}" if len(args.attn) > 1 else "")] = t
+            for pack in packs:
+                t = load_target(TargetConfig(path=args.target, dtype=dn, threads=args.threads,
+                                             prepack=pack == "on"))
+                if attn == "sdpa":
+                    t.model.set_attn_implementation("sdpa")
+                name = (f"{t.dtype_choice.dtype}" + (" (auto)" if dn == "auto" else "")
+                        + (f" {attn}" if len(args.attn) > 1 else "")
+                        + (f" prepack {pack}" if len(packs) > 1 else ""))
+                targets[name] = t
     return targets
 
 

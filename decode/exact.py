@@ -42,6 +42,7 @@ from transformers import AttentionInterface, StaticCache
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from specdistill.drafters import prepack
 from specdistill.drafters.attention import grouped_attention
 
 ATTN_NAME = "specdistill_exact"  # + "_<the target's own implementation>", registered at install
@@ -128,7 +129,8 @@ def active(capacities: Sequence[int] | None = None) -> Iterator[None]:
     token = _ACTIVE.set(True)
     rows = _ROWS.set(tuple(int(c) for c in capacities) if capacities is not None else None)
     try:
-        yield
+        with prepack.disabled():  # torch's own linear kernels (drafters/prepack.py)
+            yield
     finally:
         _ROWS.reset(rows)
         _ACTIVE.reset(token)

@@ -14,14 +14,21 @@ torch 2.13, 2 threads, SmolLM2's shapes (9 query / 3 KV heads of 64), microsecon
     | 2000 | 907 / 94 | 335 / 146| 395 / 198|
 
 At 30 layers that is a third of a one-token step at 1000 keys. Below ~128 keys per query SDPA is
-the faster one, at fp32 it is as fast or faster (27 us for q=1 at 300 keys, one thread), and for
-long query blocks (prefill, training) it is the right kernel.
+the faster one, at fp32 it is as fast or faster for one query (27 us at 300 keys, one thread), and
+for long query blocks (prefill, training) it is the right kernel.
+At fp32 with 2-16 queries and a mask (a verify block over a KV cache), transformers' SDPA path
+repeats K and V per query head first (a copy of the layer's cache; it passes `enable_gqa` only
+without a mask), which costs more than the attention. Measured on the 2-core AVX2 EPYC, torch 2.13,
+one thread, fp32, microseconds per call, SDPA / here: 300 keys q=2 306 / 155, q=3 320 / 179, q=8
+364 / 262; 1000 keys q=3 3431 / 323; 64 keys q=4 107 / 137 (BENCHMARKS.md "Prepacked linear
+layers for the verify forward"). So FEW_Q also takes masked fp32 forwards of 2-16 queries over at
+least FP32_MIN_KEYS keys (`masked_few_query`).
 
 What this does: `grouped_attention` computes attention with plain ops, all query rows of a KV head
 in one matmul (no repeated K/V), an fp32 softmax, then p @ v. `few_query_attention`, registered with
 transformers as FEW_Q, runs it for CPU 16-bit forwards of at most FEW_Q_MAX queries over at least
-KEYS_PER_QUERY keys per query, and hands everything else to SDPA unchanged;
-`use_few_query_attention(model)` switches an HF model to it.
+KEYS_PER_QUERY keys per query and masked fp32 forwards of 2..FEW_Q_MAX queries (above), and hands
+everything else to SDPA unchanged; `use_few_query_attention(model)` switches an HF model to it.
 The two round differently at bf16 (within ~1e-3 relative), so near-tie argmaxes can differ from an
 SDPA run; every forward of one decode goes through the same dispatch.
 """
@@ -38,6 +45,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 FEW_Q = "specdistill_few_q"  # the registered attention implementation name
 FEW_Q_MAX = 16  # query rows up to which plain ops can beat SDPA at 16-bit on CPUs
 KEYS_PER_QUERY = 128  # ... once the keys are at least this many per query (the crossover, above)
+FP32_MIN_KEYS = 128  # masked fp32 forwards of >= 2 queries: plain ops from this many keys on
 
 
 def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -81,13 +89,23 @@ def few_query(query: torch.Tensor, keys: int) -> bool:
             and q <= FEW_Q_MAX and keys >= KEYS_PER_QUERY * q)
 
 
+def masked_few_query(query: torch.Tensor, keys: int, mask: torch.Tensor | None) -> bool:
+    """Whether `grouped_attention` is the faster kernel for a masked fp32 CPU forward of 2 to
+    FEW_Q_MAX queries over `keys` keys, where SDPA would first repeat K / V (see the module doc)."""
+    q = query.shape[2]
+    return (mask is not None and query.device.type == "cpu" and query.dtype == torch.float32
+            and 2 <= q <= FEW_Q_MAX and keys >= FP32_MIN_KEYS)
+
+
 def few_query_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                         value: torch.Tensor, attention_mask: torch.Tensor | None,
                         dropout: float = 0.0, scaling: float | None = None,
                         is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers' attention-function interface: grouped_attention where `few_query` says so
-    (and no dropout), else SDPA as transformers runs it. Returns (B, q, H, d)."""
-    if dropout or not few_query(query, key.shape[2]) or kwargs.get("softcap") is not None:
+    """transformers' attention-function interface: grouped_attention where `few_query` or
+    `masked_few_query` says so (and no dropout), else SDPA as transformers runs it. Returns
+    (B, q, H, d)."""
+    fast = few_query(query, key.shape[2]) or masked_few_query(query, key.shape[2], attention_mask)
+    if dropout or not fast or kwargs.get("softcap") is not None:
         return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask,
                                                dropout=dropout, scaling=scaling,
                                                is_causal=is_causal, **kwargs)

@@ -27,6 +27,7 @@ from specdistill.drafters.identity import architecture, folder_identity, paramet
 from specdistill.drafters.precision import (  # noqa: F401
     DTYPES, NATIVE_BF16_FLAGS, DtypeChoice, available_cores, cpu_flags, idle_cores, resolve_dtype,
     set_threads)
+from specdistill.drafters.prepack import use_prepacked_linear
 from specdistill.drafters.ranges import MAX_THREADS, SEED, rng
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,9 @@ class TargetConfig:
     # torch CPU threads (0 = torch's, capped at the idle cores allowed: idle_cores)
     threads: int = rng(0, 0, MAX_THREADS)
     device: str = "cpu"  # "cpu", "cuda", "cuda:1", ...
+    # decoding (not training) an fp32 CPU target: its linear layers through oneDNN with weights
+    # packed once (one more copy of them in memory): drafters/prepack.py
+    prepack: bool = True
     revision: Optional[str] = None  # HF revision (branch, tag or commit) for hub ids
     trust_remote_code: bool = False  # allow custom modelling code from the hub
     cache_dir: str = "~/.cache/specdistill"  # de-quantised GGUF cache (env SPECDISTILL_CACHE wins)
@@ -370,5 +374,7 @@ def load_target(cfg: TargetConfig, training: bool = False) -> Target:
             f"the tokenizer of {source} has no chat template; specdistill renders chat data with the "
             f"target's template. Use an instruct/chat model or set tokenizer.chat_template.")
     model = model.to(cfg.device)
+    if not training and getattr(cfg, "prepack", True):  # decoding: fast few-row fp32 CPU forwards
+        use_prepacked_linear(model)
     log.info("target %s loaded in %.2f s", source, time.perf_counter() - t0)
     return Target(model, tok, source, choice, folder, weights)

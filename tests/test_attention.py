@@ -1,13 +1,14 @@
 """drafters/attention.py: the few-query attention equals SDPA's (every mask kind, GQA, causal
 blocks, fully masked padding rows finite), runs exactly where it is the faster kernel (16-bit CPU
-forwards of <= FEW_Q_MAX queries) and leaves everything else to SDPA; targets and EAGLE drafters
-use it."""
+forwards of <= FEW_Q_MAX queries, masked fp32 ones of 2..FEW_Q_MAX) and leaves everything else to
+SDPA; targets and EAGLE drafters use it."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 import specdistill.drafters.attention as attn
-from specdistill.drafters.attention import FEW_Q, FEW_Q_MAX, KEYS_PER_QUERY, few_query, grouped_attention
+from specdistill.drafters.attention import (FEW_Q, FEW_Q_MAX, FP32_MIN_KEYS, KEYS_PER_QUERY, few_query,
+                                            grouped_attention, masked_few_query)
 
 
 def qkv(q, L, dtype=torch.float64, B=2, H=6, Hkv=2, d=8, seed=0):
@@ -60,6 +61,11 @@ def test_dispatch_is_16_bit_cpu_few_queries_over_many_keys_only(monkeypatch):
     assert not few_query(torch.zeros(1, 2, 3, 4, dtype=torch.bfloat16), 3 * n - 1)
     assert not few_query(torch.zeros(1, 2, FEW_Q_MAX + 1, 4, dtype=torch.bfloat16), 10**6)
     assert not few_query(torch.zeros(1, 2, 1, 4, dtype=torch.float32), 10**6)
+    m = torch.ones(1, 1, 3, FP32_MIN_KEYS, dtype=torch.bool)
+    assert masked_few_query(torch.zeros(1, 2, 3, 4), FP32_MIN_KEYS, m)
+    assert not masked_few_query(torch.zeros(1, 2, 3, 4), FP32_MIN_KEYS, None)  # SDPA's own GQA
+    assert not masked_few_query(torch.zeros(1, 2, 1, 4), 10**6, m)  # one query: SDPA is faster
+    assert not masked_few_query(torch.zeros(1, 2, 3, 4, dtype=torch.bfloat16), 10**6, m)
     calls = []
     real = attn.grouped_attention
     monkeypatch.setattr(attn, "grouped_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -68,7 +74,11 @@ def test_dispatch_is_16_bit_cpu_few_queries_over_many_keys_only(monkeypatch):
     for q, L, dtype, ours in ((1, n, torch.bfloat16, True), (4, 4 * n, torch.bfloat16, True),
                               (4, 4 * n - 1, torch.bfloat16, False),
                               (FEW_Q_MAX + 1, 4000, torch.bfloat16, False),
-                              (1, n, torch.float32, False)):
+                              (1, n, torch.float32, False),
+                              # fp32: masked verify blocks of 2..FEW_Q_MAX queries (no K/V repeat)
+                              (3, FP32_MIN_KEYS, torch.float32, True),
+                              (3, FP32_MIN_KEYS - 1, torch.float32, False),
+                              (FEW_Q_MAX + 1, 4000, torch.float32, False)):
         calls.clear()
         Q, K, V = qkv(q, L, dtype)
         causal = torch.arange(L)[None, :] <= (L - q + torch.arange(q))[:, None]  # (q, L)

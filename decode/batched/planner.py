@@ -52,6 +52,7 @@ from specdistill.decode.batched import kv_cache
 from specdistill.decode.batched.exact import ExactRows
 from specdistill.decode.exact import ExactVerify
 from specdistill.drafters.base import ChainProposal
+from specdistill.drafters.prepack import is_prepacked
 
 BATCH_NS = (1, 2, 4, 8, 16, 32)  # rows per forward measured
 WIDTH_NS = (1, 2, 3, 4, 6, 8, 16, 32, 64)  # tokens per row measured (last token + drafts;
@@ -111,11 +112,14 @@ class CostCurve:
 
 
 def target_hash(target: Any) -> str:
-    """A short fingerprint of the target: its config, dtype, attention implementation (its costs
-    differ: drafters/attention.py) and a sample of every weight."""
+    """A short fingerprint of the target: its config, dtype, attention implementation and whether
+    its linear layers are prepacked (their costs differ: drafters/attention.py, drafters/prepack.py)
+    and a sample of every weight."""
     h = hashlib.sha256(target.config.to_json_string().encode())
     h.update(str(target.dtype).encode())
     h.update(str(getattr(target.config, "_attn_implementation", "")).encode())
+    if is_prepacked(target.model):  # (unpacked targets keep the hashes of curves cached before)
+        h.update(b"prepacked")
     for name, p in target.model.named_parameters():
         flat = p.detach().reshape(-1)
         h.update(f"{name}{tuple(p.shape)}{float(flat.double().sum()):.9e}".encode())

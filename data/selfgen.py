@@ -43,6 +43,7 @@ from specdistill.data.capture import pad_features
 from specdistill.data.dataset import ChatData, FEATURES, SelfGenSettings, split_by_id
 from specdistill.data.sharegpt import Counts, iter_conversations
 from specdistill.drafters.identity import differences
+from specdistill.drafters.prepack import prepacked
 
 log = logging.getLogger(__name__)
 
@@ -157,23 +158,24 @@ def build_selfgen(target, data_cfg, layers: Sequence[int], progress: bool = True
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
     t0, tokens = time.perf_counter(), 0
     bar = tqdm(total=len(batches), desc="self-generate", disable=not progress)
-    for s, idx in enumerate(batches):
-        path = folder / f"shard-{s:05d}.safetensors"
-        if not path.is_file():
-            part = [prompts[i] for i in idx]
-            gens = [torch.Generator().manual_seed(settings.seed + i) for i in idx]
-            answers = generate_with_features(
-                model, [p["prompt_ids"] for p in part], max_new_tokens=settings.max_new_tokens,
-                eos_ids=target.eos_token_ids, layers=gen_layers, pad_id=pad,
-                temperature=settings.temperature, generators=gens,
-                compact_below=settings.compact_below)
-            tokens += _write_shard(path, part, answers, store_dtype)
-            dt = time.perf_counter() - t0
-            bar.set_postfix(tok_s=f"{tokens / dt:.0f}")
-            if not progress:  # a line per shard where there is no progress bar (logs, CI)
-                log.info("self-generated shard %d/%d: %d answer tokens in %.0f s (%.0f tokens/s)",
-                         s + 1, len(batches), tokens, dt, tokens / dt)
-        bar.update(1)
+    with prepacked(model):  # an fp32 CPU model: oneDNN linears, packed for this phase only
+        for s, idx in enumerate(batches):
+            path = folder / f"shard-{s:05d}.safetensors"
+            if not path.is_file():
+                part = [prompts[i] for i in idx]
+                gens = [torch.Generator().manual_seed(settings.seed + i) for i in idx]
+                answers = generate_with_features(
+                    model, [p["prompt_ids"] for p in part], max_new_tokens=settings.max_new_tokens,
+                    eos_ids=target.eos_token_ids, layers=gen_layers, pad_id=pad,
+                    temperature=settings.temperature, generators=gens,
+                    compact_below=settings.compact_below)
+                tokens += _write_shard(path, part, answers, store_dtype)
+                dt = time.perf_counter() - t0
+                bar.set_postfix(tok_s=f"{tokens / dt:.0f}")
+                if not progress:  # a line per shard where there is no progress bar (logs, CI)
+                    log.info("self-generated shard %d/%d: %d answer tokens in %.0f s (%.0f tokens/s)",
+                             s + 1, len(batches), tokens, dt, tokens / dt)
+            bar.update(1)
     bar.close()
     summary = {**counts, "answer_tokens_this_run": tokens,
                "seconds_this_run": round(time.perf_counter() - t0, 1)}

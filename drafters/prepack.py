@@ -109,6 +109,21 @@ def use_prepacked_linear(model: nn.Module, batch_hint: int = 4) -> int:
     return len(linears)
 
 
+@contextlib.contextmanager
+def prepacked(model: nn.Module) -> Iterator[int]:
+    """`use_prepacked_linear(model)` inside the block only (e.g. a training target's generation
+    phase): the layers packed here are unpacked at exit; yields how many were packed."""
+    before = {m for m in model.modules() if m in _PACKS}
+    n = use_prepacked_linear(model)
+    try:
+        yield n
+    finally:
+        for m in model.modules():
+            if m in _PACKS and m not in before:
+                del _PACKS[m]
+                m.__dict__.pop("forward", None)  # back to nn.Linear.forward
+
+
 def is_prepacked(model: nn.Module) -> bool:
     return any(m in _PACKS for m in model.modules() if isinstance(m, nn.Linear))
 

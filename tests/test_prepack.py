@@ -131,3 +131,21 @@ def test_cost_curves_are_keyed_by_it(tiny_target_cfg):
     plain = load_target(tiny_target_cfg)
     assert target_hash(packed) != target_hash(plain)
     assert target_hash(plain) == target_hash(load_target(tiny_target_cfg))
+
+
+def test_prepacked_block_unpacks_at_exit():
+    """`prepacked(model)` (the self-generation phase of a training target): packed inside the
+    block, torch's F.linear again after it; layers packed before the block stay packed."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 32)).requires_grad_(False)
+    before = packed_linear()  # packed before: not unpacked by the block
+    x = torch.randn(3, 64)
+    with prepack.prepacked(torch.nn.ModuleList([model, before])) as n:
+        assert n == 2 and prepack.is_prepacked(model)
+        with torch.no_grad():
+            model[0].weight.zero_()  # the packed copy still holds the weight it was packed from
+            assert not torch.equal(model[0](x), F.linear(x, model[0].weight, model[0].bias))
+    assert not prepack.is_prepacked(model) and prepack.is_prepacked(torch.nn.Sequential(before))
+    assert "forward" not in model[0].__dict__
+    with torch.no_grad():
+        assert torch.equal(model[0](x), F.linear(x, model[0].weight, model[0].bias))

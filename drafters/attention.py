@@ -21,7 +21,7 @@ repeats K and V per query head first (a copy of the layer's cache; it passes `en
 without a mask), which costs more than the attention. Measured on the 2-core AVX2 EPYC, torch 2.13,
 one thread, fp32, microseconds per call, SDPA / here: 300 keys q=2 306 / 155, q=3 320 / 179, q=8
 364 / 262; 1000 keys q=3 3431 / 323; 64 keys q=4 107 / 137 (BENCHMARKS.md "Prepacked linear
-layers for the verify forward"). So FEW_Q also takes masked fp32 forwards of 2-16 queries over at
+layers"). So FEW_Q also takes masked fp32 forwards of 2-16 queries over at
 least FP32_MIN_KEYS keys (`masked_few_query`).
 
 What this does: `grouped_attention` computes attention with plain ops, all query rows of a KV head

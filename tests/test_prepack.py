@@ -149,3 +149,18 @@ def test_prepacked_block_unpacks_at_exit():
     assert "forward" not in model[0].__dict__
     with torch.no_grad():
         assert torch.equal(model[0](x), F.linear(x, model[0].weight, model[0].bias))
+
+
+def test_the_jobs_final_eval_decodes_with_packed_layers(tiny_target_cfg):
+    """The main job's final eval keeps its fp32 training target where decoding would load the
+    same dtype (train/final_eval.py decode_target): packed then, as `python -m decode` loads it."""
+    from omegaconf import OmegaConf
+
+    from specdistill.train.final_eval import decode_target
+
+    trained = load_target(tiny_target_cfg, training=True)
+    assert not prepack.is_prepacked(trained.model)
+    off = OmegaConf.create({"target": {"dtype": "float32", "device": "cpu", "prepack": False}})
+    assert decode_target(off, trained) is trained and not prepack.is_prepacked(trained.model)
+    on = OmegaConf.create({"target": {"dtype": "float32", "device": "cpu", "prepack": True}})
+    assert decode_target(on, trained) is trained and prepack.is_prepacked(trained.model)

@@ -98,11 +98,16 @@ def engine_eval(cfg: DictConfig, run_dir: Path, target, drafter, ours: list[dict
 
 def decode_target(cfg: DictConfig, target):
     """The target as decoding loads it: training resolves target.dtype=auto to float32, the
-    decoder to the machine's fastest lossless dtype; reload only when they differ."""
+    decoder to the machine's fastest lossless dtype; reload only when they differ. Kept, the
+    training target gets decoding's kernels: fp32 CPU linear layers packed (drafters/prepack.py;
+    frozen weights, and forwards needing a gradient keep F.linear)."""
     from specdistill.drafters.precision import resolve_dtype
+    from specdistill.drafters.prepack import use_prepacked_linear
 
     want = resolve_dtype(str(cfg.target.dtype), str(cfg.target.device)).dtype
     if want == str(target.dtype).removeprefix("torch."):
+        if cfg.target.get("prepack", True):
+            use_prepacked_linear(target.model)
         return target
     # target.threads=0 would lower the threads to the cores the 1-minute load average leaves
     # idle, and that load is this job's own training: keep the threads training ran with

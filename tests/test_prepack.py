@@ -13,8 +13,9 @@ pytestmark = pytest.mark.skipif(not prepack.supported(), reason="this torch has 
 
 
 def packed_linear(out=96, inp=64, bias=True, seed=0) -> torch.nn.Linear:
-    torch.manual_seed(seed)
-    lin = torch.nn.Linear(inp, out, bias=bias).requires_grad_(False)
+    with torch.random.fork_rng():  # seeded here; the other tests' random draws stay as they were
+        torch.manual_seed(seed)
+        lin = torch.nn.Linear(inp, out, bias=bias).requires_grad_(False)
     assert prepack.use_prepacked_linear(torch.nn.Sequential(lin)) == 1
     return lin
 
@@ -136,8 +137,9 @@ def test_cost_curves_are_keyed_by_it(tiny_target_cfg):
 def test_prepacked_block_unpacks_at_exit():
     """`prepacked(model)` (the self-generation phase of a training target): packed inside the
     block, torch's F.linear again after it; layers packed before the block stay packed."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 32)).requires_grad_(False)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 32)).requires_grad_(False)
     before = packed_linear()  # packed before: not unpacked by the block
     x = torch.randn(3, 64)
     with prepack.prepacked(torch.nn.ModuleList([model, before])) as n:

@@ -312,17 +312,16 @@ def load_targets(args) -> dict:
     attention A/B (--attn few_q sdpa) switches the target's attention only; drafters keep theirs;
     the prepack A/B (--prepack on off) the target's linear layers."""
     targets = {}
-    packs = getattr(args, "prepack", None) or ["on"]
     for dn in args.dtypes:
         for attn in args.attn:
-            for pack in packs:
+            for pack in args.prepack:
                 t = load_target(TargetConfig(path=args.target, dtype=dn, threads=args.threads,
                                              prepack=pack == "on"))
                 if attn == "sdpa":
                     t.model.set_attn_implementation("sdpa")
                 name = (f"{t.dtype_choice.dtype}" + (" (auto)" if dn == "auto" else "")
                         + (f" {attn}" if len(args.attn) > 1 else "")
-                        + (f" prepack {pack}" if len(packs) > 1 else ""))
+                        + (f" prepack {pack}" if len(args.prepack) > 1 else ""))
                 targets[name] = t
     return targets
 

@@ -46,7 +46,7 @@ def test_exact_batched_chains_are_unbatched_plain_bit_for_bit(toy, alone, batch_
     drafter = (lambda: NoisyOracle(toy, noise=0.3, seed=1)) if mode != "plain" else None
     cost = None
     if mode == "budgeted":  # a flat cost grid: verifying is as cheap as a step, so rows draft
-        from specdistill.decode.batched.planner import CostCurve
+        from specdistill.decode.batched.cost import CostCurve
         cost = CostCurve([1, 2, 4], [1, 2, 3, 4], [[1.0] * 4 for _ in range(3)])
     out = generate_batch(toy, drafter, prompts, max_new_tokens=budgets, batch_size=batch_size,
                          k=max(k, 1), mode=mode, exact_verify=True, cost=cost)
@@ -217,20 +217,21 @@ def test_exact_cost_grid_is_measured_through_exact_rows_and_cached_apart(toy, tm
                                                                           monkeypatch):
     """budgeted + exact plans over the grid of the exact batched forward (its own cache key), and
     measuring that grid runs the exact rows' forward at every size."""
-    import specdistill.decode.batched.planner as planning
+    import specdistill.decode.batched.cost as costs
+    from specdistill.decode.batched.planner import batch_planner
 
-    secs = planning.measure_cost(toy, bs=(1, 3), qs=(1, 4), context=8, rounds=1, exact=True)
+    secs = costs.measure_cost(toy, bs=(1, 3), qs=(1, 4), context=8, rounds=1, exact=True)
     assert len(secs) == 2 and all(len(r) == 2 and all(0 < x < 10 for x in r) for r in secs)
     calls = []
 
     def fake(tgt, bs, qs, *a, exact=False, **kw):
         calls.append(exact)
         return [[0.01 * (1 + b * q / 64) for q in qs] for b in bs]
-    monkeypatch.setattr(planning, "measure_cost", fake)
-    plain = planning.cost_curve(toy, tmp_path)
-    exact = planning.cost_curve(toy, tmp_path, exact=True)
+    monkeypatch.setattr(costs, "measure_cost", fake)
+    plain = costs.cost_curve(toy, tmp_path)
+    exact = costs.cost_curve(toy, tmp_path, exact=True)
     assert calls == [False, True] and exact.key == plain.key + "-exact"
-    planner = planning.batch_planner(toy, None, 3, False, None, None, str(tmp_path), exact=True)
+    planner = batch_planner(toy, None, 3, False, None, None, str(tmp_path), exact=True)
     assert planner.cost.key == exact.key and calls == [False, True]  # read back, not re-measured
     prompts, budgets = _work()
     out = generate_batch(toy, lambda: NoisyOracle(toy, noise=0.3, seed=1), prompts[:3],

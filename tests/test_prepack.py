@@ -123,9 +123,9 @@ def test_packed_target_logits_and_lossless_decoding(tiny_target_cfg):
 
 
 def test_cost_curves_are_keyed_by_it(tiny_target_cfg):
-    """The batched planner's cached verify-cost curve (decode/batched/planner.py) is per target
+    """The batched planner's cached verify-cost curve (decode/batched/cost.py) is per target
     AND per kernel choice: a packed target's costs are not an unpacked one's."""
-    from specdistill.decode.batched.planner import target_hash
+    from specdistill.decode.batched.cost import target_hash
 
     packed = load_target(tiny_target_cfg)
     tiny_target_cfg.prepack = False

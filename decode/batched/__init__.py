@@ -6,7 +6,8 @@ prompts take their place (continuous batching, admitted at round boundaries). Ea
   spec.py      `generate_batch`: the rounds, every row through decode/spec.py's per-sequence steps
   kv_cache.py  the row-per-sequence KV cache (one DynamicCache, rows left-aligned)
   exact.py     exact verification per row: the batched twin of decode/exact.py
-  planner.py   budgeted mode: the measured cost grid and the round planner
+  cost.py      the target's measured (B, Q) verify-cost grid, cached per target and machine
+  planner.py   budgeted mode: the round planner (depth before drafting, width after)
   evaluate.py  `python -m decode batch_size=B ...`: an eval set decoded B sequences at a time
   bench.py     `python -m decode.bench --batch`: throughput and latency per batch size x mode
 

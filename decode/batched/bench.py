@@ -21,7 +21,8 @@ from typing import Any, Sequence
 
 import torch
 
-from specdistill.decode.batched.planner import CostCurve, cost_curve, new_planner
+from specdistill.decode.batched.cost import CostCurve, cost_curve
+from specdistill.decode.batched.planner import new_planner
 from specdistill.decode.batched.spec import MODES, BatchResult, generate_batch
 from specdistill.decode.evaluate import render
 

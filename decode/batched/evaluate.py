@@ -13,7 +13,8 @@ import statistics
 from pathlib import Path
 
 from specdistill.data.prompts import load_prompts
-from specdistill.decode.batched.planner import cost_curve, new_planner
+from specdistill.decode.batched.cost import cost_curve
+from specdistill.decode.batched.planner import new_planner
 from specdistill.decode.batched.spec import BatchResult, generate_batch
 from specdistill.decode.exact import parse_exact
 from specdistill.decode.evaluate import (finish_run, fit_max_new_tokens, render, result_row,

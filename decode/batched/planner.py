@@ -21,9 +21,9 @@ tokens per second:
 2. After drafting (`choose_widths`): the drafting is paid; the verify width w <= d is cut from the
    drafts' own confidences (`survival`) against verify(B, w+1): low-confidence tails are cut.
 
-verify(B, Q) is `CostCurve`, a grid of measured padded batched forwards (the real round's inputs:
-B rows over a KV cache, a 4-D mask, logits at every position), measured once per (target, machine)
-and cached as JSON under the cache dir; a (B, Q) forward does not cost what a (1, B*Q) one does.
+verify(B, Q) is `CostCurve` (decode/batched/cost.py), a grid of measured padded batched forwards
+(the real round's inputs), measured once per (target, machine) and cached, scaled by what the
+planner's own rounds' forwards measured (`RoundPlanner.verify`).
 
 Lossless under sampling: step 1 reads only past rounds. In step 2 whether draft i of a row is
 verified must not depend on that draft's own value (nor on anything after it), or the kept drafts
@@ -35,187 +35,13 @@ best width over all depths.
 """
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import platform
 import statistics
-import time
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
-from transformers import DynamicCache
 
-from specdistill.decode.batched import kv_cache
-from specdistill.decode.batched.exact import ExactRows
-from specdistill.decode.exact import ExactVerify
+from specdistill.decode.batched.cost import CostCurve, cost_curve
 from specdistill.drafters.base import ChainProposal
-from specdistill.drafters.prepack import is_prepacked
-
-BATCH_NS = (1, 2, 4, 8, 16, 32)  # rows per forward measured
-WIDTH_NS = (1, 2, 3, 4, 6, 8, 16, 32, 64)  # tokens per row measured (last token + drafts;
-# the wide ones for trees)
-
-
-def _bracket(xs: Sequence[int], x: float) -> tuple[int, int, float]:
-    """The segment of ascending xs that holds x (the first or last one beyond the ends) and x's
-    weight on its upper end (< 0 or > 1 when extrapolating)."""
-    j = next((i for i in range(1, len(xs)) if x <= xs[i]), len(xs) - 1)
-    return j - 1, j, (x - xs[j - 1]) / (xs[j] - xs[j - 1])
-
-
-@dataclass
-class CostCurve:
-    """verify(B, Q): seconds of one padded batched target forward of B rows x Q tokens, from a
-    measured grid, bilinear in between and linear beyond the last points; made non-decreasing
-    along both axes (a larger forward that timed faster than a smaller one says the smaller one
-    costs at most that)."""
-
-    bs: list[int]  # rows measured, ascending, >= 2 of them
-    qs: list[int]  # tokens per row measured, ascending, >= 2 of them
-    seconds: list[list[float]]  # seconds[i][j]: median seconds of a (bs[i], qs[j]) forward
-    key: str = ""  # "<target hash>-<machine hash>" it was measured for ("" = given by hand)
-
-    def __post_init__(self) -> None:
-        ok = (len(self.bs) >= 2 and len(self.qs) >= 2 and sorted(set(self.bs)) == list(self.bs)
-              and sorted(set(self.qs)) == list(self.qs) and len(self.seconds) == len(self.bs)
-              and all(len(row) == len(self.qs) for row in self.seconds))
-        if not ok:
-            raise ValueError(f"a cost grid needs >= 2 ascending row counts bs and >= 2 ascending "
-                             f"widths qs with one time per (b, q), got bs={self.bs} qs={self.qs} "
-                             f"seconds={self.seconds}")
-        s = [list(row) for row in self.seconds]
-        for row in s:  # suffix minimum along Q, then along B: non-decreasing in both
-            for j in range(len(row) - 2, -1, -1):
-                row[j] = min(row[j], row[j + 1])
-        for i in range(len(s) - 2, -1, -1):
-            s[i] = [min(a, b) for a, b in zip(s[i], s[i + 1])]
-        self._s = s
-
-    @classmethod
-    def per_token(cls, step: float, free: int = 1, bs: Sequence[int] = BATCH_NS,
-                  qs: Sequence[int] = WIDTH_NS) -> "CostCurve":
-        """A grid by rule: a forward of n = B * Q tokens costs `step` seconds up to `free`
-        tokens and step * n / free beyond (memory-bound up to `free` tokens, then compute-bound)."""
-        return cls(list(bs), list(qs), [[step * max(1.0, b * q / free) for q in qs] for b in bs])
-
-    def __call__(self, B: float, Q: float) -> float:
-        """Seconds of a (B, Q) forward (never below the smallest measured one)."""
-        a, b, wb = _bracket(self.bs, B)
-        c, d, wq = _bracket(self.qs, Q)
-        s = self._s
-        lo = s[a][c] + wq * (s[a][d] - s[a][c])  # along Q at bs[a]
-        hi = s[b][c] + wq * (s[b][d] - s[b][c])  # along Q at bs[b]
-        return max(lo + wb * (hi - lo), s[0][0])
-
-
-def target_hash(target: Any) -> str:
-    """A short fingerprint of the target: its config, dtype, attention implementation and whether
-    its linear layers are prepacked (their costs differ: drafters/attention.py, drafters/prepack.py)
-    and a sample of every weight."""
-    h = hashlib.sha256(target.config.to_json_string().encode())
-    h.update(str(target.dtype).encode())
-    h.update(str(getattr(target.config, "_attn_implementation", "")).encode())
-    if is_prepacked(target.model):  # (unpacked targets keep the hashes of curves cached before)
-        h.update(b"prepacked")
-    for name, p in target.model.named_parameters():
-        flat = p.detach().reshape(-1)
-        h.update(f"{name}{tuple(p.shape)}{float(flat.double().sum()):.9e}".encode())
-        h.update(flat[:64].float().cpu().numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
-def machine_key(device: torch.device) -> tuple[str, str]:
-    """(hash, description) of the hardware the curve holds for: CPU model, cores, torch threads,
-    and the GPU's name on a CUDA device."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    desc = f"{cpu} | {os.cpu_count()} cores | {torch.get_num_threads()} threads | {device}"
-    if device.type == "cuda":
-        desc += f" | {torch.cuda.get_device_name(device)}"
-    return hashlib.sha256(desc.encode()).hexdigest()[:12], desc
-
-
-@torch.inference_mode()
-def measure_cost(target: Any, bs: Sequence[int] = BATCH_NS, qs: Sequence[int] = WIDTH_NS,
-                 context: int = 96, rounds: int = 3, exact: bool = False) -> list[list[float]]:
-    """seconds[i][j]: median seconds of the verification forward of decode/batched/spec.py at bs[i]
-    rows x qs[j] tokens (its 4-D mask and positions, logits at every position) over a
-    `context`-token KV cache per row; all (B, Q) interleaved round by round, the first round
-    (warm-up) dropped. exact: the forward of exact batched decoding (decode/batched/exact.py)."""
-    gen = torch.Generator().manual_seed(0)
-    dev, V = target.device, target.vocab_size
-    caches = {b: _context_cache(target, b, context, max(qs), gen, exact) for b in bs}  # 1.
-    times: dict[tuple[int, int], list[float]] = {(b, q): [] for b in bs for q in qs}
-    for r in range(rounds + 1):  # 2. every (b, q) once per round
-        for b in bs:
-            for q in qs:
-                rows = list(torch.randint(0, V, (b, q), generator=gen).to(dev))  # b x (q,)
-                t0 = time.perf_counter()
-                if exact:  # each row writes its block at its own columns: nothing to crop
-                    ids, mask, pos = caches[b].inputs(rows, [context] * b)
-                    with caches[b].context():
-                        out = target.forward(ids, cache=caches[b].cache, attention_mask=mask,
-                                             position_ids=pos)
-                else:
-                    ids, mask, pos = kv_cache.inputs(rows, [context] * b, context,
-                                                    plain_mask=b == 1)  # as batched/spec.py
-                    out = target.forward(ids, cache=caches[b], attention_mask=mask,
-                                         position_ids=pos)
-                    caches[b].crop(-q)
-                out.logits.argmax(-1).cpu()  # (b, q): waits for the device
-                if r:
-                    times[(b, q)].append(time.perf_counter() - t0)
-    return [[statistics.median(times[(b, q)]) for q in qs] for b in bs]
-
-
-def _context_cache(target: Any, b: int, context: int, width: int, gen: torch.Generator,
-                   exact: bool) -> Any:
-    """A KV cache of b rows x `context` random tokens: a DynamicCache, or exact rows (each
-    prefilled alone, room for a `width`-token block)."""
-    dev, V = target.device, target.vocab_size
-    ctx = torch.randint(0, V, (b, context), generator=gen).to(dev)  # (b, context)
-    if not exact:
-        cache = DynamicCache()
-        target.forward(ctx, cache=cache, logits_to_keep=1)
-        return cache
-    rows = ExactRows(target)
-    for i in range(b):
-        lone = ExactVerify(target, context, width)
-        target.forward(ctx[i:i + 1], cache=lone.cache, logits_to_keep=1,
-                       **lone.chain(0, context, dev))
-        rows.add_row(lone, context)
-    return rows
-
-
-def cost_curve(target: Any, cache_dir: str | Path | None = None, bs: Sequence[int] = BATCH_NS,
-               qs: Sequence[int] = WIDTH_NS, exact: bool = False) -> CostCurve:
-    """The target's verify-cost grid on this machine: read from `cache_dir/cost_curves/<key>.json`
-    (cache_dir: env SPECDISTILL_CACHE, else ~/.cache/specdistill), else measured and written.
-    exact: the grid of exact batched decoding's forward (its own key)."""
-    root = Path(cache_dir or os.environ.get("SPECDISTILL_CACHE") or "~/.cache/specdistill")
-    m_hash, m_desc = machine_key(target.device)
-    key = f"{target_hash(target)}-{m_hash}" + ("-exact" if exact else "")
-    path = root.expanduser() / "cost_curves" / f"{key}.json"
-    if path.is_file():
-        saved = json.loads(path.read_text())
-        if saved.get("bs") == list(bs) and saved.get("qs") == list(qs):  # else an older layout
-            return CostCurve(saved["bs"], saved["qs"], saved["seconds"], key)
-    seconds = measure_cost(target, bs, qs, exact=exact)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"target": target.source, "machine": m_desc, "bs": list(bs),
-                               "qs": list(qs), "seconds": seconds}, indent=1))
-    os.replace(tmp, path)  # atomic: a reader sees a whole grid or none
-    return CostCurve(list(bs), list(qs), seconds, key)
 
 
 class RoundPlanner:
@@ -228,18 +54,32 @@ class RoundPlanner:
         reached depth i (drafted it, every earlier draft accepted) and of those that committed it;
         a draft cut by step 2 counts as not committed (it brought nothing). Prior: half a reached
         and accepted draft per depth, so depths never tried look worth a try. The counts decay by
-        `decay` per drafting round and by `idle_decay` per plain round (old evidence fades, so a
-        probe eventually comes back to check it);
+        `decay` per drafting row observed (0.987: 0.9 per round of 8 rows) and by `idle_decay`
+        per plain round (old evidence fades, so a probe eventually comes back to check it). Per
+        row, not per round: a round of one row is one row's evidence (per round, B = 1 kept ~10
+        rows and its S_1 swung 0.1-0.6 prompt by prompt, flipping plain and deep rounds);
       * the drafting phase's seconds at each asked depth and number of drafting rows (an EMA per
         (depth, rows): rows drafting together (Drafter.propose_rows) cost less than rows x one
         row; an unseen pair is scaled from the nearest seen one (rows first), linear in depth and
         in rows; nothing seen yet = free);
-      * the round's other seconds per row (accept, cache compaction: an EMA).
+      * the round's other seconds per row (accept, cache compaction: an EMA);
+      * what its forwards really cost against the grid (`verify`): the median of the last
+        `verify_window` measured / grid ratios per (B, Q) forwarded (one forward's time varies by
+        +-20% on a shared machine), the median over the shapes for one not forwarded yet.
+        The grid was timed once, over a short cache, at that moment's load; the rounds run over
+        the real caches at today's load. So that every depth's shape gets measured, one drafting
+        round in `explore_every` drafts at the depth whose forward was measured least at this B
+        (otherwise a depth the grid overprices would never be tried again). Only for a measured
+        grid (`learn_costs` None: cost.key set): a grid given by hand is taken as it is.
     """
 
-    def __init__(self, cost: CostCurve, k: int, decay: float = 0.9, idle_decay: float = 0.998,
-                 optimism: float = 1.0, ema: float = 0.3, tree_width: float | None = None) -> None:
+    def __init__(self, cost: CostCurve, k: int, decay: float = 0.987, idle_decay: float = 0.998,
+                 optimism: float = 1.0, ema: float = 0.3, tree_width: float | None = None,
+                 explore_every: int = 16, learn_costs: bool | None = None,
+                 verify_window: int = 32) -> None:
         self.cost, self.k, self.decay, self.ema = cost, k, decay, ema
+        self.learn_costs = bool(cost.key) if learn_costs is None else learn_costs
+        self.explore_every, self.drafting_rounds = explore_every, 0
         # trees: the round is plain (0) or the drafter's whole tree (k = its depth), whose
         # forward is tree_width tokens per row (first guessed, then an EMA of the measured ones)
         self.tree_width = tree_width
@@ -247,6 +87,9 @@ class RoundPlanner:
         self.reach, self.acc = [0.0] * k, [0.0] * k  # decayed counts per depth 1..k
         self.draft_s: dict[tuple[int, int], float] = {}  # (depth, rows drafting) -> phase seconds
         self.other_row = 0.0  # seconds per row per round outside the drafters and the forward
+        self.verify_window = verify_window
+        self.verify_ratios: dict[tuple[int, int], list[float]] = {}  # (B, Q) -> last ratios
+        self.verify_n: dict[tuple[int, int], int] = {}  # (B, Q) -> forwards measured
         self.probes = 0  # rounds drafted only because the optimistic estimate might pay
 
     @property
@@ -274,7 +117,7 @@ class RoundPlanner:
         """Expected committed tokens per second of a round of B rows drafting d each."""
         tokens = B * (1.0 + sum(S[:d]))
         width = self.tree_width if self.tree and d else d + 1
-        seconds = self.cost(B, width) + self.draft_seconds(d, B) + B * self.other_row
+        seconds = self.verify(B, width) + self.draft_seconds(d, B) + B * self.other_row
         return tokens / seconds
 
     def _best(self, B: int, S: Sequence[float]) -> int:
@@ -285,13 +128,18 @@ class RoundPlanner:
         return best if rates[best] > plain else 0
 
     def depth(self, B: int) -> int:
-        """This round's draft depth for B rows: 1. the best by the estimates; 2. if that is 0
-        (plain), a probe at the best depth by the optimistic estimate, where that one pays; else
-        0, and the counts fade by idle_decay."""
+        """This round's draft depth for B rows: 1. the best by the estimates (every
+        explore_every-th drafting round of a chain: the depth whose forward was measured least at
+        this B); 2. if that is 0 (plain), a probe at the best depth by the optimistic estimate,
+        where that one pays; else 0, and the counts fade by idle_decay."""
         if self.k == 0:
             return 0
         d = self._best(B, self.survival())  # 1.
         if d:
+            self.drafting_rounds += 1
+            if (self.learn_costs and not self.tree
+                    and self.drafting_rounds % self.explore_every == 0):
+                d = min(range(1, self.k + 1), key=lambda x: (self.verify_n.get((B, x + 1), 0), x))
             return d
         d = self._best(B, self.survival(self.optimism))  # 2.
         if d:
@@ -305,12 +153,39 @@ class RoundPlanner:
         """One round's outcome per row: drafts made (before any cut) and drafts committed."""
         if not any(drafted):
             return
-        self.reach = [x * self.decay for x in self.reach]
-        self.acc = [x * self.decay for x in self.acc]
+        fade = self.decay ** sum(m > 0 for m in drafted)
+        self.reach = [x * fade for x in self.reach]
+        self.acc = [x * fade for x in self.acc]
         for m, n in zip(drafted, accepted):
             for i in range(min(m, n + 1, self.k)):  # depths 1..min(m, n+1) reached
                 self.reach[i] += 1.0
                 self.acc[i] += float(i < n)
+
+    def verify(self, B: float, Q: float) -> float:
+        """Seconds of a (B, Q) forward: the grid's, times the measured / grid ratio of that shape
+        (the median of its last forwards), else the median of the shapes' ratios (1 before
+        any)."""
+        last = self.verify_ratios.get((round(B), round(Q)))
+        return self.cost(B, Q) * (statistics.median(last) if last else self._any_ratio())
+
+    @property
+    def verify_ratio(self) -> dict[tuple[int, int], float]:
+        """(B, Q) -> the median measured / grid ratio of that shape's last forwards."""
+        return {key: statistics.median(r) for key, r in self.verify_ratios.items()}
+
+    def _any_ratio(self) -> float:
+        ratios = self.verify_ratio
+        return statistics.median(ratios.values()) if ratios else 1.0
+
+    def observe_verify(self, B: int, Q: int, seconds: float) -> None:
+        """One round's target forward: B rows x Q tokens took `seconds` (ignored for a grid
+        given by hand, see the class docstring)."""
+        if not self.learn_costs:
+            return
+        last = self.verify_ratios.setdefault((B, Q), [])
+        last.append(seconds / self.cost(B, Q))
+        del last[:-self.verify_window]
+        self.verify_n[(B, Q)] = self.verify_n.get((B, Q), 0) + 1
 
     def observe_width(self, width: int) -> None:
         """Trees: a tree round's forward width (tokens per row)."""
@@ -376,7 +251,8 @@ def survival(prop: ChainProposal, m: int) -> torch.Tensor:
     return (before * top).cpu()
 
 
-def choose_widths(scores: list[torch.Tensor], cost: CostCurve, greedy: bool) -> list[int]:
+def choose_widths(scores: list[torch.Tensor], cost: Callable[[float, float], float], greedy: bool
+                  ) -> list[int]:
     """Budgeted mode, step 2: per-row verify lengths for one batched forward, the drafting being
     paid. scores[r] (m_r,) from `survival`.
 

@@ -29,9 +29,9 @@ from transformers import DynamicCache
 
 from specdistill.decode.accept import accept_chain
 from specdistill.decode.batched import kv_cache
+from specdistill.decode.batched.cost import CostCurve
 from specdistill.decode.batched.exact import ExactRows
-from specdistill.decode.batched.planner import (CostCurve, RoundPlanner, batch_planner,
-                                                choose_widths, survival)
+from specdistill.decode.batched.planner import RoundPlanner, batch_planner, choose_widths, survival
 from specdistill.decode.spec import (DraftTree, GenerationResult, SequenceState, StopChecker,
                                      accept_tree, check_inputs, commit, draft_tree, prefill, timed)
 from specdistill.drafters.base import Drafter
@@ -128,8 +128,7 @@ class _Batch:
         # exact verification: rows kept as their lone exact decodes keep them (batched/exact.py)
         self.exact = ExactRows(target) if cfg.exact else None
         self.time_verify = 0.0  # seconds in target forwards, prefills included
-        # budgeted: each round's draft depth, decided from past rounds only, before any draft
-        # exists (lossless for sampling too); it learns acceptance and drafting time as it goes
+        # budgeted: each round's draft depth from past rounds only, before any draft exists
         self.planner = planner if cfg.mode == "budgeted" and drafter is not None else None
 
     def admit(self, index: int, prompt: torch.Tensor, max_new_tokens: int,
@@ -209,7 +208,7 @@ class _Batch:
         t_draft = time.perf_counter() - t_round
         lens = [len(d) for d, _, _ in drafts]
         if self.planner and depth:  # 2. cut every row to the width the cost grid pays for
-            lens = choose_widths([sc for _, _, sc in drafts], self.planner.cost,
+            lens = choose_widths([sc for _, _, sc in drafts], self.planner.verify,
                                  self.cfg.sampling.greedy)
         ids, out, dt, L, cache_len = self._verify(  # 3.
             [d[:m] for (d, _, _), m in zip(drafts, lens)])
@@ -228,7 +227,7 @@ class _Batch:
         self._compact(L, n_keep, cache_len)  # 5.
         # 6. a draft cut in step 2 counts as drafted, not accepted
         self._learn(depth, [len(d) for d, _, _ in drafts], [n - 1 for n in n_keep], t_round,
-                    t_draft, dt)
+                    t_draft, dt, ids.shape[1])
         return new, kept, ids.shape[1], depth
 
     def _tree_round(self, t_round: float, depth: int
@@ -256,7 +255,7 @@ class _Batch:
         if self.planner:  # 6. each tree's depth counts as drafted
             self.planner.observe_width(ids.shape[1])
         self._learn(depth, [s.state.res.drafted[-1] for s in self.seqs],
-                    [len(x) - 1 for x in keeps], t_round, t_draft, dt)
+                    [len(x) - 1 for x in keeps], t_round, t_draft, dt, ids.shape[1])
         return new, kept, ids.shape[1], depth
 
     def _verify(self, drafts: list[torch.Tensor], trees: list[torch.Tensor] | None = None):
@@ -293,11 +292,12 @@ class _Batch:
             kv_cache.compact(self.cache, L, keep, cache_len)
 
     def _learn(self, depth: int, made: list[int], accepted: list[int], t_round: float,
-               t_draft: float, dt: float) -> None:
+               t_draft: float, dt: float, width: int) -> None:
         """Step 6, budgeted: the planner learns each row's drafts made and committed, and the
-        round's seconds (drafting; the rest outside the drafters and the forward)."""
+        round's seconds (drafting, the (B, width) forward, the rest)."""
         if self.planner:
             self.planner.observe(made, accepted)
+            self.planner.observe_verify(len(self.seqs), width, dt)
             self.planner.observe_times(depth, sum(m > 0 for m in made), t_draft, len(self.seqs),
                                        time.perf_counter() - t_round - t_draft - dt)
 

@@ -59,7 +59,8 @@ class DecodeConfig:
     exact_verify: str = "auto"
     # sequences decoded together, one target forward per round (1 = one at a time)
     batch_size: int = rng(1, 1, MAX_BATCH)
-    # batch_size > 1: plain | verify_all | budgeted (decode/batched/planner.py)
+    # batch_size > 1: plain | verify_all | budgeted (decode/batched/planner.py); budgeted also at
+    # batch_size 1: each round's chain length up to k, from the machine's measured costs
     batch_mode: str = "verify_all"
     run_dir: str = "runs/decode/${now:%Y-%m-%d_%H-%M-%S}"  # outputs: result JSON, markdown table
 

@@ -599,11 +599,13 @@ def test_guards(target):
 
 
 # -- python -m decode batch_size=B ------------------------------------------------------------------
-@pytest.mark.parametrize("tree", [False, True])
-def test_decode_cli_batch(tmp_path, tiny_target_cfg, tree):
+@pytest.mark.parametrize("tree,B,mode", [(False, 3, "verify_all"), (True, 3, "verify_all"),
+                                         (False, 1, "budgeted")])
+def test_decode_cli_batch(tmp_path, tiny_target_cfg, tree, B, mode):
     """`python -m decode batch_size=3 batch_mode=verify_all [tree=true]` on the tiny target: the
     result records the batch size, mode and tree, and every output equals plain decoding of that
-    prompt alone (budgeted differs only in the widths: tested above with a given cost curve)."""
+    prompt alone (budgeted differs only in the widths: tested above with a given cost curve);
+    `batch_size=1 batch_mode=budgeted` goes through the planner too (it picks the depth)."""
     import json
     import subprocess
     import sys
@@ -618,14 +620,14 @@ def test_decode_cli_batch(tmp_path, tiny_target_cfg, tree):
     run_dir = tmp_path / "run"
     out = subprocess.run([sys.executable, "-m", "decode", "target=tiny", "drafter=ngram",
                           "eval=jsonl", f"eval.path={prompts}", "max_new_tokens=10", "k=3",
-                          "batch_size=3", "batch_mode=verify_all", f"tree={str(tree).lower()}",
+                          f"batch_size={B}", f"batch_mode={mode}", f"tree={str(tree).lower()}",
                           f"run_dir={run_dir}"],
                          capture_output=True, text=True, cwd=root, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads((run_dir / "result.json").read_text())
     s = res["summary"]
     assert (s["batch_size"], s["batch_mode"], s["tree"], s["lossless_check"]) == (
-        3, "verify_all", tree, "passed")
+        B, mode, tree, "passed")
     target = load_target(tiny_target_cfg)
     ids_of = jsonl_prompt_ids(target, prompts)
     for row in res["prompts"]:

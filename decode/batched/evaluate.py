@@ -1,6 +1,7 @@
-"""`python -m decode batch_size=B batch_mode=...` (B > 1): decode an eval set B sequences at a time
-(decode/batched/spec.py) and write the same result.json / result.md as the single-sequence path,
-plus the batch size, the mode, the throughput over the batch and the per-sequence latencies.
+"""`python -m decode batch_size=B batch_mode=...` (B > 1, or batch_mode=budgeted at any B): decode an
+eval set B sequences at a time (decode/batched/spec.py) and write the same result.json / result.md
+as the single-sequence path, plus the batch size, the mode, the throughput over the batch and the
+per-sequence latencies.
 
 Turn t of every prompt is decoded in one batched call (turn t + 1 needs the model's own answer to
 turn t). With compare_plain, plain batched decoding at the same B runs first, turn by turn, for the
@@ -99,7 +100,7 @@ def evaluate_batched(target, drafter: Drafter | None, *, batch_size: int, batch_
 
 
 def run_batched(cfg) -> None:
-    """`python -m decode batch_size=B batch_mode=...` with B > 1 (decode/__main__.py)."""
+    """`python -m decode batch_size=B batch_mode=...` with B > 1 or budgeted (decode/__main__.py)."""
     from specdistill.decode.batched.spec import MODES
     from specdistill.drafters.target import cache_root
 

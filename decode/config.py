@@ -54,8 +54,8 @@ class DecodeConfig:
     drafter_dtype: str = "target"
     # verify with a one-token step's kernels (decode/exact.py): greedy chains bit-identical to
     # plain decoding at bf16 too, not only up to near-ties (~6% slower, BENCHMARKS.md). auto = on
-    # for chains at a 16-bit target dtype, off when batch_size > 1 (exact rows cost 12-35% of the
-    # batch's throughput there, decode/batched/exact.py); true | false
+    # for chains at a 16-bit target dtype, off in the batched decoder (batch_size > 1 or budgeted:
+    # exact rows cost 12-35% of the batch's throughput there, decode/batched/exact.py); true | false
     exact_verify: str = "auto"
     # sequences decoded together, one target forward per round (1 = one at a time)
     batch_size: int = rng(1, 1, MAX_BATCH)

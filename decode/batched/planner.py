@@ -89,6 +89,8 @@ class RoundPlanner:
         self.other_row = 0.0  # seconds per row per round outside the drafters and the forward
         self.verify_window = verify_window
         self.verify_ratios: dict[tuple[int, int], list[float]] = {}  # (B, Q) -> last ratios
+        self.verify_ratio: dict[tuple[int, int], float] = {}  # (B, Q) -> their median
+        self.any_ratio = 1.0  # the median over the shapes: for a shape not forwarded yet
         self.verify_n: dict[tuple[int, int], int] = {}  # (B, Q) -> forwards measured
         self.probes = 0  # rounds drafted only because the optimistic estimate might pay
 
@@ -165,17 +167,7 @@ class RoundPlanner:
         """Seconds of a (B, Q) forward: the grid's, times the measured / grid ratio of that shape
         (the median of its last forwards), else the median of the shapes' ratios (1 before
         any)."""
-        last = self.verify_ratios.get((round(B), round(Q)))
-        return self.cost(B, Q) * (statistics.median(last) if last else self._any_ratio())
-
-    @property
-    def verify_ratio(self) -> dict[tuple[int, int], float]:
-        """(B, Q) -> the median measured / grid ratio of that shape's last forwards."""
-        return {key: statistics.median(r) for key, r in self.verify_ratios.items()}
-
-    def _any_ratio(self) -> float:
-        ratios = self.verify_ratio
-        return statistics.median(ratios.values()) if ratios else 1.0
+        return self.cost(B, Q) * self.verify_ratio.get((round(B), round(Q)), self.any_ratio)
 
     def observe_verify(self, B: int, Q: int, seconds: float) -> None:
         """One round's target forward: B rows x Q tokens took `seconds` (ignored for a grid
@@ -186,6 +178,8 @@ class RoundPlanner:
         last.append(seconds / self.cost(B, Q))
         del last[:-self.verify_window]
         self.verify_n[(B, Q)] = self.verify_n.get((B, Q), 0) + 1
+        self.verify_ratio[(B, Q)] = statistics.median(last)  # once per forward, not per lookup
+        self.any_ratio = statistics.median(self.verify_ratio.values())
 
     def observe_width(self, width: int) -> None:
         """Trees: a tree round's forward width (tokens per row)."""

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import time
 from pathlib import Path
 
 import torch
@@ -39,8 +38,8 @@ def main(argv: list[str] | None = None) -> None:
     from specdistill.decode.batched.cost import cost_curve
     from specdistill.decode.batched.planner import new_planner
     from specdistill.decode.batched.spec import generate_batch
-    from specdistill.decode.bench import load_drafters
-    from specdistill.decode.evaluate import render
+    from specdistill.decode.bench import load_drafters, modes_markdown, run_modes
+    from specdistill.decode.metrics import RunMetrics
     from specdistill.decode.spec import generate
     from specdistill.drafters.target import TargetConfig, load_target
 
@@ -49,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     (_, drafter), = load_drafters(target, [args.ckpt], ["target"])
     planner = new_planner(cost_curve(target), args.max_k, drafter)
     n = args.max_new_tokens
-    modes = {"plain": lambda ids: generate(target, None, ids, max_new_tokens=n)}
+    modes = {"plain (ours)": lambda ids: generate(target, None, ids, max_new_tokens=n)}
     for k in args.ks:
         modes[f"k={k}"] = lambda ids, k=k: generate(target, drafter, ids, max_new_tokens=n, k=k)
     depths: collections.Counter = collections.Counter()
@@ -60,31 +59,13 @@ def main(argv: list[str] | None = None) -> None:
         depths.update(out.depths)
         return out.results[0]
     modes[f"budgeted (k <= {args.max_k})"] = budgeted
-    runs = {name: {"seconds": 0.0, "tokens": 0, "rounds": 0, "identical": 0} for name in modes}
     prompts = load_prompts("mtbench", limit=args.limit)
-    for i, prompt in enumerate(prompts):
-        ids = render(target, prompt.turns[:1], [])
-        ref = None
-        for name, fn in modes.items():
-            t0 = time.perf_counter()
-            res = fn(ids)
-            r = runs[name]
-            r["seconds"] += time.perf_counter() - t0
-            r["tokens"] += len(res.tokens)
-            r["rounds"] += len(res.accepted)
-            ref = res.tokens if ref is None else ref
-            r["identical"] += int(torch.equal(res.tokens, ref))
-        print(f"prompt {i + 1}/{len(prompts)} done", flush=True)
-    base = runs["plain"]["tokens"] / runs["plain"]["seconds"]
-    print(f"\n{target.dtype_choice.dtype}, {torch.get_num_threads()} threads, {len(prompts)} MT-bench "
-          f"prompts x {n} new tokens, modes interleaved prompt by prompt\n")
-    print("| mode | tau | tokens/s | vs plain | identical to plain |\n|---|---:|---:|---:|:---:|")
-    for name, r in runs.items():
-        r["tokens_per_s"] = r["tokens"] / r["seconds"]
-        r["tau"] = r["tokens"] / r["rounds"] if name != "plain" and r["rounds"] else None
-        tau = f"{r['tau']:.2f}" if r["tau"] else "-"
-        print(f"| {name} | {tau} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / base:.3f}x | "
-              f"{r['identical']}/{len(prompts)} |")
+    dn = str(target.dtype_choice.dtype)
+    results, mismatch, _ = run_modes({dn: target}, {dn: modes}, prompts, target)
+    metrics = {key: RunMetrics.from_results(rs) for key, rs in results.items()}
+    table = modes_markdown(metrics, mismatch, dn)
+    print(f"\n{dn}, {torch.get_num_threads()} threads, {len(prompts)} MT-bench prompts x {n} new "
+          f"tokens, modes interleaved prompt by prompt\n\n" + "\n".join(table))
     learnt = {"depths": dict(sorted(depths.items())), "survival": planner.survival(),
               "verify_ratio": {f"{b}x{q}": v for (b, q), v in sorted(planner.verify_ratio.items())},
               "verify_n": {f"{b}x{q}": v for (b, q), v in sorted(planner.verify_n.items())}}
@@ -94,7 +75,9 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "budgeted_depth.json").write_text(json.dumps(
-        {"args": vars(args), "runs": runs, "planner": learnt}, indent=1))
+        {"args": vars(args), "table": table, "planner": learnt,
+         "modes": {m: {**vars(r), "mismatches": mismatch[(d, m)]} for (d, m), r in metrics.items()}},
+        indent=1))
 
 
 if __name__ == "__main__":

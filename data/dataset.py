@@ -93,6 +93,13 @@ class SelfGenSettings:
     seed: int = rng(0, *SEED)  # sampling seed (row i of the store samples with seed + i)
     compact_below: float = rng(0.75, 0, 1)  # finished rows leave the batch once fewer than this share write
     features_dtype: str = "bfloat16"  # storage of the hidden states: bfloat16 | float32
+    # True: a mix. Train on the file's own answers too (its first max_conversations conversations cut
+    # at max_length, their features captured as with data=sharegpt), then on the target's answers
+    # to the first turns of the conversations after those (data/mix.py)
+    mix: bool = False
+    # records of the file passed over before the first answered prompt; None: none, or in a mix the
+    # records the file's answers came from (so no prompt is trained on twice)
+    skip: Optional[int] = rng(None, 0, MAX_COUNT)
 
 
 @dataclass

@@ -52,14 +52,17 @@ MANIFEST, COMPLETE, ANSWERS = "manifest.json", "COMPLETE", "answers.jsonl"
 STORE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def first_turns(path: Path, tokenizer, limit: Optional[int], max_prompt_tokens: int
+def first_turns(path: Path, tokenizer, limit: Optional[int], max_prompt_tokens: int, skip: int = 0
                 ) -> tuple[list[dict], dict[str, int]]:
-    """The first `limit` conversations' prompts up to their first user turn (system and leading
-    assistant turns kept as context), rendered with the chat template and tokenised; prompts over
-    max_prompt_tokens and conversations without a user turn are skipped and counted."""
-    counts = {"read": 0, "no_user_turn": 0, "prompt_too_long": 0, "kept": 0}
-    out = []
-    for conv in iter_conversations(path, Counts()):
+    """The first `limit` conversations' prompts after the file's first `skip` records, up to their
+    first user turn (system and leading assistant turns kept as context), rendered with the chat
+    template and tokenised; prompts over max_prompt_tokens and conversations without a user turn are
+    skipped and counted."""
+    counts = {"skipped_records": skip, "read": 0, "no_user_turn": 0, "prompt_too_long": 0, "kept": 0}
+    out, records = [], Counts()
+    for conv in iter_conversations(path, records):
+        if records.read <= skip:  # records.read: this conversation's record, counted from 1
+            continue
         if limit is not None and counts["kept"] >= limit:
             break
         counts["read"] += 1
@@ -78,11 +81,14 @@ def first_turns(path: Path, tokenizer, limit: Optional[int], max_prompt_tokens: 
     return out, counts
 
 
-def _key(target, src_sha: str, settings: SelfGenSettings, layers: Sequence[int]) -> dict:
+def store_key(target, src_sha: str, settings: SelfGenSettings, layers: Sequence[int], skip: int) -> dict:
     """What the store depends on: the target's identity (weights + architecture + dtype), the data
-    file, the settings and the feature layers; never a path of the cache or a log phrase."""
+    file, the settings and the feature layers; never a path of the cache or a log phrase. `mix` is
+    not in it (the store holds the target's answers either way), and `skip` only when records are
+    skipped, so stores made before either setting existed keep their keys."""
+    kept = {k: v for k, v in asdict(settings).items() if k not in ("mix", "skip")}
     return {"version": FORMAT_VERSION, "target": target.identity, "data_sha256": src_sha,
-            "settings": asdict(settings), "layers": list(layers)}
+            "settings": {**kept, **({"skip": skip} if skip else {})}, "layers": list(layers)}
 
 
 def _generation_model(target, dtype: str):
@@ -116,9 +122,11 @@ def _write_shard(path: Path, prompts: list[dict], answers, store_dtype: torch.dt
     return int(sum(len(a.answer) for a in answers))
 
 
-def build_selfgen(target, data_cfg, layers: Sequence[int], progress: bool = True) -> "SelfGenStore":
+def build_selfgen(target, data_cfg, layers: Sequence[int], progress: bool = True,
+                  after: int = 0) -> "SelfGenStore":
     """The store of `data_cfg.selfgen` for `target` and drafter feature `layers` (built on first
-    use, resumed when interrupted, reused when complete)."""
+    use, resumed when interrupted, reused when complete). `after`: records of the file whose own
+    answers are trained on too (a mix): skipped unless data.selfgen.skip says otherwise."""
     from tqdm import tqdm
 
     from specdistill.data.dataset import cache_root, cached_file_sha256, data_file
@@ -134,7 +142,8 @@ def build_selfgen(target, data_cfg, layers: Sequence[int], progress: bool = True
                          f"target's context ({target.max_length}); lower them")
     gen_layers = [] if list(layers) in ([-1], []) else list(layers)  # the final state: always
     root = cache_root(data_cfg)
-    key = _key(target, cached_file_sha256(src, root), settings, layers)
+    skip = settings.skip if settings.skip is not None else after
+    key = store_key(target, cached_file_sha256(src, root), settings, layers, skip)
     folder = root / "selfgen" / hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     store = SelfGenStore(folder)
     if (folder / COMPLETE).is_file():
@@ -146,11 +155,13 @@ def build_selfgen(target, data_cfg, layers: Sequence[int], progress: bool = True
         store.check(key)  # an interrupted build of the same key: resume it
     else:
         (folder / MANIFEST).write_text(json.dumps(key, indent=1))
-    prompts, counts = first_turns(src, target.tokenizer, settings.prompts, settings.max_prompt_tokens)
+    prompts, counts = first_turns(src, target.tokenizer, settings.prompts, settings.max_prompt_tokens,
+                                  skip)
     if not prompts:
-        raise ValueError(f"data.selfgen: none of the first conversations of {src} has a user turn "
-                         f"within {settings.max_prompt_tokens} tokens ({counts}); raise "
-                         f"data.selfgen.max_prompt_tokens or check the data")
+        raise ValueError(f"data.selfgen: none of the conversations of {src} after its first {skip} "
+                         f"records has a user turn within {settings.max_prompt_tokens} tokens "
+                         f"({counts}); raise data.selfgen.max_prompt_tokens, lower data.selfgen.skip "
+                         f"(or data.max_conversations in a mix) or check the data")
     order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]["prompt_ids"]), i))
     batches = [order[b:b + settings.batch_size] for b in range(0, len(order), settings.batch_size)]
     model = _generation_model(target, settings.dtype)

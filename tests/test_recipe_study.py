@@ -19,8 +19,9 @@ def test_every_arm_composes_into_a_train_config(tmp_path):
     args = Namespace(tiny=False, features_dir=str(tmp_path), steps=10, save_every=5, seed=0, set=[])
     for name in ARMS:
         cfg = compose(arm_overrides(name, args))
-        selfgen = cfg.data.get("selfgen") is not None  # features from the store, no capture
-        assert cfg.trainer.features_dir == (None if selfgen else str(tmp_path))
+        # all rows self-generated: features from the store, no capture; a mix captures its file rows
+        own_only = cfg.data.get("selfgen") is not None and not cfg.data.selfgen.mix
+        assert cfg.trainer.features_dir == (None if own_only else str(tmp_path))
         assert cfg.trainer.max_steps == 10
         assert cfg.drafter.name == ARMS[name][1][0].split("=")[1]
     assert "trainer.max_steps=30" in arm_overrides("eagle:30", args)  # an arm of its own length

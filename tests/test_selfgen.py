@@ -124,3 +124,47 @@ def test_an_interrupted_store_resumes_and_another_setting_is_refused(tmp_path, m
     (folder / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ValueError, match="other settings"):
         run(_cfg(tmp_path, chats, f"run_dir={tmp_path / 'run3'}"))
+
+
+def test_a_mix_trains_on_the_files_rows_then_the_targets_answers_to_later_prompts(tmp_path):
+    lines = write_chats(tmp_path / "c.jsonl", 19, 8).read_text().splitlines()
+    lines.insert(3, json.dumps({"id": "bad", "conversations": [{"from": "human", "value": "Hi."}]}))
+    chats = tmp_path / "chats.jsonl"  # record 4 has no answer: the file reads 9 records for 8 rows
+    chats.write_text("\n".join(lines) + "\n")
+    r = run(_cfg(tmp_path, chats, "data=sharegpt_mix", "data.max_conversations=8",
+                 "data.selfgen.prompts=6", "trainer.capture_autocast=null"))
+    rows = [r.split_ds[i] for i in range(len(r.split_ds))] + [r.eval_ds[i] for i in range(len(r.eval_ds))]
+    file_ids = {x["id"] for x in rows if x["store_index"] < 0}
+    own_ids = {x["id"] for x in rows if x["store_index"] >= 0}
+    assert file_ids == {f"c{i}" for i in range(8)}  # the file's first 8 conversations, own answers
+    assert own_ids == {f"c{i}" for i in range(8, 14)}  # then the target's, after record 9: no overlap
+    n_file = sum(x["store_index"] < 0 for x in [r.split_ds[i] for i in range(len(r.split_ds))])
+    assert all(r.split_ds[i]["store_index"] < 0 for i in range(n_file))  # file rows first
+    assert json.loads((r.selfgen.folder / "COMPLETE").read_text())["skipped_records"] == 9
+    # each row's features are its own: a file row's from the capture, an own row's from the store
+    from specdistill.data.capture import capture, pad_batch
+
+    idx = [n_file, 0, len(r.split_ds) - 1, 1]
+    batch_rows = [r.train_ds[i] for i in idx]
+    feats, final = r.offline.batch(idx, batch_rows, max(len(x["input_ids"]) for x in batch_rows))
+    b = pad_batch(batch_rows, 0)
+    f2, h2 = capture(r.target, b["input_ids"], b["attention_mask"], r.drafter.feature_layers)
+    m = b["attention_mask"].bool()
+    torch.testing.assert_close(feats[m], f2[m], atol=1e-4, rtol=0)
+    torch.testing.assert_close(final[m], h2[m], atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="file row past"):
+        r.offline.batch([len(r.split_ds)], [{**batch_rows[1], "store_index": -1}], 8)
+
+
+def test_a_store_made_before_mix_and_skip_existed_keeps_its_key():
+    from dataclasses import asdict
+
+    from specdistill.data.dataset import SelfGenSettings
+    from specdistill.data.selfgen import store_key
+
+    class T:
+        identity = {"sha": "x"}
+
+    old = {k: v for k, v in asdict(SelfGenSettings()).items() if k not in ("mix", "skip")}
+    assert store_key(T, "d", SelfGenSettings(mix=True), [1], 0)["settings"] == old
+    assert store_key(T, "d", SelfGenSettings(), [1], 9)["settings"] == {**old, "skip": 9}

@@ -24,9 +24,8 @@ from omegaconf import DictConfig, OmegaConf
 from specdistill.data import quiet
 from specdistill.data.capture import (CaptureConfig, OfflineFeatures, autocast, capture, capture_dir,
                                       offline_features)
-from specdistill.data.dataset import load_chat_dataset
-from specdistill.data.regenerate import self_distilled
-from specdistill.data.selfgen import build_selfgen
+from specdistill.data.mix import MixedFeatures
+from specdistill.data.sources import training_data
 from specdistill.data.teacher import train_batch
 from specdistill.decode.simulate import simulate_acceptance
 from specdistill.drafters.base import TrainBatch, build_drafter, fit_draft_vocab
@@ -121,20 +120,15 @@ class DistillRecipe:
                      tcfg.precision, asked[1], tcfg.capture_autocast, why)
 
     def _setup_data(self, cfg: DictConfig):
-        """The frozen target, and the chat data rendered with its template (self-distilled: the
-        target's own answers, when data.regenerate is set). Rank 0 fills the caches first."""
-        self.selfgen = None
+        """The frozen target, and the chat data rendered with its template (the target's own
+        answers where data.regenerate / data.selfgen say so: data/sources.py). Rank 0 fills the
+        caches first."""
         with self.backend.main_first():
             target = load_target(cfg.target, training=True)  # auto = float32: see resolve_dtype
-            data_cfg = cfg.data
-            if data_cfg.get("selfgen") is not None:  # the target's answers + features, one pass
-                layers = build_drafter(cfg.drafter, target).feature_layers
-                self.selfgen = build_selfgen(target, data_cfg, layers, progress=not quiet())
-                data = self.selfgen.chat_data(data_cfg.eval_fraction, data_cfg.seed)
-            else:
-                if data_cfg.get("regenerate") is not None:
-                    data_cfg = self_distilled(target, data_cfg, progress=not quiet())
-                data = load_chat_dataset(data_cfg, target.tokenizer)
+            layers = lambda: build_drafter(cfg.drafter, target).feature_layers  # noqa: E731
+            self.sources = training_data(target, cfg.data, layers, progress=not quiet())
+        self.selfgen = self.sources.selfgen
+        data = self.sources.data
         log.info("data: %d train / %d eval conversations", len(data.train), len(data.eval))
         return target, data
 
@@ -171,15 +165,18 @@ class DistillRecipe:
         if tcfg.features != "offline":
             raise ValueError(f"trainer.features must be online or offline, not {tcfg.features!r}")
         layers = list(self.drafter.feature_layers)
-        if self.selfgen is not None:  # written with the rows (data/selfgen.py)
-            return self.selfgen.features(layers)
+        own = self.selfgen.features(layers) if self.selfgen is not None else None  # with the rows
+        file = self.sources.captured  # the file's train split (the first rows of a mix)
+        if file is None:
+            return own
         folder = Path(tcfg.features_dir) if tcfg.features_dir else capture_dir(
-            cache_root(self.cfg.target), self.target, self.split_ds, self.data.cache_path.name,
-            layers, tcfg.capture_autocast)
-        return offline_features(self.target, self.split_ds, folder,
-                                CaptureConfig(layers=layers, autocast=tcfg.capture_autocast),
-                                is_main=self.backend.is_main, barrier=self.backend.barrier,
-                                progress=not quiet())
+            cache_root(self.cfg.target), self.target, file.train, file.cache_path.name, layers,
+            tcfg.capture_autocast)
+        feats = offline_features(self.target, file.train, folder,
+                                 CaptureConfig(layers=layers, autocast=tcfg.capture_autocast),
+                                 is_main=self.backend.is_main, barrier=self.backend.barrier,
+                                 progress=not quiet())
+        return feats if own is None else MixedFeatures(feats, own, len(file.train))
 
     def _setup_batches(self, cfg: DictConfig) -> None:
         """This rank's micro-batches of the train split, and the on-policy mixer that replaces a

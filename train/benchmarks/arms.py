@@ -6,6 +6,10 @@ from __future__ import annotations
 # EAGLE-3 ttt 1 on the target's own answers to 1200 prompts: the candidate default's overrides
 SG1200 = ["drafter=eagle3", "drafter.ttt_length=1", "data=sharegpt_selfgen", "data.selfgen.prompts=1200"]
 
+# the default job's recipe (conf/budget/default_eagle3.yaml) as overrides
+ARMS_E3_OP_R1 = ["drafter=eagle3", "drafter.ttt_length=1", "trainer.on_policy_heads_start=0.8",
+                 "trainer.on_policy_heads_rows=1", "trainer.on_policy_heads_anchors=1.0"]
+
 # name -> (what it tests, overrides on top of conf/train.yaml with `~budget`)
 ARMS: dict[str, tuple[str, list[str]]] = {
     "eagle": ("EAGLE-1 (the default until 2026-12-03), teacher-forced", ["drafter=eagle"]),
@@ -47,9 +51,7 @@ ARMS: dict[str, tuple[str, list[str]]] = {
     "e3_ttt1_g16": ("EAGLE-3 ttt 1, batches of similar lengths (step profiles)", [
         "drafter=eagle3", "drafter.ttt_length=1", "trainer.group_by_length=16"]),
     "e3_ttt1_op_r1": ("EAGLE-3, no training-time test, on-policy heads in the last 20%, one row's "
-                      "drafts scored at every anchor", [
-        "drafter=eagle3", "drafter.ttt_length=1", "trainer.on_policy_heads_start=0.8",
-        "trainer.on_policy_heads_rows=1", "trainer.on_policy_heads_anchors=1.0"]),
+                      "drafts scored at every anchor", ARMS_E3_OP_R1),
     "e3_ttt2": ("EAGLE-3, ttt 2", ["drafter=eagle3", "drafter.ttt_length=2"]),
     "e3_ttt3": ("EAGLE-3, ttt 3", ["drafter=eagle3", "drafter.ttt_length=3"]),
     "e3_ttt2_tv": ("EAGLE-3, ttt 2, TV loss", ["drafter=eagle3", "drafter.ttt_length=2",
@@ -115,4 +117,8 @@ ARMS: dict[str, tuple[str, list[str]]] = {
                        [*SG1200, "trainer.batch_size=8"]),
     "dflash_sg": ("DFlash (conf/drafter/dflash.yaml) on the target's own answers", [
         "drafter=dflash", "data=sharegpt_selfgen"]),
+    # a mix (data/mix.py): the default job's 815 ShareGPT conversations (the same capture) + the
+    # target's answers to 600 first turns of the conversations after them
+    "e3_op_mix": ("the default job's recipe (EAGLE-3 ttt 1 + on-policy heads) on ShareGPT + own answers "
+                  "to 600 later prompts", [*ARMS_E3_OP_R1, "data=sharegpt_mix"]),
 }

@@ -44,6 +44,7 @@ from specdistill.train.runlock import RunLock
 from specdistill.train.batches import BatchIterator, first_conversations
 from specdistill.train.loggers import Loggers
 from specdistill.train.losses import distill_loss
+from specdistill.train.memory import release_free_memory
 from specdistill.train.on_policy import OnPolicyMixer
 from specdistill.drafters.precision import training_precision
 from specdistill.train.on_policy_heads import (anchor_generator, check_on_policy_heads,
@@ -308,6 +309,7 @@ class DistillRecipe:
                 self.loggers.log({**metrics, "target_tokens_per_s": seen * self.backend.world_size
                                   / max(dt, 1e-9), "tokens_per_step": seen / max(n, 1)}, self.step)
                 t0, seen, n = time.perf_counter(), 0, 0
+                release_free_memory()  # glibc keeps the steps' freed tensors otherwise (train/memory.py)
             last = self.step == tcfg.max_steps
             if (tcfg.eval_every and self.step % tcfg.eval_every == 0) or last:
                 self.evaluate()

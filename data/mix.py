@@ -2,7 +2,7 @@
 
     python -m train data=sharegpt_mix                  # conf/data/sharegpt_mix.yaml
     data = mix_chat_data(file_data, store.chat_data(eval_fraction, seed))
-    feats = MixedFeatures(offline_features(...), store.features(layers), n_file=len(file_data.train))
+    feats = MixedFeatures(offline_features(...), store.features(layers))
 
 The file's conversations are many-turn and varied; the target's answers are what the drafter will
 be asked to draft. A mix trains on both within one job: the file's first `max_conversations`
@@ -52,11 +52,9 @@ class MixedFeatures:
     """The trainer's offline features of a mix: a file row's from the file's capture (indexed by its
     row in the file's train split), a target's row's from the self-generated store."""
 
-    def __init__(self, file, own, n_file: int) -> None:
-        if len(file) != n_file:
-            raise ValueError(f"the capture holds {len(file)} conversations, the mix's file rows "
-                             f"{n_file}: capture the file's train split again")
-        self.file, self.own, self.n_file = file, own, n_file
+    def __init__(self, file, own) -> None:
+        # file: offline_features() of the file's train split (it checks the capture holds every row)
+        self.file, self.own, self.n_file = file, own, len(file)
 
     def batch(self, indices: list[int], rows: list[dict], T: int):
         """Right-padded (B, T, F) features and (B, T, H) final states of train rows `indices`."""

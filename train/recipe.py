@@ -128,10 +128,13 @@ class DistillRecipe:
             target = load_target(cfg.target, training=True)  # auto = float32: see resolve_dtype
             layers = lambda: build_drafter(cfg.drafter, target).feature_layers  # noqa: E731
             self.sources = training_data(target, cfg.data, layers, progress=not quiet())
-        self.selfgen = self.sources.selfgen
         data = self.sources.data
         log.info("data: %d train / %d eval conversations", len(data.train), len(data.eval))
         return target, data
+
+    @property
+    def selfgen(self):  # the self-generated store of the rows (data.selfgen), or None
+        return self.sources.selfgen
 
     def _setup_drafter(self, cfg: DictConfig):
         """The drafter built on the target, its draft vocabulary fitted to the training data's
@@ -166,7 +169,8 @@ class DistillRecipe:
         if tcfg.features != "offline":
             raise ValueError(f"trainer.features must be online or offline, not {tcfg.features!r}")
         layers = list(self.drafter.feature_layers)
-        own = self.selfgen.features(layers) if self.selfgen is not None else None  # with the rows
+        store = self.sources.selfgen
+        own = store.features(layers) if store is not None else None  # written with the rows
         file = self.sources.captured  # the file's train split (the first rows of a mix)
         if file is None:
             return own
@@ -177,7 +181,7 @@ class DistillRecipe:
                                  CaptureConfig(layers=layers, autocast=tcfg.capture_autocast),
                                  is_main=self.backend.is_main, barrier=self.backend.barrier,
                                  progress=not quiet())
-        return feats if own is None else MixedFeatures(feats, own, len(file.train))
+        return feats if own is None else MixedFeatures(feats, own)
 
     def _setup_batches(self, cfg: DictConfig) -> None:
         """This rank's micro-batches of the train split, and the on-policy mixer that replaces a

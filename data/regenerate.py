@@ -16,7 +16,6 @@ answers in one file, and a file without it (the user's own) is never appended to
 """
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import logging
@@ -32,8 +31,13 @@ from omegaconf import MISSING
 from specdistill.data import quiet
 from specdistill.data.dataset import DataConfig, RegenerateSettings, cache_root, cached_file_sha256, data_file
 from specdistill.drafters.identity import differences
+from specdistill.drafters.precision import model_at
 from specdistill.drafters.target import DTYPES, TargetConfig, resolve_dtype
 from specdistill.data.sharegpt import Conversation, iter_conversations
+
+# answers' format: 2 = a generation copy at another dtype keeps fp32 RoPE frequencies
+# (drafters/precision.cast_floats; format 1's bf16 copies rounded them, so were not the target)
+FORMAT = 2
 
 log = logging.getLogger(__name__)
 FROM = {"user": "human", "assistant": "gpt", "system": "system"}
@@ -62,7 +66,7 @@ def self_distilled(target, data_cfg, progress: bool = True):
         raise FileNotFoundError(f"data file {src} does not exist (data.path={data_cfg.path!r}).")
     root = cache_root(data_cfg)
     settings = OmegaConf.to_container(OmegaConf.create(settings))  # a plain dict
-    key = hashlib.sha1(json.dumps([target.identity, cached_file_sha256(src, root), settings],
+    key = hashlib.sha1(json.dumps([target.identity, cached_file_sha256(src, root), settings, FORMAT],
                                   sort_keys=True).encode()).hexdigest()[:20]
     out = root / "regen" / f"{key}.jsonl"
     done = out.with_suffix(".done")
@@ -101,7 +105,7 @@ def claim_out(out: Path, target, cfg, dtype: str) -> None:
     command did not start, or when its answers came from another target or other generation
     settings (every differing key named)."""
     side = sidecar(out)
-    record = {"target": target.identity,
+    record = {"format": FORMAT, "target": target.identity,
               "generation": {**{k: getattr(cfg, k) for k in GENERATION_KEYS}, "dtype": dtype}}
     if side.is_file():
         old = json.loads(side.read_text())
@@ -117,7 +121,7 @@ def claim_out(out: Path, target, cfg, dtype: str) -> None:
                               f"changes another file; give a new out= file")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = side.with_name(side.name + ".tmp")
-    tmp.write_text(json.dumps({"format": 1, **record}, indent=1))
+    tmp.write_text(json.dumps(record, indent=1))
     os.replace(tmp, side)
 
 
@@ -175,8 +179,7 @@ def regenerate(target, convs: list[Conversation], cfg, out: Path, progress: bool
         choice = resolve_dtype(cfg.dtype, target.device.type)  # auto: bf16 where native
         log.info("regenerating at %s (%s)", choice.dtype, choice.check)
         dtype = choice.dtype
-        if DTYPES[choice.dtype] != target.dtype:
-            model = copy.deepcopy(target.model).to(DTYPES[choice.dtype])
+        model = model_at(target.model, DTYPES[choice.dtype])
     claim_out(out, target, cfg, dtype)
     seen = done_ids(out)
     # shortest first: a batch pads to its longest prompt, and prefill dominates on CPUs

@@ -24,7 +24,6 @@ answers as ShareGPT text, for reading or another tool) and COMPLETE (counts, tok
 """
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import logging
@@ -47,7 +46,9 @@ from specdistill.drafters.prepack import prepacked
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2  # 2: the target by its identity (drafters/identity.py)
+# 2: the target by its identity (drafters/identity.py); 3: a generation copy at another dtype keeps
+# fp32 RoPE frequencies (drafters/precision.cast_floats; 2's bf16 copies rounded them: not the target)
+FORMAT_VERSION = 3
 MANIFEST, COMPLETE, ANSWERS = "manifest.json", "COMPLETE", "answers.jsonl"
 STORE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -93,12 +94,13 @@ def store_key(target, src_sha: str, settings: SelfGenSettings, layers: Sequence[
 
 def _generation_model(target, dtype: str):
     """The target's model in the generation dtype (a copy when it differs from the target's)."""
+    from specdistill.drafters.precision import model_at
     from specdistill.drafters.target import DTYPES, resolve_dtype
 
     choice = resolve_dtype(dtype, target.device.type)  # auto: bf16 where native
     want = DTYPES[choice.dtype]
     log.info("self-generation at %s (%s)", choice.dtype, choice.check)
-    return target.model if want == target.dtype else copy.deepcopy(target.model).to(want)
+    return model_at(target.model, want)
 
 
 def _write_shard(path: Path, prompts: list[dict], answers, store_dtype: torch.dtype) -> int:

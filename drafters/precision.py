@@ -6,6 +6,7 @@ fp32 there, and on a CPU with native bf16 a verify forward of 6 tokens costs abo
 """
 from __future__ import annotations
 
+import copy
 import math
 import os
 from dataclasses import dataclass, field
@@ -148,14 +149,38 @@ def cast_drafter(drafter, target, dtype: torch.dtype):
     from specdistill.drafters.head import Shared
     from specdistill.drafters.prepack import is_prepacked, use_prepacked_linear
 
-    shared = {p.data_ptr() for p in target.model.parameters()}
     for mod in drafter.modules():
         if isinstance(mod, Shared):
             mod.dtype = dtype
-        for store in (mod._parameters, mod._buffers):
-            for name, t in store.items():
-                if t is not None and t.is_floating_point() and t.data_ptr() not in shared:
-                    t.data = t.data.to(dtype)
+    cast_floats(drafter, dtype, keep={p.data_ptr() for p in target.model.parameters()})
     if is_prepacked(target.model):  # the same kernels as the target's (fp32 CPU layers only)
         use_prepacked_linear(drafter)
     return drafter
+
+
+def cast_floats(model: torch.nn.Module, dtype: torch.dtype,
+                keep: set[int] | frozenset[int] = frozenset()) -> torch.nn.Module:
+    """Cast `model`'s floating parameters and persistent buffers to `dtype` in place, leaving it as
+    `from_pretrained(dtype=...)` does: non-persistent buffers stay as built. They are what the
+    modules compute from the config, RoPE's `inv_freq` in fp32 above all: `model.to(bfloat16)`
+    rounds the rotary frequencies to bf16, which shifts the angles of position p by up to p x 1.4e-3
+    rad (SmolLM2: 0.71 rad at position 512), so a model cast that way is not the model a later
+    `from_pretrained` load, an engine, or training ran. Tensors whose data_ptr is in `keep` (weights
+    shared with another model) are left as they are. Returns `model`."""
+    for mod in model.modules():
+        transient = getattr(mod, "_non_persistent_buffers_set", set())
+        for store, is_buffer in ((mod._parameters, False), (mod._buffers, True)):
+            for name, t in store.items():
+                if (t is None or not t.is_floating_point() or t.data_ptr() in keep
+                        or (is_buffer and name in transient)):
+                    continue
+                t.data = t.data.to(dtype)
+    return model
+
+
+def model_at(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """`model` itself when it runs at `dtype`, else a copy cast by `cast_floats` (e.g. a bf16
+    generation copy of an fp32 training target: the same model, RoPE frequencies included)."""
+    if next(model.parameters()).dtype == dtype:
+        return model
+    return cast_floats(copy.deepcopy(model), dtype)

@@ -25,8 +25,8 @@ from omegaconf import MISSING, OmegaConf
 from specdistill.drafters.attention import use_few_query_attention
 from specdistill.drafters.identity import architecture, folder_identity, parameters_sha256
 from specdistill.drafters.precision import (  # noqa: F401
-    DTYPES, NATIVE_BF16_FLAGS, DtypeChoice, available_cores, cpu_flags, idle_cores, resolve_dtype,
-    set_threads)
+    DTYPES, NATIVE_BF16_FLAGS, DtypeChoice, available_cores, cast_floats, cpu_flags, idle_cores,
+    resolve_dtype, set_threads)
 from specdistill.drafters.prepack import use_prepacked_linear
 from specdistill.drafters.ranges import MAX_THREADS, SEED, rng
 
@@ -287,7 +287,7 @@ def _load_gguf_cached(gguf: Path, cfg: TargetConfig,
             if not (cached / "config.json").is_file():  # not a lost race with another process
                 raise
         log.info("de-quantised in %.1f s", time.perf_counter() - t0)
-        return model.to(dtype), tok, f"{gguf} (de-quantised, cached at {cached})", cached
+        return cast_floats(model, dtype), tok, f"{gguf} (de-quantised, cached at {cached})", cached
     model = AutoModelForCausalLM.from_pretrained(cached, dtype=dtype)
     tok = AutoTokenizer.from_pretrained(cached)
     return model, tok, f"{gguf} (from cache {cached})", cached
@@ -313,7 +313,7 @@ def _random_init(cfg: TargetConfig, dtype: torch.dtype) -> tuple[Any, Any, str]:
     fields = {"vocab_size": len(tok), "bos_token_id": tok.bos_token_id,
               "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id, **cfg.model_config}
     torch.manual_seed(cfg.seed)
-    model = LlamaForCausalLM(LlamaConfig(**fields)).to(dtype)
+    model = cast_floats(LlamaForCausalLM(LlamaConfig(**fields)), dtype)  # as from_pretrained would
     return model, tok, f"random-init Llama {dict(cfg.model_config)} (tokenizer {cfg.tokenizer})"
 
 

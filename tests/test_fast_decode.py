@@ -301,6 +301,8 @@ def test_cast_drafter_runs_every_drafter_at_bf16_losslessly(tiny_target_cfg, nam
     assert own and all(p.dtype == torch.bfloat16 for p in own)
     assert all(m.dtype == torch.bfloat16 for m in d.modules() if isinstance(m, Shared))
     assert all(p.dtype == torch.float32 for p in t.model.parameters())
+    rope = [m.inv_freq for m in d.modules() if hasattr(m, "inv_freq")]  # as training computed them
+    assert all(f.dtype == torch.float32 for f in rope) and (rope or name in ("medusa", "small_lm"))
     ids = torch.arange(5, 25)
     ref = generate(t, None, ids, max_new_tokens=12).tokens
     out = generate(t, d, ids, max_new_tokens=12, k=3)

@@ -32,6 +32,29 @@ def test_tiny_target(tiny_target_cfg):
     torch.testing.assert_close(again.model.lm_head.weight, target.model.lm_head.weight)
 
 
+def test_a_cast_model_is_the_model_a_load_at_that_dtype_gives(tiny_target_cfg, tmp_path):
+    """A target cast to bf16 (the first load of a GGUF, a random-init target, the bf16 copy that
+    self-generation and regeneration run) computes what `from_pretrained(dtype=bf16)` of the same
+    weights computes: RoPE's frequencies stay fp32. `.to(bf16)` rounds them, which moves the
+    attention of late positions (this test fails with it)."""
+    from dataclasses import replace
+
+    from specdistill.drafters.precision import model_at
+
+    fp32 = load_target(tiny_target_cfg).model
+    fp32.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    ids = torch.arange(5, 405)[None]  # late positions: the frequencies' rounding grows with them
+    with torch.no_grad():
+        ref = loaded(ids).logits
+        for model in (model_at(fp32, torch.bfloat16),
+                      load_target(replace(tiny_target_cfg, dtype="bfloat16")).model):
+            assert model.model.rotary_emb.inv_freq.dtype == torch.float32
+            assert torch.equal(model(ids).logits, ref)
+        assert model_at(fp32, torch.float32) is fp32
+        assert not torch.equal(fp32.to(torch.bfloat16)(ids).logits, ref)  # what the cast avoids
+
+
 @pytest.mark.slow
 def test_smollm2_target_and_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDISTILL_CACHE", str(tmp_path))

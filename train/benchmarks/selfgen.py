@@ -19,7 +19,6 @@ writes <out>/selfgen_bench.json.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import statistics
 import time
@@ -76,11 +75,12 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     from specdistill.data.assets import asset_path
     from specdistill.data.selfgen import first_turns
+    from specdistill.drafters.precision import model_at
     from specdistill.drafters.target import TargetConfig, load_target
 
     target = load_target(TargetConfig(path="packaged:smollm2", dtype="float32",
                                       threads=args.threads), training=True)
-    model = copy.deepcopy(target.model).to(torch.bfloat16)  # both generate at bf16
+    model = model_at(target.model, torch.bfloat16)  # both generate at bf16
     n = args.batches * args.batch_size
     prompts, _ = first_turns(asset_path("sharegpt"), target.tokenizer, n, args.max_prompt_tokens)
     prompts = sorted((p["prompt_ids"] for p in prompts), key=len)

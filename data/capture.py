@@ -16,7 +16,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -26,7 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from specdistill.data import quiet
-from specdistill.data.dataset import DataConfig
+from specdistill.data.dataset import DataConfig, pad_batch
 from specdistill.drafters.identity import differences
 from specdistill.drafters.target import TargetConfig
 from specdistill.drafters.ranges import MAX_BATCH, MAX_COUNT, MAX_LAYERS, rng
@@ -68,6 +68,7 @@ MANIFEST = "manifest.json"
 # 2: the target is recorded by its identity (drafters/identity.py), not its description;
 # a format-1 capture is refused (it cannot say which target it came from)
 FORMAT_VERSION = 2
+STORAGE = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # the dtypes a capture stores
 
 
 @dataclass
@@ -83,6 +84,7 @@ class CaptureConfig:
     batch_size: int = rng(4, 1, MAX_BATCH)  # conversations per target forward
     limit: Optional[int] = rng(None, 1, MAX_COUNT)  # only the first N conversations of the split
     dtype: str = "float32"  # storage dtype: float32 | bfloat16 (halves the disk)
+    features_dtype: Optional[str] = None  # of the layers' features alone (None: dtype); final: dtype
     # run the target's forward under torch.autocast in this dtype (None = the target's own dtype):
     # bfloat16 is ~2.8x faster on CPUs with AVX512-BF16/AMX, features within ~1% of fp32
     autocast: Optional[str] = None
@@ -93,7 +95,8 @@ def _manifest(cfg, target, n: int) -> dict:
     path), the layers, the split and its size, the storage layout, the forward's autocast."""
     return {"version": FORMAT_VERSION, "target": target.identity, "layers": list(cfg.layers),
             "split": cfg.split, "conversations": n, "shard_size": cfg.shard_size,
-            "dtype": cfg.dtype, "autocast": cfg.autocast}
+            "dtype": cfg.dtype, "autocast": cfg.autocast,
+            **({"features_dtype": cfg.features_dtype} if cfg.features_dtype not in (None, cfg.dtype) else {})}
 
 
 def read_manifest(folder: Path) -> dict | None:
@@ -135,14 +138,16 @@ def autocast(target, dtype: Optional[str]):
     return torch.autocast(device_type=target.device.type, dtype=getattr(torch, dtype))
 
 
-def write_shard(path: Path, rows: list[dict], feats: list, finals: list, dtype: torch.dtype) -> None:
-    """One shard: rows concatenated along time, with offsets; written atomically."""
+def write_shard(path: Path, rows: list[dict], feats: list, finals: list, dtype: torch.dtype,
+                features_dtype: torch.dtype | None = None) -> None:
+    """One shard: rows concatenated along time, with offsets (features at `features_dtype`, None:
+    `dtype`); written atomically."""
     lengths = torch.tensor([len(r["input_ids"]) for r in rows])
     tensors = {"offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
                "input_ids": torch.cat([torch.as_tensor(r["input_ids"]) for r in rows]),
                "final": torch.cat(finals).to(dtype).contiguous()}
     if feats and feats[0] is not None:  # absent when the features are the final hidden state
-        tensors["features"] = torch.cat(feats).to(dtype).contiguous()
+        tensors["features"] = torch.cat(feats).to(features_dtype or dtype).contiguous()
     tmp = path.with_name(f".{path.name}.tmp")
     save_file(tensors, str(tmp))
     os.replace(tmp, path)
@@ -171,7 +176,10 @@ def capture_split(target, rows, cfg, out: Path, progress: bool = True) -> Path:
         tmp = out / f".{MANIFEST}.tmp"
         tmp.write_text(json.dumps(manifest, indent=1))
         os.replace(tmp, out / MANIFEST)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
+    if not {cfg.dtype, cfg.features_dtype or cfg.dtype} <= STORAGE.keys():
+        raise ValueError(f"capture dtype={cfg.dtype!r} features_dtype={cfg.features_dtype!r}: "
+                         f"storage dtypes are {sorted(STORAGE)}")
+    dtype, features_dtype = STORAGE[cfg.dtype], STORAGE[cfg.features_dtype or cfg.dtype]
     shards = range(0, n, cfg.shard_size)
     t0 = time.perf_counter()
     for s in tqdm(shards, desc="capture", disable=not progress):
@@ -191,7 +199,7 @@ def capture_split(target, rows, cfg, out: Path, progress: bool = True) -> Path:
                 T = len(r["input_ids"])
                 feats.append(None if f is None else f[j, :T].cpu())
                 finals.append(h[j, :T].cpu())
-        write_shard(path, chunk, feats, finals, dtype)
+        write_shard(path, chunk, feats, finals, dtype, features_dtype)
         if not progress:  # a line per shard where there is no progress bar (logs, CI)
             done = sum(len(r["input_ids"]) for r in chunk)
             log.info("captured shard %d/%d (%d tokens, %.0f s so far)", s // cfg.shard_size + 1,
@@ -269,14 +277,18 @@ def pad_features(got: list[tuple[torch.Tensor | None, torch.Tensor]], T: int):
     return feats, final
 
 
-def capture_dir(root: Path, target, rows, data_cache: str, layers, autocast_dtype: Optional[str]) -> Path:
-    """Where offline features of this (target, data split, layers, autocast) live when no folder is
-    given: under the cache root, so a second run on the same data skips the capture. `rows` is the
-    train split (its ids pin eval_fraction and seed); `data_cache` names the tokenised data cache."""
+def capture_dir(root: Path, target, rows, data_cache: str, layers, autocast_dtype: Optional[str],
+                features_dtype: Optional[str] = None) -> Path:
+    """Where offline features of this (target, data split, layers, autocast, features' storage) live
+    when no folder is given: under the cache root, so a second run on the same data skips the
+    capture. `rows`: the train split (its ids pin eval_fraction and seed); `data_cache` names the
+    tokenised data cache. Default settings stay out of the key (older folders keep theirs)."""
     split = hashlib.sha1("\n".join(rows["id"]).encode()).hexdigest()
     key = [target.identity, data_cache, split, list(layers)]  # the identity holds the dtype
     if autocast_dtype:
         key.append(autocast_dtype)
+    if features_dtype not in (None, "float32"):
+        key.append({"features_dtype": features_dtype})
     return Path(root) / "features" / hashlib.sha1(json.dumps(key).encode()).hexdigest()[:20]
 
 
@@ -288,6 +300,8 @@ def offline_features(target, rows, folder: Path, cfg: CaptureConfig, *, is_main:
     # a capture made for OTHER layers that serves these is reused as is (the same layers resume);
     # either way its target and autocast must be these (OfflineFeatures checks)
     man = read_manifest(folder)
+    if man is not None:  # a capture keeps the storage it was made with (reads are fp32 either way)
+        cfg = replace(cfg, dtype=man["dtype"], features_dtype=man.get("features_dtype"))
     captured = man["layers"] if man is not None else None
     reuse = captured not in (None, list(cfg.layers)) and serves(captured, cfg.layers)
     if is_main and not reuse:
@@ -298,21 +312,6 @@ def offline_features(target, rows, folder: Path, cfg: CaptureConfig, *, is_main:
         raise ValueError(f"capture {folder} holds {len(features)} conversations, the train split "
                          f"{len(rows)}: capture the same data (or drop trainer.features_dir)")
     return features
-
-
-def pad_batch(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad a list of {input_ids, loss_mask} rows into (B, T) tensors."""
-    T = max(len(r["input_ids"]) for r in rows)
-    B = len(rows)
-    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((B, T), dtype=torch.long)
-    loss_mask = torch.zeros((B, T), dtype=torch.long)
-    for i, r in enumerate(rows):
-        n = len(r["input_ids"])
-        input_ids[i, :n] = torch.as_tensor(r["input_ids"])
-        attention_mask[i, :n] = 1
-        loss_mask[i, :n] = torch.as_tensor(r["loss_mask"])
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
 
 
 @dataclass

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Optional
 
 import datasets
+import torch
 
 from specdistill.data import quiet
 from specdistill.data.assets import asset_path
@@ -344,3 +345,18 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def pad_batch(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad a list of {input_ids, loss_mask} rows into (B, T) tensors."""
+    T = max(len(r["input_ids"]) for r in rows)
+    B = len(rows)
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, T), dtype=torch.long)
+    loss_mask = torch.zeros((B, T), dtype=torch.long)
+    for i, r in enumerate(rows):
+        n = len(r["input_ids"])
+        input_ids[i, :n] = torch.as_tensor(r["input_ids"])
+        attention_mask[i, :n] = 1
+        loss_mask[i, :n] = torch.as_tensor(r["loss_mask"])
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}

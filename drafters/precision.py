@@ -100,6 +100,21 @@ def training_precision(precision: str, capture_autocast: str | None, device: str
             ("bfloat16" if native else None) if capture_autocast == "auto" else capture_autocast, why)
 
 
+def features_storage(setting: str, precision: str) -> str | None:
+    """trainer.capture_features_dtype (float32 | bfloat16 | auto) -> the storage dtype of captured
+    layer features (data/capture.py CaptureConfig.features_dtype; None: as the final hidden state,
+    fp32). auto: bfloat16 when the drafter trains under bf16 autocast (`precision`), whose first
+    layer reads them at bf16 anyway: storing them rounded changes no value it computes (EAGLE-3,
+    P-EAGLE, DFlash fuse them with a linear layer; an EAGLE-1 head on a non-final layer regresses
+    them: its targets round to bf16, as in SpecForge's bf16 captures), at half the disk and page
+    cache. The final hidden state (the teacher's logits) stays fp32 either way."""
+    if setting not in ("float32", "bfloat16", "auto"):
+        raise ValueError(f"trainer.capture_features_dtype={setting!r}: use float32, bfloat16 or auto")
+    if setting == "auto":
+        return "bfloat16" if precision == "bf16" else None
+    return None if setting == "float32" else setting
+
+
 def available_cores() -> int:
     """CPU cores this process may use: its affinity mask, capped by a cgroup v2 CPU quota (a
     container allowed 2 CPUs of a 64-core host would otherwise run 64 contending threads)."""

@@ -220,6 +220,47 @@ def test_online_and_offline_capture_of_three_layers(tmp_path, chats):
     assert len(folders) == 2
 
 
+@pytest.mark.parametrize("name", ["eagle3", "dflash"])
+def test_bf16_stored_features_train_the_same_drafter_under_bf16(tmp_path, chats, name, monkeypatch):
+    """trainer.capture_features_dtype=auto with precision=bf16: the layers' features are stored at
+    bf16 (half the bytes; the final hidden state, the teacher, stays fp32) in a folder of their own,
+    and training is bit-identical to fp32 storage, since the drafter's fuse layer reads them at bf16
+    anyway (it would differ if any op read them at fp32 first). An existing capture keeps its
+    storage; fp32 training keeps fp32 features."""
+    from safetensors import safe_open
+
+    from specdistill.drafters.precision import features_storage
+    from specdistill.train.recipe import DistillRecipe
+
+    monkeypatch.setenv("SPECDISTILL_CACHE", str(tmp_path / "cache"))  # the captures' default folders
+    runs = {}
+    for store in ("float32", "auto", "reuse"):
+        over = [f"trainer.features_dir={runs['float32'][2]}"] if store == "reuse" else []
+        cfg = eagle3_recipe_cfg(tmp_path / store, chats, name, "trainer.max_steps=3", "trainer.log_every=1",
+                                "trainer.features=offline", "trainer.precision=bf16", "trainer.eval_every=0",
+                                "trainer.save_every=0", "trainer.capture_features_dtype=auto", *over)
+        if store == "float32":
+            cfg.trainer.capture_features_dtype = "float32"
+        r = DistillRecipe(cfg)
+        r.setup()
+        r.train()
+        rows = [json.loads(line) for line in open(Path(cfg.run_dir) / "metrics.jsonl")]
+        runs[store] = ([x["loss"] for x in rows if "loss" in x],
+                       {k: v.clone() for k, v in r.drafter.state_dict().items()}, r.offline.folder)
+        r.cleanup()
+    (l32, w32, f32), (l16, w16, f16), (lre, _, fre) = runs["float32"], runs["auto"], runs["reuse"]
+    assert f16 != f32 and fre == f32  # its own folder; a given folder is used as it was made
+    for folder, want in ((f32, torch.float32), (f16, torch.bfloat16)):
+        with safe_open(str(next(folder.glob("shard-*.safetensors"))), "pt") as sh:
+            assert sh.get_tensor("features").dtype == want
+            assert sh.get_tensor("final").dtype == torch.float32
+    assert len(l32) == 3 and l16 == l32 and lre == l32
+    assert all(torch.equal(w16[k], w32[k]) for k in w32)
+    assert features_storage("auto", "fp32") is None and features_storage("auto", "bf16") == "bfloat16"
+    with pytest.raises(ValueError, match="capture_features_dtype='fp8'"):
+        features_storage("fp8", "bf16")
+
+
 # -- exports ----------------------------------------------------------------------------------------
 ENGINE_CFGS = {"sglang": [{}, {"draft_vocab_size": 48}],
                "vllm": [{"draft_vocab_size": 48, "num_layers": 2, "norm_before_residual": True}],

@@ -49,13 +49,15 @@ def test_training_precision_auto_is_bf16_only_where_native(monkeypatch, flags, p
 
     _flags(monkeypatch, flags)
     r = DistillRecipe(OmegaConf.create({"run_dir": "unused", "trainer": {
-        "precision": "auto", "capture_autocast": "auto"}}))
-    r._resolve_precision("cpu")
-    assert (r.tcfg.precision, r.tcfg.capture_autocast) == (precision_, capture)
+        "precision": "auto", "capture_autocast": "auto", "capture_features_dtype": "auto"}}))
+    r._resolve_precision("cpu")  # features stored at bf16 where the drafter trains at bf16
+    assert (r.tcfg.precision, r.tcfg.capture_autocast, r.tcfg.capture_features_dtype) == (
+        precision_, capture, capture)
     r = DistillRecipe(OmegaConf.create({"run_dir": "unused", "trainer": {
-        "precision": "bf16", "capture_autocast": None}}))
+        "precision": "bf16", "capture_autocast": None, "capture_features_dtype": "float32"}}))
     r._resolve_precision("cpu")  # explicit settings stay what they are on any CPU
-    assert (r.tcfg.precision, r.tcfg.capture_autocast) == ("bf16", None)
+    assert (r.tcfg.precision, r.tcfg.capture_autocast, r.tcfg.capture_features_dtype) == (
+        "bf16", None, None)
     r.tcfg.precision = "bf61"
     with pytest.raises(ValueError, match="trainer.precision='bf61': use fp32, bf16 or auto"):
         r._resolve_precision("cpu")

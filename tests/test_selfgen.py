@@ -78,7 +78,8 @@ def test_training_reads_the_rows_and_features_the_target_wrote(tmp_path):
     text = r.target.tokenizer.decode(row["input_ids"][:P])
     assert text.endswith("<|im_start|>assistant\n") and "Continue from" in text
     # the offline batch of the store equals an online capture of the same rows (fp32 here)
-    from specdistill.data.capture import capture, pad_batch
+    from specdistill.data.capture import capture
+    from specdistill.data.dataset import pad_batch
 
     rows = [r.train_ds[i] for i in range(3)]
     feats, final = r.offline.batch([0, 1, 2], rows, max(len(x["input_ids"]) for x in rows))
@@ -142,7 +143,8 @@ def test_a_mix_trains_on_the_files_rows_then_the_targets_answers_to_later_prompt
     assert all(r.split_ds[i]["store_index"] < 0 for i in range(n_file))  # file rows first
     assert json.loads((r.selfgen.folder / "COMPLETE").read_text())["skipped_records"] == 9
     # each row's features are its own: a file row's from the capture, an own row's from the store
-    from specdistill.data.capture import capture, pad_batch
+    from specdistill.data.capture import capture
+    from specdistill.data.dataset import pad_batch
 
     idx = [n_file, 0, len(r.split_ds) - 1, 1]
     batch_rows = [r.train_ds[i] for i in idx]

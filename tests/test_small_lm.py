@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from conftest import TINY_MODEL
-from specdistill.data.capture import pad_batch
+from specdistill.data.dataset import pad_batch
 from specdistill.decode.spec import generate
 from specdistill.drafters.anchors import dense_logits
 from specdistill.drafters.base import (DecodeState, TrainBatch, build_drafter, load_drafter, save_drafter)

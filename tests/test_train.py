@@ -10,7 +10,8 @@ from hydra import compose, initialize_config_dir
 
 import specdistill.train.__main__  # noqa: F401  (stores the schemas)
 from conftest import write_chats
-from specdistill.data.capture import CaptureConfig, OfflineFeatures, capture, capture_split, pad_batch
+from specdistill.data.capture import CaptureConfig, OfflineFeatures, capture, capture_split
+from specdistill.data.dataset import pad_batch
 from specdistill.decode.spec import generate
 from specdistill.drafters.base import load_drafter
 from specdistill.drafters.vocab import select_draft_vocab

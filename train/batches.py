@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from specdistill.data.capture import pad_batch
+from specdistill.data.dataset import pad_batch
 
 
 class BatchIterator:

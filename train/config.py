@@ -52,6 +52,9 @@ class TrainerConfig:
     # the target's training forwards (offline capture, online, on-policy batches) under
     # torch.autocast: bfloat16 | float16 | auto (bfloat16 where native, else off) | None (target.dtype)
     capture_autocast: Optional[str] = None
+    # storage of the captured layers' features: float32 | bfloat16 | auto (bfloat16 when precision is
+    # bf16: the drafter reads them at bf16 anyway; drafters/precision.py features_storage)
+    capture_features_dtype: Optional[str] = "float32"
     # offline: a `python -m specdistill.data.capture` out folder (None = auto, in the cache)
     features_dir: Optional[str] = None
     # train on the first N conversations of the train split only (None = all): data-scaling studies

@@ -28,7 +28,7 @@ import torch
 from tqdm import tqdm
 
 from specdistill.data import quiet
-from specdistill.data.capture import pad_batch
+from specdistill.data.dataset import pad_batch
 from specdistill.drafters.base import DecodeState, Drafter
 from specdistill.drafters.sampling import SamplingParams
 

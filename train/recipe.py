@@ -46,7 +46,7 @@ from specdistill.train.loggers import Loggers
 from specdistill.train.losses import distill_loss
 from specdistill.train.memory import release_free_memory
 from specdistill.train.on_policy import OnPolicyMixer
-from specdistill.drafters.precision import training_precision
+from specdistill.drafters.precision import features_storage, training_precision
 from specdistill.train.on_policy_heads import (anchor_generator, check_on_policy_heads,
                                                own_drafts, own_steps, score_own_drafts)
 from specdistill.train.report import write_report
@@ -116,6 +116,7 @@ class DistillRecipe:
         """trainer.precision / capture_autocast = auto -> bf16 where `device` runs it natively."""
         tcfg, asked = self.tcfg, (self.tcfg.precision, self.tcfg.capture_autocast)
         tcfg.precision, tcfg.capture_autocast, why = training_precision(*asked, device)
+        tcfg.capture_features_dtype = features_storage(tcfg.capture_features_dtype, tcfg.precision)
         if "auto" in asked:
             log.info("trainer.precision=%s -> %s, trainer.capture_autocast=%s -> %s (%s)", asked[0],
                      tcfg.precision, asked[1], tcfg.capture_autocast, why)
@@ -169,18 +170,17 @@ class DistillRecipe:
         if tcfg.features != "offline":
             raise ValueError(f"trainer.features must be online or offline, not {tcfg.features!r}")
         layers = list(self.drafter.feature_layers)
-        store = self.sources.selfgen
-        own = store.features(layers) if store is not None else None  # written with the rows
+        own = self.sources.selfgen and self.sources.selfgen.features(layers)  # written with the rows
         file = self.sources.captured  # the file's train split (the first rows of a mix)
         if file is None:
             return own
+        ccfg = CaptureConfig(layers=layers, autocast=tcfg.capture_autocast,
+                             features_dtype=tcfg.capture_features_dtype)
         folder = Path(tcfg.features_dir) if tcfg.features_dir else capture_dir(
             cache_root(self.cfg.target), self.target, file.train, file.cache_path.name, layers,
-            tcfg.capture_autocast)
-        feats = offline_features(self.target, file.train, folder,
-                                 CaptureConfig(layers=layers, autocast=tcfg.capture_autocast),
-                                 is_main=self.backend.is_main, barrier=self.backend.barrier,
-                                 progress=not quiet())
+            ccfg.autocast, ccfg.features_dtype)
+        feats = offline_features(self.target, file.train, folder, ccfg, is_main=self.backend.is_main,
+                                 barrier=self.backend.barrier, progress=not quiet())
         return feats if own is None else MixedFeatures(feats, own)
 
     def _setup_batches(self, cfg: DictConfig) -> None:

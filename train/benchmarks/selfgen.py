@@ -29,7 +29,8 @@ import torch
 
 def two_pass(target, model, prompts: list[list[int]], max_new_tokens: int, layers) -> int:
     """HF generate (left-padded batch) + the capture forward over prompt + answer; answer tokens."""
-    from specdistill.data.capture import autocast, capture, pad_batch
+    from specdistill.data.capture import autocast, capture
+    from specdistill.data.dataset import pad_batch
 
     tok = target.tokenizer
     P = max(len(p) for p in prompts)

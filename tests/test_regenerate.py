@@ -174,4 +174,8 @@ def test_regenerate_resume_keeps_a_whole_last_record_and_refuses_other_settings(
         regenerate(reseeded, CONVS, _cfg(max_turns=1), out, progress=False)
     with pytest.raises(ValueError, match=r"generation\.max_new_tokens: 6 -> 7"):
         regenerate(target, CONVS, _cfg(max_turns=1, max_new_tokens=7), out, progress=False)
+    side = tmp_path / "regen.jsonl.regenerate.json"  # answers of a format-1 file: bf16 copies
+    side.write_text(json.dumps({**json.loads(side.read_text()), "format": 1}))  # rounded RoPE
+    with pytest.raises(ValueError, match=r"format: 1 -> 2"):
+        regenerate(target, CONVS, _cfg(max_turns=1), out, progress=False)
     assert out.read_bytes() == whole  # nothing mixed in

@@ -187,18 +187,20 @@ def capture_split(target, rows, cfg, out: Path, progress: bool = True) -> Path:
         if path.is_file():
             continue
         chunk = [rows[i] for i in range(s, min(n, s + cfg.shard_size))]
-        feats, finals = [], []
+        feats, finals = [None] * len(chunk), [None] * len(chunk)
+        # batches of similar lengths (the shard's rows longest first): ~2% padding, not ~17%
+        by_length = sorted(range(len(chunk)), key=lambda j: (-len(chunk[j]["input_ids"]), j))
         for b in range(0, len(chunk), cfg.batch_size):
-            part = chunk[b:b + cfg.batch_size]
-            batch = pad_batch(part, pad_id=0)
+            part = by_length[b:b + cfg.batch_size]
+            batch = pad_batch([chunk[j] for j in part], pad_id=0)
             only_final = list(cfg.layers) == [-1]  # EAGLE-1: the features ARE the final state
             with autocast(target, cfg.autocast):
                 f, h = capture(target, batch["input_ids"], batch["attention_mask"],
                                () if only_final else cfg.layers)
-            for j, r in enumerate(part):  # drop the padding again
-                T = len(r["input_ids"])
-                feats.append(None if f is None else f[j, :T].cpu())
-                finals.append(h[j, :T].cpu())
+            for i, j in enumerate(part):  # drop the padding again; stored in the rows' order
+                T = len(chunk[j]["input_ids"])
+                feats[j] = None if f is None else f[i, :T].cpu()
+                finals[j] = h[i, :T].cpu()
         write_shard(path, chunk, feats, finals, dtype, features_dtype)
         if not progress:  # a line per shard where there is no progress bar (logs, CI)
             done = sum(len(r["input_ids"]) for r in chunk)

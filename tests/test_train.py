@@ -149,6 +149,16 @@ def test_online_and_offline_capture_give_the_same_batches(tmp_path, chat_file):
     torch.testing.assert_close(offline.target_logits[read], online.target_logits[read],
                                rtol=1e-4, atol=1e-4)
     assert torch.equal(offline.loss_mask, online.loss_mask)
+    # the capture batches rows of similar lengths together: every row is still stored as its own
+    lengths = [len(x) for x in rows["input_ids"]]
+    assert sorted(range(8), key=lambda j: -lengths[j]) != list(range(8))  # batched out of order
+    for i in range(len(rows)):
+        ids = rows[i]["input_ids"]
+        f, h = capture(r.target, torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long),
+                       r.drafter.feature_layers)
+        got_f, got_h = r.offline.get(i, ids)
+        torch.testing.assert_close(got_f, f[0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got_h, h[0], rtol=1e-4, atol=1e-5)
     # a resumed capture skips finished shards and a mismatched one is refused
     capture_split(r.target, rows, CaptureConfig(layers=list(r.drafter.feature_layers),
                                                 shard_size=8), out, progress=False)

@@ -41,3 +41,39 @@ def test_summary_is_the_median_over_rounds_relative_to_single():
     assert rows["single"]["tokens_per_s"] == 200 and rows["ddp"]["tokens_per_s"] == 210
     assert rows["ddp"]["vs_single"] == pytest.approx(1.05)
     assert "| tiny | ddp | 2 | 210 | 150, 210, 600 | 1.05x |" in bench.markdown(list(rows.values()))
+
+
+def test_capture_benchmark_times_each_batch_size_on_the_stored_conversations(tmp_path):
+    """python -m train.benchmarks.capture on the tiny target: every size timed in every round, the
+    padding of capture_split's length-sorted batches, nothing left behind; another target refused."""
+    import json
+
+    import torch
+
+    from specdistill.data.capture import CaptureConfig, capture_split
+    from specdistill.drafters.target import load_target
+    from specdistill.train.benchmarks import capture as cap_bench
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["target=tiny"])
+    target = load_target(cfg.target, training=True)
+    g = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": torch.randint(3, 1000, (n,), generator=g).tolist(), "loss_mask": [1] * n}
+            for n in (9, 30, 7, 12, 21, 5)]
+    source = capture_split(target, rows, CaptureConfig(layers=[0, 1]), tmp_path / "src", progress=False)
+    assert [len(r["input_ids"]) for r in cap_bench.stored_rows(source, 6)] == [9, 30, 7, 12, 21, 5]
+    out = tmp_path / "bench"
+    cap_bench.main(["--features-dir", str(source), "--conversations", "6", "--batch-sizes", "1", "4",
+                    "--rounds", "2", "--set", "target=tiny", "--out", str(out)])
+    res = json.loads((out / "capture.json").read_text())
+    assert res["tokens"] == 84 and res["layers"] == [0, 1]
+    assert {k: len(v) for k, v in res["rounds"].items()} == {"1": 2, "4": 2}
+    # one row per forward: no padding; four: (30, 21, 12, 9) -> 4 x 30, then (7, 5) -> 2 x 7
+    assert res["padding"]["1"] == 0 and res["padding"]["4"] == pytest.approx(1 - 84 / 134)
+    assert not list(out.glob("scratch-*"))
+    with pytest.raises(SystemExit, match="another target"):
+        cap_bench.main(["--features-dir", str(source), "--conversations", "2", "--rounds", "1",
+                        "--set", "target=tiny", "target.seed=1", "--out", str(out)])
+    with pytest.raises(ValueError, match="holds 6 conversations"):
+        cap_bench.main(["--features-dir", str(source), "--conversations", "7", "--set", "target=tiny",
+                        "--out", str(out)])

@@ -1,0 +1,116 @@
+"""The capture's speed on the real target: milliseconds per token of `capture_split` at several
+batch sizes (conversations per target forward), the sizes interleaved round by round.
+
+    python -m train.benchmarks.capture --features-dir <a capture of the job's data>
+    python -m train.benchmarks.capture --features-dir <dir> --batch-sizes 2 4 8 16 --conversations 64
+
+The conversations are the first --conversations of an existing capture (its stored token ids), so
+the benchmark needs no tokenizer or dataset; the target is the default job's (`conf/train.yaml`,
+`--set` overrides it, e.g. --set target=tiny), loaded for training (fp32 weights, the capture under
+trainer.capture_autocast, as the job runs it); the layers, autocast and storage are those of
+--features-dir. Each round captures the same conversations once per
+batch size into an empty folder. Prints a table and writes <out>/capture.json (every round's
+seconds, the medians after the first round, tokens, and the forward's padding at each size).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+
+def stored_rows(folder: Path, n: int) -> list[dict]:
+    """The first n conversations of a capture as {input_ids, loss_mask} rows."""
+    from safetensors import safe_open
+
+    rows: list[dict] = []
+    for f in sorted(folder.glob("shard-*.safetensors")):
+        with safe_open(str(f), framework="pt") as sh:
+            offsets, ids = sh.get_tensor("offsets").tolist(), sh.get_tensor("input_ids")
+        rows += [{"input_ids": ids[a:b].tolist(), "loss_mask": [1] * (b - a)}
+                 for a, b in zip(offsets, offsets[1:])]
+        if len(rows) >= n:
+            return rows[:n]
+    raise ValueError(f"{folder} holds {len(rows)} conversations; --conversations {n} asks for more")
+
+
+def padding(rows: list[dict], shard: int, batch: int) -> float:
+    """The share of a capture forward's tokens that are padding (capture_split's batching)."""
+    real = padded = 0
+    for s in range(0, len(rows), shard):
+        lengths = sorted((len(r["input_ids"]) for r in rows[s:s + shard]), reverse=True)
+        real += sum(lengths)
+        padded += sum(max(lengths[b:b + batch]) * len(lengths[b:b + batch])
+                      for b in range(0, len(lengths), batch))
+    return 1 - real / padded
+
+
+def main(argv=None) -> None:
+    from hydra import compose, initialize_config_dir
+
+    import specdistill.train.__main__  # noqa: F401  (stores the schemas)
+    from specdistill.data.capture import CaptureConfig, capture_split, read_manifest
+    from specdistill.drafters.cli import CONF_DIR
+    from specdistill.drafters.target import load_target
+
+    p = argparse.ArgumentParser(prog="python -m train.benchmarks.capture", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--features-dir", required=True, help="a capture whose conversations to use")
+    p.add_argument("--conversations", type=int, default=128)
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[4, 8])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--set", nargs="*", default=[], help="overrides of the job's config")
+    p.add_argument("--out", default="runs/bench/capture")
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    source = Path(a.features_dir)
+    man = read_manifest(source)
+    if man is None:
+        raise SystemExit(f"--features-dir {source}: no capture there (no manifest.json)")
+    rows = stored_rows(source, a.conversations)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=a.set)
+    target = load_target(cfg.target, training=True)
+    if target.identity != man["target"]:
+        raise SystemExit(f"--features-dir {source} was captured from another target than "
+                         f"{cfg.target.path!r}: pass that target with --set target=...")
+    layers, autocast_dtype = man["layers"], man["autocast"]
+    features_dtype = man.get("features_dtype", man["dtype"])
+    out = Path(a.out)
+    tokens = sum(len(r["input_ids"]) for r in rows)
+    seconds: dict[int, list[float]] = {b: [] for b in a.batch_sizes}
+    for rnd in range(a.rounds):
+        for b in a.batch_sizes:
+            folder = out / f"scratch-b{b}"
+            shutil.rmtree(folder, ignore_errors=True)
+            ccfg = CaptureConfig(layers=layers, batch_size=b, autocast=autocast_dtype,
+                                 dtype=man["dtype"], features_dtype=features_dtype)
+            t0 = time.perf_counter()
+            capture_split(target, rows, ccfg, folder, progress=False)
+            seconds[b].append(time.perf_counter() - t0)
+            shutil.rmtree(folder)
+            print(f"round {rnd} batch {b}: {seconds[b][-1]:.1f} s", flush=True)
+    result = {"conversations": len(rows), "tokens": tokens, "layers": layers,
+              "autocast": autocast_dtype, "features_dtype": features_dtype, "threads": a.threads,
+              "rounds": seconds,
+              "median_s": {b: statistics.median(s[1:] or s) for b, s in seconds.items()},
+              "padding": {b: padding(rows, CaptureConfig().shard_size, b) for b in a.batch_sizes}}
+    print(f"\n{len(rows)} conversations, {tokens} tokens; medians after round 0\n")
+    print("| batch | padding | s | ms/token | vs first |\n|---:|---:|---:|---:|---:|")
+    base = result["median_s"][a.batch_sizes[0]]
+    for b in a.batch_sizes:
+        m = result["median_s"][b]
+        print(f"| {b} | {100 * result['padding'][b]:.1f}% | {m:.1f} | {1000 * m / tokens:.3f} | "
+              f"{m / base:.2f}x |")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "capture.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -186,8 +186,6 @@ def test_ctrl_c_says_how_to_resume(tmp_path, chat_file):  # noqa: F811
     assert p.returncode == 130, err[-2000:]
     assert f"run_dir={run} resume=true" in err and "Traceback" not in err
     assert not (run / "run.lock").exists()  # released on the way out
-    # the job's entry set the C heap up for its steps' large tensors (train/memory.py)
-    assert "C heap: " in (run / "__main__.log").read_text()
 
 
 def test_a_lossless_failure_is_reported_with_the_margin(monkeypatch, tiny_target_cfg):

@@ -22,15 +22,12 @@ def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     from specdistill.drafters.cli import user_errors
-    from specdistill.train.memory import large_tensors_from_the_heap
     from specdistill.train.recipe import run
     from specdistill.train.rundir import interrupt_hint
 
-    log = logging.getLogger(__name__)
-    log.info("C heap: %s", large_tensors_from_the_heap())  # train/memory.py: fewer page faults
     choices = HydraConfig.get().runtime.choices
     if choices.get("budget"):  # conf/train.yaml's `optional budget: ${trainer}_${drafter}`
-        log.info(
+        logging.getLogger(__name__).info(
             "recipe of drafter=%s at trainer=%s: conf/budget/%s.yaml (`~budget` drops it)",
             cfg.drafter.name, choices.get("trainer"), choices["budget"])
     with user_errors("python -m train", interrupt_hint=lambda: interrupt_hint(cfg.run_dir)):

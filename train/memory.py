@@ -6,23 +6,20 @@ its arenas and keeps what is freed there, fragmented, instead of returning it: t
 resident memory climbed ~20 MB a step, to 18.7 GB at step 1000 (BENCHMARKS.md "Where the job's
 18.7 GB peak is"), while one `malloc_trim(0)` at step ~200 of such a run gave back 5.4 of its 7.0 GB
 of anonymous memory. The recipe calls `release_free_memory()` every trainer.log_every steps.
+Elsewhere (macOS, musl, Windows) it does nothing and says so.
 
-glibc also serves every block over its mmap threshold (32 MB at most: a step's logits, a batch's
-activations) with a fresh mmap and unmaps it on free, so the kernel faults in and zeroes those
-pages again on every use: the default job took 370 M minor page faults, and on a VM a
-teacher-forced step spent a third of its time or more in the kernel. `large_tensors_from_the_heap()`
-(the job's entry calls it) serves them from the heap instead, where freed pages stay mapped and are
-reused until the next `release_free_memory()`: 5x fewer faults, steps 0.52-0.95x as long
-(BENCHMARKS.md "Large tensors from the heap"). Elsewhere (macOS, musl, Windows) both do nothing and say so.
+Large blocks (over glibc's mmap threshold, 32 MB at most) are still mmapped per allocation, i.e.
+faulted in and zeroed on every use (the default job: 370 M minor page faults). Serving them from
+the heap (`MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1073741824` in the environment) made
+teacher-forced steps 0.52-0.95x as long, but a whole job then held 6.8 GB of anonymous memory in
+that phase and 10.2 GB in the on-policy one (3.9 / 6.3 GB without): not the default, a choice for
+machines with memory to spare (BENCHMARKS.md "Large tensors from the heap").
 """
 from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import sys
-
-M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
 
 
 @functools.lru_cache(maxsize=None)
@@ -33,7 +30,6 @@ def _glibc():
     try:
         libc = ctypes.CDLL("libc.so.6")
         libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
-        libc.mallopt.argtypes, libc.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
         return libc
     except (OSError, AttributeError):  # musl and others: no malloc_trim
         return None
@@ -44,17 +40,3 @@ def release_free_memory() -> bool:
     nothing could be released)."""
     libc = _glibc()
     return bool(libc.malloc_trim(0)) if libc is not None else False
-
-
-def large_tensors_from_the_heap() -> str:
-    """Serve large blocks from glibc's heap instead of a fresh mmap each (no mmapped blocks; the
-    heap's top is trimmed only from 1 GB up, release_free_memory does the rest): what was done, for
-    the log. The glibc tunables MALLOC_MMAP_MAX_ / MALLOC_TRIM_THRESHOLD_, where set, win."""
-    libc = _glibc()
-    if libc is None:
-        return "not glibc: the C allocator's settings are left as they are"
-    if {"MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_"} & os.environ.keys():
-        return "glibc: MALLOC_MMAP_MAX_ / MALLOC_TRIM_THRESHOLD_ set in the environment, kept"
-    if not (libc.mallopt(M_MMAP_MAX, 0) and libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)):
-        return "glibc: mallopt refused the settings; large blocks stay mmapped"
-    return "glibc: large tensors from the heap, not a fresh mmap each (freed pages reused)"

@@ -153,6 +153,13 @@ def write_shard(path: Path, rows: list[dict], feats: list, finals: list, dtype: 
     os.replace(tmp, path)
 
 
+def length_batches(chunk: list[dict], batch_size: int) -> list[list[int]]:
+    """A shard's forwards: indices into `chunk`, longest rows first, `batch_size` at a time, so each
+    forward pads little (~2% on the default data, ~17% in data order)."""
+    order = sorted(range(len(chunk)), key=lambda j: (-len(chunk[j]["input_ids"]), j))
+    return [order[b:b + batch_size] for b in range(0, len(order), batch_size)]
+
+
 def capture_split(target, rows, cfg, out: Path, progress: bool = True) -> Path:
     """Capture `rows` (input_ids, loss_mask) in shards under `out`; completed shards are skipped,
     so an interrupted capture resumes where it stopped."""
@@ -180,6 +187,7 @@ def capture_split(target, rows, cfg, out: Path, progress: bool = True) -> Path:
         raise ValueError(f"capture dtype={cfg.dtype!r} features_dtype={cfg.features_dtype!r}: "
                          f"storage dtypes are {sorted(STORAGE)}")
     dtype, features_dtype = STORAGE[cfg.dtype], STORAGE[cfg.features_dtype or cfg.dtype]
+    only_final = list(cfg.layers) == [-1]  # EAGLE-1: the features ARE the final state
     shards = range(0, n, cfg.shard_size)
     t0 = time.perf_counter()
     for s in tqdm(shards, desc="capture", disable=not progress):
@@ -188,12 +196,8 @@ def capture_split(target, rows, cfg, out: Path, progress: bool = True) -> Path:
             continue
         chunk = [rows[i] for i in range(s, min(n, s + cfg.shard_size))]
         feats, finals = [None] * len(chunk), [None] * len(chunk)
-        # batches of similar lengths (the shard's rows longest first): ~2% padding, not ~17%
-        by_length = sorted(range(len(chunk)), key=lambda j: (-len(chunk[j]["input_ids"]), j))
-        for b in range(0, len(chunk), cfg.batch_size):
-            part = by_length[b:b + cfg.batch_size]
+        for part in length_batches(chunk, cfg.batch_size):
             batch = pad_batch([chunk[j] for j in part], pad_id=0)
-            only_final = list(cfg.layers) == [-1]  # EAGLE-1: the features ARE the final state
             with autocast(target, cfg.autocast):
                 f, h = capture(target, batch["input_ids"], batch["attention_mask"],
                                () if only_final else cfg.layers)

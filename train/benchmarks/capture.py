@@ -41,12 +41,14 @@ def stored_rows(folder: Path, n: int) -> list[dict]:
 
 def padding(rows: list[dict], shard: int, batch: int) -> float:
     """The share of a capture forward's tokens that are padding (capture_split's batching)."""
+    from specdistill.data.capture import length_batches
+
     real = padded = 0
     for s in range(0, len(rows), shard):
-        lengths = sorted((len(r["input_ids"]) for r in rows[s:s + shard]), reverse=True)
-        real += sum(lengths)
-        padded += sum(max(lengths[b:b + batch]) * len(lengths[b:b + batch])
-                      for b in range(0, len(lengths), batch))
+        chunk = rows[s:s + shard]
+        for part in length_batches(chunk, batch):
+            lengths = [len(chunk[j]["input_ids"]) for j in part]
+            real, padded = real + sum(lengths), padded + max(lengths) * len(lengths)
     return 1 - real / padded
 
 

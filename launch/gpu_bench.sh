@@ -11,15 +11,17 @@
 #      the dynamic tree (its speedup against the chain run's plain tokens/s; TREE_PLAIN=true runs its
 #      own plain decoding too),
 #   4. print tau / acceptance / speedup and write them under $OUT (or runs/gpu_bench).
-# Time (estimated, not measured: no GPU was lent when this was written; the target step on a GPU
-# is bound by ~1,700 op launches per SmolLM2 forward, ~10 ms): install < 1 min, train <= 5.5 min
-# (TRAIN_TIMEOUT_S stops it; the last evaluated checkpoint is then used), chain + plain ~4-5 min,
-# tree ~2 min: about 12 min in all. To stay inside a 10-minute call either run the two halves as
-# two calls on the same machine (PHASE=train, then PHASE=decode) or decode half of MT-bench
-# (EVAL_LIMIT=40: ~9 min in all).
+# Time, measured on one H200 (2026-12-04, BENCHMARKS.md "EAGLE-3 on the whole ShareGPT on one
+# H200"): train 1200 steps 4.9 min in all (imports 15 s, GGUF de-quantisation 18 s, tokenising the
+# 16.6 k conversations 11 s, teacher-forced steps 0.12 s, on-policy steps 0.25 s, 4 evals). The
+# decoder is the slow half there: plain decoding ran at 28 tokens/s (per-op overhead, not the GPU),
+# so 10 prompts x 256 tokens with plain interleaved outran 2 minutes, and the default 80 prompts
+# would take ~30 min: on a short lease decode a few (EVAL_LIMIT=4 MAX_NEW_TOKENS=128 TREE=false:
+# 1 min) and measure tau on the CPU from the returned checkpoint (decode/replay.py).
 #   bash launch/gpu_bench.sh
 #   DRAFTER=eagle TRAIN_STEPS=1500 bash launch/gpu_bench.sh
 #   PHASE=train bash launch/gpu_bench.sh && PHASE=decode bash launch/gpu_bench.sh
+#   TREE=false EVAL_LIMIT=20 bash launch/gpu_bench.sh   # the chain run only, on 20 prompts
 #   DRY_RUN=1 bash launch/gpu_bench.sh         # print the train and decode commands, run nothing
 # DRAFTER defaults to eagle3 and falls back to eagle where conf/drafter/eagle3.yaml is absent.
 # Heavy outputs (checkpoints, decode run dirs) go to $WORK (default runs/gpu_bench); $OUT gets at
@@ -30,12 +32,13 @@ cd "$(dirname "$0")/.."
 
 PHASE="${PHASE:-all}"                   # all | train | decode
 DRAFTER="${DRAFTER:-eagle3}"
-TRAIN_STEPS="${TRAIN_STEPS:-1000}"      # optimizer steps (~0.25 s each estimated on an H200)
+TRAIN_STEPS="${TRAIN_STEPS:-1200}"      # optimizer steps (0.12-0.25 s each on an H200)
 BATCH="${BATCH:-32}"                    # conversations per step (the CPU recipe uses 4)
-EVAL_EVERY="${EVAL_EVERY:-200}"         # held-out sim-tau eval + checkpoint every N steps
-TRAIN_TIMEOUT_S="${TRAIN_TIMEOUT_S:-330}"  # wall-clock guard of the train job (load, data, steps)
+EVAL_EVERY="${EVAL_EVERY:-300}"         # held-out sim-tau eval + checkpoint every N steps
+TRAIN_TIMEOUT_S="${TRAIN_TIMEOUT_S:-380}"  # wall-clock guard of the train job (load, data, steps)
 EVAL_LIMIT="${EVAL_LIMIT:-80}"          # MT-bench prompts (first turns)
 MAX_NEW_TOKENS="${MAX_NEW_TOKENS:-256}"
+TREE="${TREE:-true}"                    # false: no dynamic-tree run (the chain run only)
 TREE_PLAIN="${TREE_PLAIN:-false}"       # true: the tree run decodes plainly too (own speedup + check)
 WORK="${WORK:-runs/gpu_bench}"
 OUT="${OUT:-$WORK}"
@@ -116,12 +119,17 @@ if [ "$PHASE" != train ]; then
         echo "gpu_bench: error: no trained drafter in $WORK/train/best (train first: PHASE=train)" >&2
         exit 1
     fi
+    # the decode run dirs are this script's own: a second PHASE=decode replaces them (python -m
+    # decode never writes into a run dir that holds files)
+    rm -rf "$WORK/decode_chain" "$WORK/decode_tree"
     stamp "decode chain: ${chain_cmd[*]}"
     "${chain_cmd[@]}"
     cp "$WORK/decode_chain/result.json" "$OUT/chain_result.json"
-    stamp "decode tree: ${tree_cmd[*]}"
-    "${tree_cmd[@]}"
-    cp "$WORK/decode_tree/result.json" "$OUT/tree_result.json"
+    if [ "$TREE" = true ]; then
+        stamp "decode tree: ${tree_cmd[*]}"
+        "${tree_cmd[@]}"
+        cp "$WORK/decode_tree/result.json" "$OUT/tree_result.json"
+    fi
     stamp "summary"
     python - "$WORK" "$OUT/summary.md" <<'EOF'
 """tau / acceptance / speedup of the chain and tree runs, and the training's last held-out eval."""
@@ -131,7 +139,7 @@ from pathlib import Path
 
 work, out = Path(sys.argv[1]), Path(sys.argv[2])
 runs = {m: json.loads((work / f"decode_{m}" / "result.json").read_text())["summary"]
-        for m in ("chain", "tree")}
+        for m in ("chain", "tree") if (work / f"decode_{m}" / "result.json").is_file()}
 plain = runs["chain"].get("plain_tokens_per_s")
 
 

@@ -152,7 +152,7 @@ def test_gpu_bench_commands_compose():
     # precision auto: bf16 on a GPU that supports it (drafters/precision.py native_bf16)
     assert train["data"]["max_length"] == 1024 and train["trainer"]["precision"] == "auto"
     t = train["trainer"]
-    assert t["features"] == "online" and t["batch_size"] == 32 and t["max_steps"] == 1000
+    assert t["features"] == "online" and t["batch_size"] == 32 and t["max_steps"] == 1200
     assert t["final_eval"] is None and t["lr"] == 1e-3  # the default recipe's lr
     for mode, tree, plain in (("chain", False, True), ("tree", True, False)):
         dec = cfg_job(cmds[mode])
@@ -222,6 +222,15 @@ def test_gpu_bench_runs_end_to_end_on_a_tiny_target(tmp_path):
             if line.startswith("| chain") or line.startswith("| tree")}
     assert set(rows) == {"chain", "tree"} and f"{chain['tau']:.3f}" in rows["chain"]
     assert "(chain run)" in rows["tree"] and "training: last held-out eval at step 4" in summary
+    # a second decode of the same training (as on a lent GPU, call after call): chain only, and
+    # the script replaces its own decode dirs instead of failing on them
+    again = subprocess.run(["bash", str(GPU_BENCH)], env={**env, "PHASE": "decode", "TREE": "false",
+                           "OUT": str(tmp_path / "out2")}, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "out2").iterdir()) == ["chain_result.json",
+                                                                      "gpu_bench.log", "summary.md"]
+    assert not (tmp_path / "work" / "decode_tree").exists()
+    assert "| tree |" not in (tmp_path / "out2" / "summary.md").read_text()
 
 
 # -- the commands from any folder ---------------------------------------------------------------------
@@ -257,3 +266,32 @@ def test_the_commands_work_from_an_ml_project_with_its_own_data_train_and_decode
     bare = _in(tmp_path.parent, sys.executable, "-c", "import importlib.util as u; "
                "print(u.find_spec('data'), u.find_spec('drafters'))")
     assert bare.stdout.strip() == "None None", bare.stdout
+
+
+@pytest.mark.slow
+def test_a_wheel_install_carries_the_configs(tmp_path):
+    """`pip install .` (not -e): the wheel holds conf/ as specdistill/conf, and a job composes its
+    config from the installed copy, with no checkout beside it."""
+    src = tmp_path / "src"
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True,
+                           text=True).stdout.split("\0")
+    for f in filter(None, files):
+        (src / f).parent.mkdir(parents=True, exist_ok=True)
+        (src / f).write_bytes((ROOT / f).read_bytes())
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", str(src), "-w",
+                    str(tmp_path / "dist")], check=True, capture_output=True, timeout=300)
+    (wheel,) = (tmp_path / "dist").glob("specdistill-*.whl")
+    subprocess.run([*pip, "install", "--no-deps", "--target", str(tmp_path / "site"), str(wheel)],
+                   check=True, capture_output=True, timeout=300)
+    conf = tmp_path / "site" / "specdistill" / "conf"
+    assert sorted(p.relative_to(conf) for p in conf.rglob("*.yaml")) == \
+        sorted(p.relative_to(ROOT / "conf") for p in (ROOT / "conf").rglob("*.yaml"))
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
+    probe = "import specdistill.drafters.cli as c; print(c.__file__)"
+    where = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True,
+                           text=True, timeout=120)
+    assert where.stdout.strip().startswith(str(tmp_path / "site")), where.stdout + where.stderr
+    out = subprocess.run([sys.executable, "-m", "specdistill.train", "--cfg", "job", "target=tiny"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "drafter:" in out.stdout, out.stderr[-2000:]

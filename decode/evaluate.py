@@ -155,15 +155,27 @@ def evaluate_drafter(target, drafter: Drafter | None, *, eval_kind: str = "mtben
                      max_new_tokens: int = 256, k: int = 5, tree: bool = False,
                      sampling: SamplingParams | None = None, min_confidence: float = 0.0,
                      compare_plain: bool = True, seed: int = 0,
-                     exact_verify: bool | str = "auto", out_dir: Path | None = None) -> dict:
+                     exact_verify: bool | str = "auto", out_dir: Path | None = None,
+                     warmup_tokens: int = 16) -> dict:
     """Decode every prompt (and turn) speculatively, and plainly when compare_plain; return
     {"summary", "markdown", "prompts"} and write result.json + result.md into out_dir.
     exact_verify: both decodes with decode/exact.py's exact kernels (greedy chains then match
-    plain decoding bit for bit at any dtype); auto = on for chains at a 16-bit target dtype."""
+    plain decoding bit for bit at any dtype); auto = on for chains at a 16-bit target dtype.
+    warmup_tokens: first, both modes decode that many tokens of the first prompt, untimed and
+    discarded (first-use costs: a GPU's kernel loading and library handles, CPU prepacking), with
+    their own random stream, so the measured prompts and their samples are the same as without."""
     sampling = sampling or SamplingParams()
     exact_verify = resolve_exact(exact_verify, target.dtype, tree)
     prompts = load_prompts(eval_kind, path=path, limit=limit, turns=turns)
     spec_results, plain_results, rows = [], [], []
+    if warmup_tokens > 0 and prompts:
+        ids = render(target, prompts[0].turns[:1], [])
+        n = fit_max_new_tokens(target, ids, warmup_tokens, f"prompt {prompts[0].id} (turn 1)")
+        warm = torch.Generator(device=target.device).manual_seed(seed + 1)
+        for d in ((None, drafter) if compare_plain else (drafter,)):
+            generate(target, d, ids, max_new_tokens=n, sampling=sampling, exact_verify=exact_verify,
+                     generator=warm, **({} if d is None else dict(k=k, tree=tree,
+                                                                   min_confidence=min_confidence)))
     gen = torch.Generator(device=target.device).manual_seed(seed)
     for p in tqdm(prompts, desc=f"decode {eval_kind}", disable=quiet()):
         answers: list[list[int]] = []
@@ -332,5 +344,6 @@ def run(cfg: DictConfig) -> None:
                               max_new_tokens=cfg.max_new_tokens, k=cfg.k, tree=cfg.tree,
                               sampling=sampling, min_confidence=cfg.min_confidence,
                               compare_plain=cfg.compare_plain, seed=cfg.seed,
-                              exact_verify=cfg.exact_verify, out_dir=run_dir)
+                              exact_verify=cfg.exact_verify, out_dir=run_dir,
+                              warmup_tokens=cfg.warmup_tokens)
     finish_run(result, run_dir)

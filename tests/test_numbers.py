@@ -57,6 +57,37 @@ def test_max_new_tokens_1_measures_no_tau_and_no_speedup(target, tmp_path):
     assert "not measured" in report and "sim tau" not in report  # no simulated tau of nothing
 
 
+def test_the_warm_up_decodes_both_modes_first_and_changes_no_measured_number(target, monkeypatch):
+    """warmup_tokens: the first prompt decoded plainly and speculatively before the timed loop, on
+    its own random stream: at T=1 the measured prompts sample exactly what they sample without it,
+    and no count (rounds, forwards, tokens) includes the warm-up."""
+    import specdistill.decode.evaluate as ev
+    from specdistill.drafters.sampling import SamplingParams
+
+    calls, real = [], ev.generate
+
+    def counted(target_, drafter, ids, **kw):
+        calls.append((drafter is None, kw["max_new_tokens"]))
+        return real(target_, drafter, ids, **kw)
+
+    monkeypatch.setattr(ev, "generate", counted)
+    ngram = build_drafter({"name": "ngram"}, target)
+    runs = {}
+    for warm in (0, 5):
+        calls.clear()
+        runs[warm] = evaluate_drafter(target, ngram, limit=2, max_new_tokens=12, k=3, seed=3,
+                                      sampling=SamplingParams(temperature=1.0), warmup_tokens=warm)
+        runs[warm]["calls"] = list(calls)
+    assert runs[0]["calls"] == [(True, 12), (False, 12)] * 2
+    assert runs[5]["calls"] == [(True, 5), (False, 5)] + [(True, 12), (False, 12)] * 2
+    a, b = runs[0], runs[5]
+    assert [r["generated_ids"] for r in a["prompts"]] == [r["generated_ids"] for r in b["prompts"]]
+    counts = [key for key in a["summary"] if key.endswith(("rounds", "forwards", "tokens", "tau",
+                                                             "drafted", "accepted"))]
+    assert {"tau", "spec_rounds"} <= set(counts)
+    assert {key: a["summary"][key] for key in counts} == {key: b["summary"][key] for key in counts}
+
+
 def test_a_simulated_eval_of_nothing_is_not_measured():
     res = acceptance_summary([], k=3)
     assert res["sim_tau"] is None and res["acceptance"] == [None, None, None]

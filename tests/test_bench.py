@@ -77,3 +77,27 @@ def test_capture_benchmark_times_each_batch_size_on_the_stored_conversations(tmp
     with pytest.raises(ValueError, match="holds 6 conversations"):
         cap_bench.main(["--features-dir", str(source), "--conversations", "7", "--set", "target=tiny",
                         "--out", str(out)])
+
+
+def test_op_count_counts_each_call_of_a_real_decode_and_restores_the_decoder(tmp_path):
+    """train.benchmarks.op_count on the tiny target: ops per target forward and per draft round,
+    a round of k=3 drafts dispatching more than one of k=1, and the decoder's methods put back."""
+    import json
+
+    from specdistill.decode import spec
+    from specdistill.drafters.eagle3 import Eagle3
+    from specdistill.train.benchmarks import op_count
+
+    before = (spec.SequenceState.forward, Eagle3.propose)
+    res = {k: op_count.main(["--tiny", "--k", str(k), "--prompts", "1", "--max-new-tokens", "10",
+                             "--out", str(tmp_path / str(k))]) for k in (1, 3)}
+    assert (spec.SequenceState.forward, Eagle3.propose) == before
+    for r in res.values():
+        assert r["forward"]["calls"] >= 1 and r["propose"]["calls"] >= 1
+        linear = sum(n for op, n in r["forward"]["top"].items() if "linear" in op)  # or prepacked
+        assert linear >= 2 * 4  # 2 layers x q, k, v, o at least
+        assert r["forward"]["ops_median"] > 0 and r["propose"]["ops_median"] > 0
+    assert res[3]["propose"]["ops_median"] > res[1]["propose"]["ops_median"]
+    saved = json.loads((tmp_path / "3" / "op_count.json").read_text())
+    assert saved["k"] == 3 and saved["round_over_forward"] == pytest.approx(
+        saved["propose"]["ops_median"] / saved["forward"]["ops_median"])

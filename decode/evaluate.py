@@ -168,14 +168,19 @@ def evaluate_drafter(target, drafter: Drafter | None, *, eval_kind: str = "mtben
     exact_verify = resolve_exact(exact_verify, target.dtype, tree)
     prompts = load_prompts(eval_kind, path=path, limit=limit, turns=turns)
     spec_results, plain_results, rows = [], [], []
+
+    def decode_both(ids: torch.Tensor, n: int, generator: torch.Generator):
+        """Plain (when compare_plain) then speculative decoding of ids, n new tokens at most."""
+        kwargs = dict(max_new_tokens=n, sampling=sampling, exact_verify=exact_verify,
+                      generator=generator)
+        plain = generate(target, None, ids, **kwargs) if compare_plain else None
+        return plain, generate(target, drafter, ids, k=k, tree=tree, min_confidence=min_confidence,
+                               **kwargs)
+
     if warmup_tokens > 0 and prompts:
         ids = render(target, prompts[0].turns[:1], [])
         n = fit_max_new_tokens(target, ids, warmup_tokens, f"prompt {prompts[0].id} (turn 1)")
-        warm = torch.Generator(device=target.device).manual_seed(seed + 1)
-        for d in ((None, drafter) if compare_plain else (drafter,)):
-            generate(target, d, ids, max_new_tokens=n, sampling=sampling, exact_verify=exact_verify,
-                     generator=warm, **({} if d is None else dict(k=k, tree=tree,
-                                                                   min_confidence=min_confidence)))
+        decode_both(ids, n, torch.Generator(device=target.device).manual_seed(seed + 1))
     gen = torch.Generator(device=target.device).manual_seed(seed)
     for p in tqdm(prompts, desc=f"decode {eval_kind}", disable=quiet()):
         answers: list[list[int]] = []
@@ -183,10 +188,7 @@ def evaluate_drafter(target, drafter: Drafter | None, *, eval_kind: str = "mtben
             ids = render(target, p.turns[:turn + 1], answers)
             fitted = fit_max_new_tokens(target, ids, max_new_tokens,
                                         f"prompt {p.id} (turn {turn + 1})")
-            kwargs = dict(max_new_tokens=fitted, sampling=sampling, exact_verify=exact_verify)
-            plain = generate(target, None, ids, **kwargs, generator=gen) if compare_plain else None
-            spec = generate(target, drafter, ids, k=k, tree=tree, min_confidence=min_confidence,
-                            generator=gen, **kwargs)
+            plain, spec = decode_both(ids, fitted, gen)
             spec_results.append(spec)
             if plain is not None:
                 plain_results.append(plain)

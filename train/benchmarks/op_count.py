@@ -67,15 +67,16 @@ def count_ops(target, drafter, prompts, k: int, max_new_tokens: int) -> dict:
 
 
 def summary(calls: dict) -> dict:
+    """Per call kind: calls, median ops and host syncs per call, the most frequent ops per call."""
     out = {}
     for name, rows in calls.items():
-        totals = [sum(r.values()) for r in rows]
-        agg = collections.Counter()
-        for r in rows:
-            agg.update(r)
-        out[name] = {"calls": len(rows), "ops_median": statistics.median(totals) if rows else None,
-                     "syncs_median": statistics.median(r["item"] for r in rows) if rows else None,
-                     "top": {o: round(n / len(rows), 1) for o, n in agg.most_common(12)} if rows else {}}
+        if not rows:
+            out[name] = {"calls": 0, "ops_median": None, "syncs_median": None, "top": {}}
+            continue
+        agg = sum(rows, collections.Counter())
+        out[name] = {"calls": len(rows), "ops_median": statistics.median(sum(r.values()) for r in rows),
+                     "syncs_median": statistics.median(r["item"] for r in rows),
+                     "top": {o: round(n / len(rows), 1) for o, n in agg.most_common(12)}}
     return out
 
 

@@ -24,16 +24,19 @@ def tiny(request):
                                     model_config=dict(TINY_MODEL), seed=0, dtype="float32"))
 
 
-@pytest.mark.parametrize("compact_below", [1.0, 0.0])  # rows leave the batch at once / never
-def test_answers_are_each_prompts_greedy_answer_with_the_features_of_a_fresh_forward(tiny,
-                                                                                     compact_below):
+@pytest.mark.parametrize("compact_below,prefill_rows", [(1.0, None), (0.0, None), (1.0, 1), (0.0, 3)])
+def test_answers_are_each_prompts_greedy_answer_with_the_features_of_a_fresh_forward(
+        tiny, compact_below, prefill_rows):
+    """Rows leave the batch at once / never (compact_below); the prompts prefilled in one forward,
+    one at a time, or 3 + 1 (each part cut to its own longest prompt, the caches joined)."""
     torch.manual_seed(0)
     prompts = [torch.randint(100, 5000, (n,)) for n in (5, 9, 3, 12)]
     first = generate_with_features(tiny.model, prompts, max_new_tokens=16, eos_ids={-1})
     # EOS ids the rows meet at different steps: rows 0 and 2 end early, the others run out
     eos = {int(first[0].answer[4]), int(first[2].answer[9])}
     out = generate_with_features(tiny.model, prompts, max_new_tokens=16, eos_ids=eos,
-                                 layers=(1, 2), compact_below=compact_below)
+                                 layers=(1, 2), compact_below=compact_below,
+                                 prefill_rows=prefill_rows)
     assert [o.ended for o in out][0] and out[0].answer[-1].item() in eos
     H = tiny.hidden_size
     for p, o in zip(prompts, out):

@@ -101,3 +101,29 @@ def test_op_count_counts_each_call_of_a_real_decode_and_restores_the_decoder(tmp
     saved = json.loads((tmp_path / "3" / "op_count.json").read_text())
     assert saved["k"] == 3 and saved["round_over_forward"] == pytest.approx(
         saved["propose"]["ops_median"] / saved["forward"]["ops_median"])
+
+
+def test_selfgen_benchmark_answers_the_same_spread_groups_in_every_mode(tmp_path):
+    """train.benchmarks.selfgen on the tiny target: groups spread from the shortest prompts to the
+    longest, each answered by two_pass and one_pass at every batch size, ratios against two_pass."""
+    import json
+
+    from specdistill.train.benchmarks import selfgen
+
+    assert selfgen.group_starts(1200, 128, 3) == [0, 536, 1072]
+    assert selfgen.group_starts(10, 4, 1) == [3] and selfgen.group_starts(4, 4, 3) == [0]
+    with pytest.raises(SystemExit, match="raise --pool"):
+        selfgen.group_starts(3, 4, 2)
+    res = selfgen.main(["--tiny", "--pool", "12", "--batches", "2", "--batch-sizes", "2", "4",
+                        "--two-pass-batch-size", "3", "--max-new-tokens", "3", "--out", str(tmp_path)])
+    runs, summary = res["runs"], res["summary"]
+    assert list(runs) == ["two_pass@3", "one_pass@2", "one_pass@4"]
+    for rs in runs.values():  # the same prompts in every mode: the shortest 4, then the longest 4
+        assert [(r["start"], r["prompts"]) for r in rs] == [(0, 4), (8, 4)]
+        assert rs[0]["prompt_tokens"][1] <= rs[1]["prompt_tokens"][0]
+        assert all(4 <= r["tokens"] <= 12 for r in rs)  # 1-3 answer tokens per prompt
+    assert summary["two_pass@3"]["vs_two_pass@3"] == pytest.approx(1.0)
+    for name, s in summary.items():
+        assert s["tokens_per_s"] == pytest.approx(s["answer_tokens"] / s["seconds"])
+        assert len(s["vs_two_pass@3_per_group"]) == 2
+    assert json.loads((tmp_path / "selfgen_bench.json").read_text())["usable_prompts"] == 12

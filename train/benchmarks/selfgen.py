@@ -1,20 +1,23 @@
-"""The target's own answers with their features: one pass (data/selfgen.py) against two.
+"""The target's own answers with their features: one pass (data/generate.py) against two.
 
-    python -m train.benchmarks.selfgen --batches 2 --batch-size 32 --max-new-tokens 256 \
+    python -m train.benchmarks.selfgen --batches 2 --batch-sizes 32 128 --max-new-tokens 256 \
         --out runs/bench/selfgen
 
-Two ways to get training rows of the target's own answers with the target's features, on the same
-ShareGPT first turns (the first `--batches x --batch-size` with a prompt <= --max-prompt-tokens,
-shortest first, as both pipelines order them):
+Two ways to get training rows of the target's own answers with the target's features:
 - two_pass: what the job did before: `data.regenerate`'s batched HF `generate` (left padding,
-  dynamic cache, the bf16 copy of the target) writes the answers, then the capture forward
-  (data/capture.py: the fp32 target under bf16 autocast, as trainer.capture_autocast does) over
-  prompt + answer gives the features;
+  dynamic cache, the bf16 copy of the target; batches of --two-pass-batch-size, data.regenerate's
+  default 8) writes the answers, then the capture forward (data/capture.py: the fp32 target under
+  bf16 autocast, as trainer.capture_autocast does) over prompt + answer gives the features;
 - one_pass: `generate_with_features` (static cache, finished rows leave the batch, the features
-  from the generating forwards).
-Batches alternate between the two (A B A B ...), so load from other processes hits both alike.
-Prints answer tokens/s and ms per answer token (features included) of each, and the ratio;
-writes <out>/selfgen_bench.json.
+  from the generating forwards), at each of --batch-sizes (data.selfgen.batch_size).
+
+The prompts are drawn as the job draws them (data/selfgen.py build_selfgen): the first --pool
+ShareGPT first turns of <= --max-prompt-tokens, sorted by length, cut into consecutive batches. The
+bench answers --batches groups of max(--batch-sizes) consecutive prompts, spread evenly over that
+order (short and long prompts alike), each group by every mode, the modes alternating group by
+group (A B C A B C ...), so load from other processes hits all of them alike. Prints answer tokens/s
+and ms per answer token (features included) of each mode and its ratio to two_pass; writes
+<out>/selfgen_bench.json.
 """
 from __future__ import annotations
 
@@ -25,6 +28,17 @@ import time
 from pathlib import Path
 
 import torch
+
+
+def group_starts(n: int, size: int, groups: int) -> list[int]:
+    """Starts of `groups` runs of `size` consecutive items among `n`, spread evenly from the first
+    to the last possible start (one group: the middle one); distinct and in order."""
+    if size > n:
+        raise SystemExit(f"a group of {size} prompts needs at least {size} usable prompts; "
+                         f"{n} found: raise --pool or lower --batch-sizes")
+    if groups == 1:
+        return [(n - size) // 2]
+    return sorted({round(g * (n - size) / (groups - 1)) for g in range(groups)})
 
 
 def two_pass(target, model, prompts: list[list[int]], max_new_tokens: int, layers) -> int:
@@ -64,55 +78,85 @@ def one_pass(target, model, prompts: list[list[int]], max_new_tokens: int, layer
     return sum(len(a.answer) for a in out)
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m train.benchmarks.selfgen", description=__doc__)
-    p.add_argument("--batches", type=int, default=2, help="batches per mode")
-    p.add_argument("--batch-size", type=int, default=32)
+def summarize(runs: dict[str, list[dict]], base: str) -> dict[str, dict]:
+    """Per mode: answer tokens, seconds, tokens/s, ms per answer token over all groups, and the
+    ratio of its tokens/s to `base`'s (overall and the median of the per-group ratios)."""
+    summary = {}
+    for name, rs in runs.items():
+        tok, sec = sum(r["tokens"] for r in rs), sum(r["seconds"] for r in rs)
+        summary[name] = {"answer_tokens": tok, "seconds": sec, "tokens_per_s": tok / sec,
+                         "ms_per_token": 1e3 * sec / tok}
+    for name, s in summary.items():
+        s["vs_" + base] = s["tokens_per_s"] / summary[base]["tokens_per_s"]
+        per_group = [(r["tokens"] / r["seconds"]) / (b["tokens"] / b["seconds"])
+                     for r, b in zip(runs[name], runs[base])]
+        s["vs_" + base + "_per_group"] = per_group
+        s["vs_" + base + "_median"] = statistics.median(per_group)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m train.benchmarks.selfgen", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batches", type=int, default=2, help="groups of prompts, each answered by every mode")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[32], help="one_pass batch sizes")
+    p.add_argument("--two-pass-batch-size", type=int, default=8,
+                   help="two_pass batch size (data.regenerate's default: 8)")
+    p.add_argument("--pool", type=int, default=1200,
+                   help="first turns the groups are drawn from, sorted by length (as the job does)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--max-prompt-tokens", type=int, default=384)
     p.add_argument("--layers", type=int, nargs="*", default=[2, 15, 27], help="feature layers")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = the cores)")
+    p.add_argument("--tiny", action="store_true", help="random-init tiny target: checks the script")
     p.add_argument("--out", default="runs/bench/selfgen")
     args = p.parse_args(argv)
     from specdistill.data.assets import asset_path
     from specdistill.data.selfgen import first_turns
     from specdistill.drafters.precision import model_at
     from specdistill.drafters.target import TargetConfig, load_target
+    from specdistill.train.benchmarks.replaying import TINY, compose
 
-    target = load_target(TargetConfig(path="packaged:smollm2", dtype="float32",
-                                      threads=args.threads), training=True)
-    model = model_at(target.model, torch.bfloat16)  # both generate at bf16
-    n = args.batches * args.batch_size
-    prompts, _ = first_turns(asset_path("sharegpt"), target.tokenizer, n, args.max_prompt_tokens)
-    prompts = sorted((p["prompt_ids"] for p in prompts), key=len)
-    runs = {"two_pass": [], "one_pass": []}
-    for b in range(args.batches):  # A B A B: the same prompts for both, one batch at a time
-        part = prompts[b * args.batch_size:(b + 1) * args.batch_size]
-        for name, fn in (("two_pass", two_pass), ("one_pass", one_pass)):
-            t0 = time.perf_counter()
-            tokens = fn(target, model, part, args.max_new_tokens, args.layers)
-            runs[name].append({"tokens": tokens, "seconds": time.perf_counter() - t0})
-            print(f"batch {b} {name}: {tokens} answer tokens in {runs[name][-1]['seconds']:.1f} s",
-                  flush=True)
-    summary = {}
-    for name, rs in runs.items():
-        tok, sec = sum(r["tokens"] for r in rs), sum(r["seconds"] for r in rs)
-        summary[name] = {"answer_tokens": tok, "seconds": sec, "tokens_per_s": tok / sec,
-                         "ms_per_token": 1e3 * sec / tok,
-                         "per_batch_ms_per_token": [1e3 * r["seconds"] / r["tokens"] for r in rs]}
-    ratio = summary["one_pass"]["tokens_per_s"] / summary["two_pass"]["tokens_per_s"]
-    per_batch = [a["seconds"] / a["tokens"] / (b["seconds"] / b["tokens"])
-                 for a, b in zip(runs["two_pass"], runs["one_pass"])]
-    print("\n| mode | answer tokens | s | tokens/s | ms / answer token |\n|---|---:|---:|---:|---:|")
+    if args.tiny:
+        target = load_target(compose(TINY).target, training=True)
+        layers = [1, 2]
+    else:
+        target = load_target(TargetConfig(path="packaged:smollm2", dtype="float32",
+                                          threads=args.threads), training=True)
+        layers = args.layers
+    model = model_at(target.model, torch.bfloat16)  # every mode generates at bf16
+    found, _ = first_turns(asset_path("sharegpt"), target.tokenizer, args.pool, args.max_prompt_tokens)
+    prompts = [q["prompt_ids"] for q in sorted(found, key=lambda q: len(q["prompt_ids"]))]  # stable
+    size = max(args.batch_sizes)
+    starts = group_starts(len(prompts), size, args.batches)
+    modes = [(f"two_pass@{args.two_pass_batch_size}", two_pass, args.two_pass_batch_size)]
+    modes += [(f"one_pass@{b}", one_pass, b) for b in args.batch_sizes]
+    runs: dict[str, list[dict]] = {name: [] for name, _, _ in modes}
+    for g, start in enumerate(starts):
+        group = prompts[start:start + size]
+        for name, fn, bs in modes:  # A B C A B C: the same prompts for every mode
+            t0, tokens = time.perf_counter(), 0
+            for b in range(0, len(group), bs):
+                tokens += fn(target, model, group[b:b + bs], args.max_new_tokens, layers)
+            runs[name].append({"group": g, "start": start, "prompts": len(group),
+                               "prompt_tokens": [len(group[0]), len(group[-1])],
+                               "tokens": tokens, "seconds": time.perf_counter() - t0})
+            print(f"group {g} (prompts {start}..{start + size - 1} of {len(prompts)}, "
+                  f"{len(group[0])}-{len(group[-1])} tokens) {name}: {tokens} answer tokens in "
+                  f"{runs[name][-1]['seconds']:.1f} s", flush=True)
+    base = modes[0][0]
+    summary = summarize(runs, base)
+    print(f"\n| mode | answer tokens | s | tokens/s | ms / answer token | vs {base} (per group) |\n"
+          "|---|---:|---:|---:|---:|---:|")
     for name, s in summary.items():
+        groups = ", ".join(f"{x:.2f}" for x in s["vs_" + base + "_per_group"])
         print(f"| {name} | {s['answer_tokens']} | {s['seconds']:.1f} | {s['tokens_per_s']:.1f} | "
-              f"{s['ms_per_token']:.2f} |")
-    print(f"\none pass / two passes: {ratio:.2f}x tokens/s (per batch pair: "
-          f"{', '.join(f'{x:.2f}' for x in per_batch)}; median {statistics.median(per_batch):.2f})")
+              f"{s['ms_per_token']:.2f} | {s['vs_' + base]:.2f}x ({groups}) |")
+    result = {"args": vars(args), "usable_prompts": len(prompts), "summary": summary, "runs": runs}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "selfgen_bench.json").write_text(json.dumps(
-        {"args": vars(args), "summary": summary, "ratio": ratio, "runs": runs}, indent=1))
+    (out / "selfgen_bench.json").write_text(json.dumps(result, indent=1))
+    return result
 
 
 if __name__ == "__main__":

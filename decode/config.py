@@ -49,8 +49,9 @@ class DecodeConfig:
     min_confidence: float = rng(0.0, 0, 1)
     compare_plain: bool = True  # also decode plainly: speedup and a token-identity check (greedy)
     seed: int = rng(0, *SEED)  # sampling seed
-    # tokens of the first prompt decoded once in each mode before timing, then discarded (first-use
-    # costs; on a GPU they dominated a short eval); 0 = none
+    # tokens of the first prompt (batched: of the first batch_size prompts, as one batch) decoded
+    # once in each mode before timing, then discarded (first-use costs; on a GPU they dominated a
+    # short eval); 0 = none
     warmup_tokens: int = rng(16, 0, MAX_TOKENS)
     # the drafter's dtype: target = the target's (bf16 drafting on native-bf16 CPUs), or a dtype
     # name; any dtype is lossless (the target verifies), it only changes drafting speed and tau

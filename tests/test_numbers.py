@@ -88,6 +88,46 @@ def test_the_warm_up_decodes_both_modes_first_and_changes_no_measured_number(tar
     assert {key: a["summary"][key] for key in counts} == {key: b["summary"][key] for key in counts}
 
 
+@pytest.mark.parametrize("mode", ["verify_all", "budgeted"])
+def test_the_batched_warm_up_decodes_one_batch_first_and_changes_no_measured_number(target, mode,
+                                                                                   monkeypatch):
+    """Batched (decode/batched/evaluate.py): the warm-up is one batch of the first batch_size
+    prompts, plain then speculative, warmup_tokens each; at T=1 the measured prompts sample the same
+    tokens and every count is unchanged (verify_all); budgeted, the measured planner is not the
+    warm-up's (its choices depend on measured times: no identity of counts to check there)."""
+    import specdistill.decode.batched.evaluate as bev
+    from specdistill.drafters.sampling import SamplingParams
+
+    calls, real = [], bev.generate_batch
+
+    def counted(target_, drafter, ids, **kw):
+        calls.append((drafter is None, len(ids), kw["max_new_tokens"], id(kw.get("planner"))))
+        return real(target_, drafter, ids, **kw)
+
+    monkeypatch.setattr(bev, "generate_batch", counted)
+    ngram = build_drafter({"name": "ngram"}, target)
+    runs = {}
+    for warm in (0, 4):
+        calls.clear()
+        runs[warm] = evaluate_batched(target, ngram, batch_size=2, batch_mode=mode, limit=3,
+                                      max_new_tokens=10, k=3, seed=5, warmup_tokens=warm,
+                                      sampling=SamplingParams(temperature=1.0))
+        runs[warm]["calls"] = list(calls)
+    measured = [(plain, n, tokens) for plain, n, tokens, _ in runs[0]["calls"]]
+    assert measured == [(True, 3, [10] * 3), (False, 3, [10] * 3)]
+    warm_calls = [(plain, n, tokens) for plain, n, tokens, _ in runs[4]["calls"]]
+    assert warm_calls == [(True, 2, [4, 4]), (False, 2, [4, 4])] + measured
+    if mode == "budgeted":  # the warm-up's planner is its own; its choices depend on measured times
+        assert runs[4]["calls"][1][3] != runs[4]["calls"][3][3]
+        return
+    a, b = runs[0], runs[4]
+    assert [r["generated_ids"] for r in a["prompts"]] == [r["generated_ids"] for r in b["prompts"]]
+    counts = [key for key in a["summary"] if key.endswith(("rounds", "forwards", "tokens", "tau",
+                                                             "drafted", "accepted"))]
+    assert {"tau", "spec_rounds"} <= set(counts)
+    assert {key: a["summary"][key] for key in counts} == {key: b["summary"][key] for key in counts}
+
+
 def test_a_simulated_eval_of_nothing_is_not_measured():
     res = acceptance_summary([], k=3)
     assert res["sim_tau"] is None and res["acceptance"] == [None, None, None]

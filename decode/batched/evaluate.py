@@ -43,20 +43,36 @@ def evaluate_batched(target, drafter: Drafter | None, *, batch_size: int, batch_
                      sampling: SamplingParams | None = None, min_confidence: float = 0.0,
                      compare_plain: bool = True, seed: int = 0, tree: bool = False,
                      exact_verify: bool | str = False, out_dir: Path | None = None,
-                     cache_dir: str | None = None) -> dict:
+                     cache_dir: str | None = None, warmup_tokens: int = 16) -> dict:
     """Decode every prompt (and turn) batch_size at a time in `batch_mode`; return {"summary",
     "markdown", "prompts"} and write result.json + result.md into out_dir. exact_verify: both
     decodes with exact kernels per row (decode/batched/exact.py; greedy outputs then equal unbatched
     exact decoding bit for bit); auto = off here: batched, the exact rows cost 12-16% of the
-    throughput at B = 2-4 and ~35% at B = 8 on a CPU (BENCHMARKS.md "Exact batched greedy")."""
+    throughput at B = 2-4 and ~35% at B = 8 on a CPU (BENCHMARKS.md "Exact batched greedy").
+    warmup_tokens: first, both modes decode that many tokens of the first batch_size prompts'
+    first turns as one batch, untimed and discarded (first-use costs, as the single-sequence eval
+    does); budgeted, with a planner of its own, so the measured planner learns nothing from it;
+    every generate_batch call samples with generators of its own, so the measured prompts sample
+    as they would without it."""
     sampling = sampling or SamplingParams()
     exact_verify = bool(parse_exact(exact_verify))  # auto (None) = off when batched
     prompts = load_prompts(eval_kind, path=path, limit=limit, turns=turns)
     answers: list[list[list[int]]] = [[] for _ in prompts]
     spec_batches, plain_batches, spec_results, rows = [], [], [], []
-    planner = None  # budgeted: one planner for every turn (what turn 1 learnt serves turn 2)
+    planner = warm_planner = None  # budgeted: one planner for every turn (turn 1's lessons serve turn 2)
     if batch_mode == "budgeted" and drafter is not None and k > 0:
-        planner = new_planner(cost_curve(target, cache_dir, exact=exact_verify), k, drafter, tree)
+        curve = cost_curve(target, cache_dir, exact=exact_verify)
+        planner, warm_planner = (new_planner(curve, k, drafter, tree) for _ in range(2))
+    if warmup_tokens > 0 and prompts:
+        ids = [render(target, p.turns[:1], []) for p in prompts[:batch_size]]
+        fitted = [fit_max_new_tokens(target, x, warmup_tokens, f"prompt {p.id} (turn 1)")
+                  for p, x in zip(prompts, ids)]
+        kw = dict(max_new_tokens=fitted, batch_size=batch_size, sampling=sampling,
+                  exact_verify=exact_verify)
+        if compare_plain:
+            generate_batch(target, None, ids, mode="plain", **kw)
+        generate_batch(target, drafter, ids, k=k, mode=batch_mode, min_confidence=min_confidence,
+                       seed=seed + 1, cache_dir=cache_dir, planner=warm_planner, tree=tree, **kw)
     for turn in range(max(len(p.turns) for p in prompts)):
         todo = [i for i, p in enumerate(prompts) if len(p.turns) > turn]
         ids = [render(target, prompts[i].turns[:turn + 1], answers[i]) for i in todo]
@@ -114,5 +130,5 @@ def run_batched(cfg) -> None:
         max_new_tokens=cfg.max_new_tokens, k=cfg.k, sampling=sampling,
         min_confidence=cfg.min_confidence, compare_plain=cfg.compare_plain, seed=cfg.seed,
         tree=cfg.tree, exact_verify=cfg.exact_verify, out_dir=run_dir,
-        cache_dir=str(cache_root(cfg.target)))
+        cache_dir=str(cache_root(cfg.target)), warmup_tokens=cfg.warmup_tokens)
     finish_run(result, run_dir)

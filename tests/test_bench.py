@@ -126,4 +126,7 @@ def test_selfgen_benchmark_answers_the_same_spread_groups_in_every_mode(tmp_path
     for name, s in summary.items():
         assert s["tokens_per_s"] == pytest.approx(s["answer_tokens"] / s["seconds"])
         assert len(s["vs_two_pass@3_per_group"]) == 2
+    two = summary["two_pass@3"]  # its answers timed apart from the capture: faster than the whole
+    assert two["answers_only_tokens_per_s"] > two["tokens_per_s"]
+    assert "answers_only_tokens_per_s" not in summary["one_pass@2"]
     assert json.loads((tmp_path / "selfgen_bench.json").read_text())["usable_prompts"] == 12

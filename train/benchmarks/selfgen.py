@@ -41,8 +41,9 @@ def group_starts(n: int, size: int, groups: int) -> list[int]:
     return sorted({round(g * (n - size) / (groups - 1)) for g in range(groups)})
 
 
-def two_pass(target, model, prompts: list[list[int]], max_new_tokens: int, layers) -> int:
-    """HF generate (left-padded batch) + the capture forward over prompt + answer; answer tokens."""
+def two_pass(target, model, prompts: list[list[int]], max_new_tokens: int, layers) -> tuple[int, float]:
+    """HF generate (left-padded batch) + the capture forward over prompt + answer; returns the
+    answer tokens and the seconds of the generate call alone (the answers without features)."""
     from specdistill.data.capture import autocast, capture
     from specdistill.data.dataset import pad_batch
 
@@ -53,9 +54,11 @@ def two_pass(target, model, prompts: list[list[int]], max_new_tokens: int, layer
     for i, p in enumerate(prompts):
         ids[i, P - len(p):] = torch.tensor(p)
         mask[i, P - len(p):] = 1
+    t0 = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                              do_sample=False, pad_token_id=tok.pad_token_id or 0)
+    answers_s = time.perf_counter() - t0
     rows, n = [], 0
     for p, row in zip(prompts, out[:, P:]):
         ans = row.tolist()
@@ -66,32 +69,38 @@ def two_pass(target, model, prompts: list[list[int]], max_new_tokens: int, layer
     batch = pad_batch(rows, 0)
     with autocast(target, "bfloat16"):
         capture(target, batch["input_ids"], batch["attention_mask"], layers)
-    return n
+    return n, answers_s
 
 
-def one_pass(target, model, prompts: list[list[int]], max_new_tokens: int, layers) -> int:
+def one_pass(target, model, prompts: list[list[int]], max_new_tokens: int, layers) -> tuple[int, float]:
     from specdistill.data.generate import generate_with_features
 
     out = generate_with_features(model, prompts, max_new_tokens=max_new_tokens,
                                  eos_ids=target.eos_token_ids, layers=layers,
                                  pad_id=target.tokenizer.pad_token_id or 0)
-    return sum(len(a.answer) for a in out)
+    return sum(len(a.answer) for a in out), None  # the answers and their features: one time
 
 
 def summarize(runs: dict[str, list[dict]], base: str) -> dict[str, dict]:
-    """Per mode: answer tokens, seconds, tokens/s, ms per answer token over all groups, and the
-    ratio of its tokens/s to `base`'s (overall and the median of the per-group ratios)."""
+    """Per mode: answer tokens, seconds, tokens/s, ms per answer token over all groups (and, where
+    the mode times its answers apart from their features, the answers' own tokens/s), and the
+    ratio of its tokens/s to `base`'s (overall and per group)."""
     summary = {}
     for name, rs in runs.items():
         tok, sec = sum(r["tokens"] for r in rs), sum(r["seconds"] for r in rs)
         summary[name] = {"answer_tokens": tok, "seconds": sec, "tokens_per_s": tok / sec,
                          "ms_per_token": 1e3 * sec / tok}
+        if all(r.get("answers_seconds") is not None for r in rs):
+            summary[name]["answers_only_tokens_per_s"] = tok / sum(r["answers_seconds"] for r in rs)
     for name, s in summary.items():
         s["vs_" + base] = s["tokens_per_s"] / summary[base]["tokens_per_s"]
         per_group = [(r["tokens"] / r["seconds"]) / (b["tokens"] / b["seconds"])
                      for r, b in zip(runs[name], runs[base])]
         s["vs_" + base + "_per_group"] = per_group
         s["vs_" + base + "_median"] = statistics.median(per_group)
+        if "answers_only_tokens_per_s" in summary[base]:  # against the base's answers alone
+            s["vs_" + base + "_answers_only"] = (s["tokens_per_s"]
+                                                 / summary[base]["answers_only_tokens_per_s"])
     return summary
 
 
@@ -135,23 +144,30 @@ def main(argv: list[str] | None = None) -> dict:
     for g, start in enumerate(starts):
         group = prompts[start:start + size]
         for name, fn, bs in modes:  # A B C A B C: the same prompts for every mode
-            t0, tokens = time.perf_counter(), 0
+            t0, tokens, answers_s = time.perf_counter(), 0, 0.0
             for b in range(0, len(group), bs):
-                tokens += fn(target, model, group[b:b + bs], args.max_new_tokens, layers)
+                n, part_s = fn(target, model, group[b:b + bs], args.max_new_tokens, layers)
+                tokens += n
+                answers_s = None if part_s is None else answers_s + part_s
             runs[name].append({"group": g, "start": start, "prompts": len(group),
-                               "prompt_tokens": [len(group[0]), len(group[-1])],
-                               "tokens": tokens, "seconds": time.perf_counter() - t0})
+                               "prompt_tokens": [len(group[0]), len(group[-1])], "tokens": tokens,
+                               "seconds": time.perf_counter() - t0, "answers_seconds": answers_s})
             print(f"group {g} (prompts {start}..{start + size - 1} of {len(prompts)}, "
                   f"{len(group[0])}-{len(group[-1])} tokens) {name}: {tokens} answer tokens in "
                   f"{runs[name][-1]['seconds']:.1f} s", flush=True)
     base = modes[0][0]
     summary = summarize(runs, base)
-    print(f"\n| mode | answer tokens | s | tokens/s | ms / answer token | vs {base} (per group) |\n"
-          "|---|---:|---:|---:|---:|---:|")
+    print(f"\n| mode | answer tokens | s | tokens/s | ms / answer token | vs {base} (per group) | "
+          f"answers alone: tokens/s |\n|---|---:|---:|---:|---:|---:|---:|")
     for name, s in summary.items():
         groups = ", ".join(f"{x:.2f}" for x in s["vs_" + base + "_per_group"])
+        alone = s.get("answers_only_tokens_per_s")
         print(f"| {name} | {s['answer_tokens']} | {s['seconds']:.1f} | {s['tokens_per_s']:.1f} | "
-              f"{s['ms_per_token']:.2f} | {s['vs_' + base]:.2f}x ({groups}) |")
+              f"{s['ms_per_token']:.2f} | {s['vs_' + base]:.2f}x ({groups}) | "
+              f"{'-' if alone is None else f'{alone:.1f}'} |")
+    if "answers_only_tokens_per_s" in summary[base]:
+        print(f"\nagainst {base}'s answers alone (its capture left out): " + ", ".join(
+            f"{name} {s['vs_' + base + '_answers_only']:.2f}x" for name, s in summary.items()))
     result = {"args": vars(args), "usable_prompts": len(prompts), "summary": summary, "runs": runs}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -75,7 +75,6 @@ class _Rows:
         self.eos = [False] * len(prompts)  # the answer ended with an EOS id
         self.done = [False] * len(prompts)  # EOS fed, or the budget written
         self.live = list(range(len(prompts)))  # original row of each batch row
-        self.last: torch.Tensor | None = None  # (B, H) final state of each prompt's last token
 
     def record(self, hidden: tuple[torch.Tensor, ...], batch_rows: Sequence[int],
                prefill_rows: Sequence[int] | None = None) -> None:
@@ -98,11 +97,11 @@ class _Rows:
 
 
 def _prefill(model, rows: _Rows, ids: torch.Tensor, mask: torch.Tensor, width: int, part: int
-             ) -> StaticCache:
+             ) -> tuple[StaticCache, torch.Tensor]:
     """Prefill the left-padded prompts `ids` (B, P) `part` rows at a time, each part cut to its own
-    longest prompt; record their hidden states and set rows.last (B, H), the final state of each
-    prompt's last token. Returns one static cache of `width` columns holding every row, the
-    prompts' keys and values in columns up to P (padding columns zero and masked out)."""
+    longest prompt, and record their hidden states. Returns one static cache of `width` columns
+    holding every row (the prompts' keys and values in columns up to P; padding columns zero and
+    masked out) and (B, H) the final state of each prompt's last token."""
     B, P = ids.shape
     dev = ids.device
     cache = StaticCache(config=model.config, max_cache_len=width)
@@ -123,7 +122,6 @@ def _prefill(model, rows: _Rows, ids: torch.Tensor, mask: torch.Tensor, width: i
         rows.record(out.hidden_states, range(len(span)), prefill_rows=list(span))
         last.append(out.hidden_states[-1][:, -1])
         del out
-    rows.last = torch.cat(last)
     if len(parts) > 1:  # join the parts' caches into the batch's
         for i, layer in enumerate(cache.layers):
             k, v = parts[0][1].layers[i].keys, parts[0][1].layers[i].values
@@ -133,7 +131,7 @@ def _prefill(model, rows: _Rows, ids: torch.Tensor, mask: torch.Tensor, width: i
                 layer.keys[span.start:span.stop, :, cut:P] = c.layers[i].keys
                 layer.values[span.start:span.stop, :, cut:P] = c.layers[i].values
             layer.cumulative_length.fill_(P)
-    return cache
+    return cache, torch.cat(last)
 
 
 @torch.inference_mode()
@@ -157,10 +155,10 @@ def generate_with_features(model, prompts: Sequence[torch.Tensor | Sequence[int]
         ids[r, rows.pad[r]:] = p
         mask[r, rows.pad[r]:P] = 1
     ids, mask = ids.to(dev), mask.to(dev)
-    cache = _prefill(model, rows, ids, mask[:, :P], width, prefill_rows or B)  # 4.
+    cache, last = _prefill(model, rows, ids, mask[:, :P], width, prefill_rows or B)  # 4.
     positions = mask[:, :P].sum(-1)  # (B,) the position of each row's next token
     gens = list(generators) if generators is not None else None
-    nxt = _pick(model.lm_head(rows.last), temperature, gens)  # 2. (B,)
+    nxt = _pick(model.lm_head(last), temperature, gens)  # 2. (B,)
     eos = torch.tensor(sorted(eos_ids), device=dev)
     for step in range(1, max_new_tokens + 1):
         writing = [b for b, r in enumerate(rows.live) if not rows.done[r]]

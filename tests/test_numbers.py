@@ -57,6 +57,34 @@ def test_max_new_tokens_1_measures_no_tau_and_no_speedup(target, tmp_path):
     assert "not measured" in report and "sim tau" not in report  # no simulated tau of nothing
 
 
+def runs_with_and_without_warm_up(monkeypatch, module, name: str, warm: int, record, evaluate) -> dict:
+    """{0: evaluate(0), warm: evaluate(warm)}, each result with "calls": what `record(drafter, ids,
+    kwargs)` kept of every call of module.<name> (the decoder) it made."""
+    calls, real = [], getattr(module, name)
+
+    def counted(target_, drafter, ids, **kw):
+        calls.append(record(drafter, ids, kw))
+        return real(target_, drafter, ids, **kw)
+
+    monkeypatch.setattr(module, name, counted)
+    runs = {}
+    for w in (0, warm):
+        calls.clear()
+        runs[w] = evaluate(w)
+        runs[w]["calls"] = list(calls)
+    return runs
+
+
+def assert_same_measured_numbers(a: dict, b: dict) -> None:
+    """Two eval results that sampled the same tokens and counted the same rounds, forwards,
+    tokens, drafts and acceptances (a warm-up changes none of them)."""
+    assert [r["generated_ids"] for r in a["prompts"]] == [r["generated_ids"] for r in b["prompts"]]
+    counts = [key for key in a["summary"] if key.endswith(("rounds", "forwards", "tokens", "tau",
+                                                             "drafted", "accepted"))]
+    assert {"tau", "spec_rounds"} <= set(counts)
+    assert {key: a["summary"][key] for key in counts} == {key: b["summary"][key] for key in counts}
+
+
 def test_the_warm_up_decodes_both_modes_first_and_changes_no_measured_number(target, monkeypatch):
     """warmup_tokens: the first prompt decoded plainly and speculatively before the timed loop, on
     its own random stream: at T=1 the measured prompts sample exactly what they sample without it,
@@ -64,28 +92,14 @@ def test_the_warm_up_decodes_both_modes_first_and_changes_no_measured_number(tar
     import specdistill.decode.evaluate as ev
     from specdistill.drafters.sampling import SamplingParams
 
-    calls, real = [], ev.generate
-
-    def counted(target_, drafter, ids, **kw):
-        calls.append((drafter is None, kw["max_new_tokens"]))
-        return real(target_, drafter, ids, **kw)
-
-    monkeypatch.setattr(ev, "generate", counted)
     ngram = build_drafter({"name": "ngram"}, target)
-    runs = {}
-    for warm in (0, 5):
-        calls.clear()
-        runs[warm] = evaluate_drafter(target, ngram, limit=2, max_new_tokens=12, k=3, seed=3,
-                                      sampling=SamplingParams(temperature=1.0), warmup_tokens=warm)
-        runs[warm]["calls"] = list(calls)
+    runs = runs_with_and_without_warm_up(
+        monkeypatch, ev, "generate", 5, lambda drafter, ids, kw: (drafter is None, kw["max_new_tokens"]),
+        lambda warm: evaluate_drafter(target, ngram, limit=2, max_new_tokens=12, k=3, seed=3,
+                                      sampling=SamplingParams(temperature=1.0), warmup_tokens=warm))
     assert runs[0]["calls"] == [(True, 12), (False, 12)] * 2
     assert runs[5]["calls"] == [(True, 5), (False, 5)] + [(True, 12), (False, 12)] * 2
-    a, b = runs[0], runs[5]
-    assert [r["generated_ids"] for r in a["prompts"]] == [r["generated_ids"] for r in b["prompts"]]
-    counts = [key for key in a["summary"] if key.endswith(("rounds", "forwards", "tokens", "tau",
-                                                             "drafted", "accepted"))]
-    assert {"tau", "spec_rounds"} <= set(counts)
-    assert {key: a["summary"][key] for key in counts} == {key: b["summary"][key] for key in counts}
+    assert_same_measured_numbers(runs[0], runs[5])
 
 
 @pytest.mark.parametrize("mode", ["verify_all", "budgeted"])
@@ -98,21 +112,13 @@ def test_the_batched_warm_up_decodes_one_batch_first_and_changes_no_measured_num
     import specdistill.decode.batched.evaluate as bev
     from specdistill.drafters.sampling import SamplingParams
 
-    calls, real = [], bev.generate_batch
-
-    def counted(target_, drafter, ids, **kw):
-        calls.append((drafter is None, len(ids), kw["max_new_tokens"], id(kw.get("planner"))))
-        return real(target_, drafter, ids, **kw)
-
-    monkeypatch.setattr(bev, "generate_batch", counted)
     ngram = build_drafter({"name": "ngram"}, target)
-    runs = {}
-    for warm in (0, 4):
-        calls.clear()
-        runs[warm] = evaluate_batched(target, ngram, batch_size=2, batch_mode=mode, limit=3,
+    runs = runs_with_and_without_warm_up(
+        monkeypatch, bev, "generate_batch", 4,
+        lambda drafter, ids, kw: (drafter is None, len(ids), kw["max_new_tokens"], id(kw.get("planner"))),
+        lambda warm: evaluate_batched(target, ngram, batch_size=2, batch_mode=mode, limit=3,
                                       max_new_tokens=10, k=3, seed=5, warmup_tokens=warm,
-                                      sampling=SamplingParams(temperature=1.0))
-        runs[warm]["calls"] = list(calls)
+                                      sampling=SamplingParams(temperature=1.0)))
     measured = [(plain, n, tokens) for plain, n, tokens, _ in runs[0]["calls"]]
     assert measured == [(True, 3, [10] * 3), (False, 3, [10] * 3)]
     warm_calls = [(plain, n, tokens) for plain, n, tokens, _ in runs[4]["calls"]]
@@ -120,12 +126,7 @@ def test_the_batched_warm_up_decodes_one_batch_first_and_changes_no_measured_num
     if mode == "budgeted":  # the warm-up's planner is its own; its choices depend on measured times
         assert runs[4]["calls"][1][3] != runs[4]["calls"][3][3]
         return
-    a, b = runs[0], runs[4]
-    assert [r["generated_ids"] for r in a["prompts"]] == [r["generated_ids"] for r in b["prompts"]]
-    counts = [key for key in a["summary"] if key.endswith(("rounds", "forwards", "tokens", "tau",
-                                                             "drafted", "accepted"))]
-    assert {"tau", "spec_rounds"} <= set(counts)
-    assert {key: a["summary"][key] for key in counts} == {key: b["summary"][key] for key in counts}
+    assert_same_measured_numbers(runs[0], runs[4])
 
 
 def test_a_simulated_eval_of_nothing_is_not_measured():

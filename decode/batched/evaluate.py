@@ -63,28 +63,27 @@ def evaluate_batched(target, drafter: Drafter | None, *, batch_size: int, batch_
     if batch_mode == "budgeted" and drafter is not None and k > 0:
         curve = cost_curve(target, cache_dir, exact=exact_verify)
         planner, warm_planner = (new_planner(curve, k, drafter, tree) for _ in range(2))
-    if warmup_tokens > 0 and prompts:
-        ids = [render(target, p.turns[:1], []) for p in prompts[:batch_size]]
-        fitted = [fit_max_new_tokens(target, x, warmup_tokens, f"prompt {p.id} (turn 1)")
-                  for p, x in zip(prompts, ids)]
+
+    def decode_both(ids: list, fitted: list[int], seed_: int, planner_) -> tuple:
+        """Plain batched decoding (when compare_plain) then speculative, of every row of ids."""
         kw = dict(max_new_tokens=fitted, batch_size=batch_size, sampling=sampling,
                   exact_verify=exact_verify)
-        if compare_plain:
-            generate_batch(target, None, ids, mode="plain", **kw)
-        generate_batch(target, drafter, ids, k=k, mode=batch_mode, min_confidence=min_confidence,
-                       seed=seed + 1, cache_dir=cache_dir, planner=warm_planner, tree=tree, **kw)
+        plain = generate_batch(target, None, ids, mode="plain", **kw) if compare_plain else None
+        return plain, generate_batch(target, drafter, ids, k=k, mode=batch_mode,
+                                     min_confidence=min_confidence, seed=seed_, cache_dir=cache_dir,
+                                     planner=planner_, tree=tree, **kw)
+
+    if warmup_tokens > 0 and prompts:
+        ids = [render(target, p.turns[:1], []) for p in prompts[:batch_size]]
+        decode_both(ids, [fit_max_new_tokens(target, x, warmup_tokens, f"prompt {p.id} (turn 1)")
+                          for p, x in zip(prompts, ids)], seed + 1, warm_planner)
     for turn in range(max(len(p.turns) for p in prompts)):
         todo = [i for i, p in enumerate(prompts) if len(p.turns) > turn]
         ids = [render(target, prompts[i].turns[:turn + 1], answers[i]) for i in todo]
         fitted = [fit_max_new_tokens(target, x, max_new_tokens,
                                      f"prompt {prompts[i].id} (turn {turn + 1})")
                   for i, x in zip(todo, ids)]
-        kw = dict(max_new_tokens=fitted, batch_size=batch_size, sampling=sampling,
-                  exact_verify=exact_verify)
-        plain = generate_batch(target, None, ids, mode="plain", **kw) if compare_plain else None
-        spec = generate_batch(target, drafter, ids, k=k, mode=batch_mode,
-                              min_confidence=min_confidence, seed=seed + 1000 * turn,
-                              cache_dir=cache_dir, planner=planner, tree=tree, **kw)
+        plain, spec = decode_both(ids, fitted, seed + 1000 * turn, planner)
         spec_batches.append(spec)
         plain_batches += [plain] if plain is not None else []
         for j, i in enumerate(todo):

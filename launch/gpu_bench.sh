@@ -126,10 +126,11 @@ if [ "$PHASE" != decode ]; then
         stamp "regenerate: ${regen_cmd[*]}"
         rc=0
         timeout -s INT -k 30 "$REGEN_TIMEOUT_S" "${regen_cmd[@]}" || rc=$?
-        n=$(grep -c . "$WORK/regen.jsonl" 2>/dev/null || echo 0)
-        if [ "$rc" -ne 0 ] && { [ "$rc" -ne 124 ] && [ "$rc" -ne 130 ] || [ "$n" -eq 0 ]; }; then
+        n=$(grep -c . "$WORK/regen.jsonl" 2>/dev/null) || n=0  # grep -c: 0 and exit 1 if none
+        # a timeout (124; 130 for the interrupt itself) keeps what was written; anything else fails
+        if [ "$n" -eq 0 ] || { [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && [ "$rc" -ne 130 ]; }; then
             stamp "regenerate failed (exit $rc, $n conversations written)"
-            exit "$rc"
+            exit $((rc ? rc : 1))
         fi
         stamp "regenerate done (exit $rc): $n conversations in $WORK/regen.jsonl"
         xz -T0 -6 -c "$WORK/regen.jsonl" > "$OUT/regen.jsonl.xz" || true

@@ -284,6 +284,12 @@ def test_gpu_bench_regen_writes_answers_and_trains_on_them(tmp_path):
     assert [m["from"] for m in rec] == ["human", "gpt"]  # one answer: the first user turn's
     assert str(tmp_path / "work" / "regen.jsonl") in (tmp_path / "out" / "train_config.yaml").read_text()
     assert (tmp_path / "work" / "train" / "best" / "drafter.json").is_file()
+    # no answer written (every prompt over the limit): the script stops before training
+    none = subprocess.run(["bash", str(GPU_BENCH)], env={**env, "REGEN_MAX_PROMPT": "1",
+                          "WORK": str(tmp_path / "w2"), "OUT": str(tmp_path / "o2")},
+                          capture_output=True, text=True, timeout=600)
+    assert none.returncode == 1 and "regenerate failed (exit 0, 0 conversations written)" in none.stdout
+    assert not (tmp_path / "w2" / "train").exists()
 
 
 # -- the commands from any folder ---------------------------------------------------------------------

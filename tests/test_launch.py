@@ -224,16 +224,21 @@ def test_gpu_bench_drafter_fallback_and_bad_settings(tmp_path):
     assert bad.returncode == 2 and "PHASE=eval" in bad.stderr
 
 
+def tiny_bench_env(tmp_path: Path, train_extra: str = "", **env: str) -> dict[str, str]:
+    """The environment of a gpu_bench.sh run on CPU with the tiny random target (this checkout,
+    no install, WORK and OUT under tmp_path); `train_extra` goes before the shared TRAIN_EXTRA."""
+    return {**os.environ, "PYTHONPATH": str(ROOT), "DEVICE": "cpu", "SKIP_INSTALL": "1",
+            "TRAIN_EXTRA": f"target=tiny {train_extra} data.eval_fraction=0.2 "
+                           "trainer.eval_conversations=2 data.num_proc=1",
+            "WORK": str(tmp_path / "work"), "OUT": str(tmp_path / "out"), **env}
+
+
 @pytest.mark.slow
 def test_gpu_bench_runs_end_to_end_on_a_tiny_target(tmp_path):
     """The whole script on CPU with the tiny random target: train, decode chain + tree, and the
     few small files it leaves in OUT (the device returns at most 8), the summary among them."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "DEVICE": "cpu", "SKIP_INSTALL": "1",
-           "TRAIN_EXTRA": "target=tiny data.max_conversations=40 data.eval_fraction=0.2 "
-                          "trainer.eval_conversations=2 data.num_proc=1",
-           "DECODE_EXTRA": "target=tiny", "TRAIN_STEPS": "4", "EVAL_EVERY": "2", "BATCH": "2",
-           "EVAL_LIMIT": "2", "MAX_NEW_TOKENS": "8", "WORK": str(tmp_path / "work"),
-           "OUT": str(tmp_path / "out")}
+    env = tiny_bench_env(tmp_path, "data.max_conversations=40", DECODE_EXTRA="target=tiny",
+                         TRAIN_STEPS="4", EVAL_EVERY="2", BATCH="2", EVAL_LIMIT="2", MAX_NEW_TOKENS="8")
     out = subprocess.run(["bash", str(GPU_BENCH)], env=env, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -269,12 +274,9 @@ def test_gpu_bench_regen_writes_answers_and_trains_on_them(tmp_path):
     import json
     import lzma
 
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "DEVICE": "cpu", "SKIP_INSTALL": "1",
-           "PHASE": "train", "DATA": "regen", "REGEN_LIMIT": "12", "REGEN_BATCH": "4",
-           "REGEN_MAX_NEW": "8", "REGEN_EXTRA": "target=tiny",
-           "TRAIN_EXTRA": "target=tiny data.eval_fraction=0.2 trainer.eval_conversations=2 data.num_proc=1",
-           "TRAIN_STEPS": "2", "EVAL_EVERY": "2", "BATCH": "2", "WORK": str(tmp_path / "work"),
-           "OUT": str(tmp_path / "out")}
+    env = tiny_bench_env(tmp_path, PHASE="train", DATA="regen", REGEN_LIMIT="12", REGEN_BATCH="4",
+                         REGEN_MAX_NEW="8", REGEN_EXTRA="target=tiny", TRAIN_STEPS="2",
+                         EVAL_EVERY="2", BATCH="2")
     out = subprocess.run(["bash", str(GPU_BENCH)], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     lines = (tmp_path / "work" / "regen.jsonl").read_text().splitlines()

@@ -147,3 +147,30 @@ def test_a_job_runs_its_on_policy_phase(tmp_path):
     rows = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl") if '"loss"' in x]
     assert [r.get("scored", 0) > 0 for r in rows] == [False, False, True, True]
     assert all("div/s2" in r for r in rows[2:]) and "div/s2" not in rows[0]
+
+
+def test_a_run_branches_into_a_later_phase_before_its_phase_began(tmp_path):
+    """resume=true may move trainer.on_policy_heads_start while every step so far was teacher-forced
+    under both settings (a phase-length study branches one run there); once the phase has run it
+    is refused, naming the key."""
+    import json
+    import shutil
+
+    from conftest import write_chats
+    from test_train import make_cfg, run
+    from specdistill.drafters.cli import UserError
+
+    chats = write_chats(tmp_path / "chats.jsonl", 24, 10)
+    common = ["drafter=eagle3", "drafter.draft_vocab_size=256", "drafter.ttt_length=1",
+              "trainer.max_steps=4", "trainer.log_every=1", "trainer.eval_every=0",
+              "trainer.save_every=2", "trainer.keep_last=3"]
+    run(make_cfg(tmp_path, chats, *common, "trainer.on_policy_heads_start=0.5"))  # on-policy: steps 3, 4
+    branch = tmp_path / "branch"
+    shutil.copytree(tmp_path / "run", branch)
+    shutil.rmtree(branch / "checkpoints" / "step-0000004")  # step 2: steps 1-2 teacher-forced
+    later = [*common, f"run_dir={branch}", "resume=true", "trainer.on_policy_heads_start=0.75"]
+    run(make_cfg(tmp_path, chats, *later))
+    rows = [json.loads(x) for x in open(branch / "metrics.jsonl") if '"loss"' in x]
+    assert [(r["step"], r.get("scored", 0) > 0) for r in rows[-2:]] == [(3, False), (4, True)]
+    with pytest.raises(UserError, match=r"trainer.on_policy_heads_start: 0.5 -> 0.75"):
+        run(make_cfg(tmp_path, chats, *common, "resume=true", "trainer.on_policy_heads_start=0.75"))

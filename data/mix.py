@@ -56,6 +56,10 @@ class MixedFeatures:
         # file: offline_features() of the file's train split (it checks the capture holds every row)
         self.file, self.own, self.n_file = file, own, len(file)
 
+    def release(self) -> None:
+        self.file.release()
+        self.own.release()
+
     def batch(self, indices: list[int], rows: list[dict], T: int):
         """Right-padded (B, T, F) features and (B, T, H) final states of train rows `indices`."""
         got = []

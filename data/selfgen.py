@@ -217,6 +217,10 @@ class SelfGenStore:
     def shards(self) -> list[Path]:
         return sorted(self.folder.glob("shard-*.safetensors"))
 
+    def release(self) -> None:
+        """Unmap the shards read so far (OfflineFeatures.release)."""
+        self._open.clear()
+
     def _shard(self, k: int):
         if k not in self._open:
             self._open[k] = safe_open(str(self.folder / f"shard-{k:05d}.safetensors"), framework="pt")
@@ -277,6 +281,9 @@ class SelfGenFeatures:
         for k, path in enumerate(store.shards()):
             off = store._shard(k).get_tensor("offsets").tolist()
             self._where += [(k, off[j], off[j + 1]) for j in range(len(off) - 1)]
+
+    def release(self) -> None:
+        self.store.release()
 
     def get(self, store_index: int, input_ids) -> tuple[torch.Tensor | None, torch.Tensor]:
         k, a, b = self._where[store_index]

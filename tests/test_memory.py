@@ -38,3 +38,28 @@ def test_the_trainer_releases_free_memory_every_log_every_steps(tmp_path, chat_f
     r = run(make_cfg(tmp_path, chat_file, "trainer.max_steps=5", "trainer.log_every=2",
                      "trainer.eval_every=0", "trainer.save_every=0"))
     assert r.step == 5 and len(calls) == 3  # steps 2, 4 and the last
+
+
+def test_the_trainer_unmaps_the_capture_every_log_every_steps(tmp_path, chat_file, monkeypatch):
+    """The capture's memory-mapped pages count as the job's resident memory until unmapped: the
+    trainer drops its shard handles every trainer.log_every steps, and reads after that are the
+    same (the shards reopen)."""
+    import torch
+
+    from specdistill.data.capture import OfflineFeatures
+
+    calls, release = [], OfflineFeatures.release
+    monkeypatch.setattr(OfflineFeatures, "release", lambda self: calls.append(len(self._open))
+                        or release(self))
+    r = run(make_cfg(tmp_path, chat_file, "trainer.max_steps=5", "trainer.log_every=2",
+                     "trainer.features=offline", "trainer.eval_every=0", "trainer.save_every=0"))
+    assert r.step == 5 and len(calls) == 3 and all(n > 0 for n in calls)  # open shards each time
+    assert not r.offline._open  # the last step unmapped them
+    rows = [r.train_ds[i] for i in range(3)]
+    T = max(len(x["input_ids"]) for x in rows)
+    before = r.offline.batch([0, 1, 2], rows, T)
+    assert r.offline._open
+    r.offline.release()
+    assert not r.offline._open
+    for a, b in zip(before, r.offline.batch([0, 1, 2], rows, T)):
+        assert torch.equal(a, b)

@@ -3,13 +3,17 @@
 conf/ is found by absolute path (drafters/cli.py CONF_DIR), so the job composes from any folder,
 under `python -m train` and the `specdistill-train` console script alike.
 """
-import hydra
-from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig
+from specdistill.train.memory import large_tensors_in_huge_pages
 
-from specdistill.drafters.cli import CONF_DIR
-from specdistill.drafters.schemas import store_drafter_schemas
-from specdistill.train.config import TrainConfig
+large_tensors_in_huge_pages()  # before any tensor is allocated (train/memory.py)
+
+import hydra  # noqa: E402
+from hydra.core.config_store import ConfigStore  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from specdistill.drafters.cli import CONF_DIR  # noqa: E402
+from specdistill.drafters.schemas import store_drafter_schemas  # noqa: E402
+from specdistill.train.config import TrainConfig  # noqa: E402
 
 store_drafter_schemas()
 ConfigStore.instance().store(name="train_schema", node=TrainConfig)

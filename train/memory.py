@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import sys
+
+THP_ENV = "THP_MEM_ALLOC_ENABLE"  # torch's (c10) switch: CPU tensors >= 2 MB in transparent huge pages
 
 
 @functools.lru_cache(maxsize=None)
@@ -40,3 +43,25 @@ def release_free_memory() -> bool:
     nothing could be released)."""
     libc = _glibc()
     return bool(libc.malloc_trim(0)) if libc is not None else False
+
+
+def large_tensors_in_huge_pages() -> bool:
+    """Back this process's CPU tensors of >= 2 MB with transparent huge pages (torch's
+    THP_MEM_ALLOC_ENABLE): a step's large tensors (the (rows, 8,192) logits, ~100 MB each) are
+    mmapped fresh by glibc and faulted in 4 KB at a time, ~26 k faults each, on every step; with
+    huge pages one fault maps 2 MB, and a freed tensor still goes straight back to the OS (unlike
+    serving them from the heap, above). BENCHMARKS.md "Large tensors in huge pages".
+
+    c10 reads the variable once, at its first large allocation: call this before any. It is set
+    for that read and removed again, so subprocesses (the serving engine's check) keep their own
+    defaults. A value the user set (0 or 1) is left alone. True when this call turned it on."""
+    if THP_ENV in os.environ or not sys.platform.startswith("linux"):
+        return False
+    import torch
+
+    os.environ[THP_ENV] = "1"
+    try:
+        torch.empty(4 << 20, dtype=torch.uint8)  # c10's one read of the variable
+    finally:
+        del os.environ[THP_ENV]
+    return True

@@ -105,6 +105,9 @@ def step_flops(r) -> tuple[int, int]:
 
 
 def main(argv=None) -> None:
+    from specdistill.train.memory import large_tensors_in_huge_pages
+
+    large_tensors_in_huge_pages()  # as the job does; THP_MEM_ALLOC_ENABLE=0 measures without
     from specdistill.train.benchmarks.recipe import ARMS, arm_overrides
     from specdistill.train.benchmarks.replaying import compose
     from specdistill.train.recipe import DistillRecipe

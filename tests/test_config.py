@@ -61,7 +61,7 @@ def test_defaults_are_the_embedded_default():
     # EAGLE-3 (an engine-loadable layout) with its budget recipe (conf/budget/default_eagle3.yaml)
     assert cfg.drafter.name == "eagle3" and cfg.drafter.ttt_length == 1
     assert (cfg.trainer.on_policy_heads_start, cfg.trainer.on_policy_heads_rows,
-            cfg.trainer.on_policy_heads_anchors) == (0.8, 1, 1.0)
+            cfg.trainer.on_policy_heads_anchors) == (0.9, 1, 1.0)
     full = _compose("train", ["trainer=full"])  # other budgets: EAGLE-3's own recipe
     assert full.drafter.ttt_length == 7 and full.trainer.on_policy_heads_start is None
     eagle = _compose("train", ["drafter=eagle"])  # the specialization follows the drafter

@@ -253,10 +253,8 @@ class OfflineFeatures:
         return self._open[k]
 
     def release(self) -> None:
-        """Unmap the shards read so far (reopened on the next read). The pages a memory-mapped read
-        touched count in the process's resident memory until then, clean page cache though they
-        are: the default job's whole capture (~4 GB) by its second epoch. The trainer calls this
-        every trainer.log_every steps."""
+        """Unmap the shards read so far (reopened on the next read): their touched pages count as the
+        process's resident memory until then (the job's whole ~4 GB capture by its second epoch)."""
         self._open.clear()
 
     def get(self, i: int, input_ids: list[int]) -> tuple[torch.Tensor | None, torch.Tensor]:

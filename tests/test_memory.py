@@ -34,7 +34,7 @@ def test_the_trainer_releases_free_memory_every_log_every_steps(tmp_path, chat_f
     from specdistill.train import recipe
 
     calls = []
-    monkeypatch.setattr(recipe, "release_free_memory", lambda: calls.append(1) or True)
+    monkeypatch.setattr(recipe, "release_free_memory", lambda *mapped: calls.append(1) or True)
     r = run(make_cfg(tmp_path, chat_file, "trainer.max_steps=5", "trainer.log_every=2",
                      "trainer.eval_every=0", "trainer.save_every=0"))
     assert r.step == 5 and len(calls) == 3  # steps 2, 4 and the last

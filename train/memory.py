@@ -5,7 +5,7 @@ lengths, the features read back from the capture, the on-policy drafts). glibc s
 its arenas and keeps what is freed there, fragmented, instead of returning it: the default job's
 resident memory climbed ~20 MB a step, to 18.7 GB at step 1000 (BENCHMARKS.md "Where the job's
 18.7 GB peak is"), while one `malloc_trim(0)` at step ~200 of such a run gave back 5.4 of its 7.0 GB
-of anonymous memory. The recipe calls `release_free_memory()` every trainer.log_every steps.
+of anonymous memory. The recipe calls `release_free_memory(features)` every trainer.log_every steps.
 Elsewhere (macOS, musl, Windows) it does nothing and says so.
 
 Large blocks (over glibc's mmap threshold, 32 MB at most) are still mmapped per allocation, i.e.
@@ -40,9 +40,13 @@ def _glibc():
         return None
 
 
-def release_free_memory() -> bool:
-    """Return the heap's free pages to the OS; True when glibc did it (False: not glibc, or
-    nothing could be released)."""
+def release_free_memory(*mapped) -> bool:
+    """Return the heap's free pages to the OS, and unmap the memory-mapped shards of `mapped`
+    (offline features with a `release()`; None is skipped: their touched pages count as resident
+    until unmapped); True when glibc trimmed (False: not glibc, or nothing could be released)."""
+    for features in mapped:
+        if features is not None:
+            features.release()
     libc = _glibc()
     return bool(libc.malloc_trim(0)) if libc is not None else False
 

@@ -313,9 +313,7 @@ class DistillRecipe:
                 self.loggers.log({**metrics, "target_tokens_per_s": seen * self.backend.world_size
                                   / max(dt, 1e-9), "tokens_per_step": seen / max(n, 1)}, self.step)
                 t0, seen, n = time.perf_counter(), 0, 0
-                release_free_memory()  # glibc keeps the steps' freed tensors otherwise (train/memory.py)
-                if self.offline is not None:  # the capture's mapped pages count as resident until unmapped
-                    self.offline.release()
+                release_free_memory(self.offline)  # freed heap pages, the capture's mapped ones (memory.py)
             last = self.step == tcfg.max_steps
             if (tcfg.eval_every and self.step % tcfg.eval_every == 0) or last:
                 self.evaluate()

@@ -50,10 +50,14 @@ def check_on_policy_heads(tcfg, drafter) -> None:
                          f"trainer.on_policy_heads_start=null")
 
 
+def in_phase(start: float | None, max_steps: int, step: int) -> bool:
+    """Does optimizer step `step` (0-based) draft on its own tokens (trainer.on_policy_heads_start)?"""
+    return start is not None and step >= start * max_steps
+
+
 def own_steps(tcfg, step: int) -> int:
     """The on-policy draft depth at optimizer step `step` (trainer.on_policy_heads_start), else 0."""
-    start = tcfg.on_policy_heads_start
-    return 0 if start is None or step < start * tcfg.max_steps else tcfg.on_policy_heads_depth
+    return tcfg.on_policy_heads_depth if in_phase(tcfg.on_policy_heads_start, tcfg.max_steps, step) else 0
 
 
 def anchor_generator(seed: int, step: int, micro: int, rank: int) -> torch.Generator:

@@ -23,6 +23,7 @@ from specdistill.drafters.base import CONFIG_FILE
 from specdistill.drafters.cli import UserError
 from specdistill.train.checkpoint import load_trainer_state
 from specdistill.train.config import RESUMABLE_CHANGES
+from specdistill.train.on_policy_heads import in_phase
 
 
 def _flatten(node, prefix: str = "") -> dict[str, object]:
@@ -45,8 +46,8 @@ def _may_change(key: str, phase_unused: bool = False) -> bool:
 def teacher_forced_so_far(flat: dict, step: int) -> bool:
     """Were steps 0 .. step-1 all teacher-forced under this (flattened) config? The on-policy
     heads phase runs the steps s >= trainer.on_policy_heads_start * trainer.max_steps."""
-    start = flat.get(ON_POLICY_HEADS + "start")
-    return start is None or step - 1 < start * flat.get("trainer.max_steps", 0)
+    return step < 1 or not in_phase(flat.get(ON_POLICY_HEADS + "start"),
+                                     flat.get("trainer.max_steps", 0), step - 1)
 
 
 def config_conflicts(old: dict, new: dict, step: int | None = None) -> list[str]:

@@ -9,7 +9,7 @@ import torch
 
 from eagle3_engines import feature_batch, perturbed_drafter, tiny8_target
 from specdistill.data.capture import target_logits
-from specdistill.drafters.base import DecodeState, build_drafter
+from specdistill.drafters.base import DecodeState, TrainBatch, build_drafter
 from specdistill.drafters.sampling import SamplingParams
 from specdistill.train.losses import aligned, distill_loss
 from specdistill.train.on_policy_heads import check_on_policy_heads, score_own_drafts, scored_anchors
@@ -64,7 +64,7 @@ def test_the_target_scores_the_drafts_not_the_real_tokens(target, share, rows):
         preds = d.forward_own(batch, steps=3, at=at)
     scored = score_own_drafts(target, batch, preds, d2t=d.d2t, autocast_dtype=None)
     anchors = at.nonzero().tolist()  # row-major: the order of the logits and teachers
-    assert scored == 2 * len(anchors)
+    assert scored == 2 * (len(anchors) - len(replays(batch, preds, anchors)))
     if rows is None:
         assert len(anchors) == 12 + 8  # every anchor with t + 2 real: rows of 14 / 10
     else:  # one row, half of its anchors: the prefix it scores ends at its last anchor
@@ -85,6 +85,49 @@ def test_the_target_scores_the_drafts_not_the_real_tokens(target, share, rows):
                                    d.d2t)[0, -1]
             assert not torch.allclose(preds[1].teacher[i], forced, atol=1e-3)
     assert differs > 0  # the check above ran
+
+
+def replays(batch, preds, anchors) -> list[tuple[int, int]]:
+    """The anchors whose drafts d_1, d_2 are the real tokens t+2, t+3, with token t+4 real too."""
+    n = batch.attention_mask.sum(-1)
+    return [(r, t) for r, t in anchors if t + 4 < n[r] and all(
+        int(preds[j].inputs[r, t]) == int(batch.input_ids[r, t + 1 + j]) for j in (1, 2))]
+
+
+def with_ids(target, d, ids, attn):
+    out = target.forward(ids, layers=d.feature_layers, attention_mask=attn)
+    return TrainBatch(ids, attn, attn.clone(), out.logits, out.features)
+
+
+@pytest.mark.parametrize("vocab", [None, 48])
+def test_drafts_that_are_the_real_tokens_take_the_batch_teacher_without_a_forward(target, vocab):
+    """Where an anchor's drafts all equal the real tokens after it, the target's verdict on them is
+    the batch's teacher there: it is reused (no forward over those drafts), and every teacher
+    still equals the target's fresh forward over the real text + the drafts."""
+    d = perturbed_drafter(target, "eagle3", draft_vocab_size=vocab).eval()
+    batch = feature_batch(target, d)
+    ids, attn = batch.input_ids.clone(), batch.attention_mask
+    forced = [(0, 1), (0, 5), (1, 2)]  # rewrite tokens t+2, t+3 to the drafts at t (ascending t)
+    for r, t in forced:
+        with torch.no_grad():
+            own = d.forward_own(with_ids(target, d, ids, attn), steps=3)
+        ids[r, t + 2], ids[r, t + 3] = own[1].inputs[r, t], own[2].inputs[r, t]
+    batch = with_ids(target, d, ids, attn)
+    at = scored_anchors(batch, 1.0, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        preds = d.forward_own(batch, steps=3, at=at)
+    anchors = at.nonzero().tolist()
+    again = replays(batch, preds, anchors)
+    assert set(forced) <= set(again) and len(again) < len(anchors)
+    scored = score_own_drafts(target, batch, preds, d2t=d.d2t, autocast_dtype=None)
+    assert scored == 2 * (len(anchors) - len(again))  # the replayed anchors cost no forward
+    for i, (r, t) in enumerate(anchors):
+        d1, d2 = (int(preds[j].inputs[r, t]) for j in (1, 2))
+        row = torch.cat([batch.input_ids[r, :t + 2], torch.tensor([d1, d2])])[None]
+        fresh = target.forward(row, layers=(-1,), logits=False).features
+        fresh = target_logits(target, fresh, d.d2t)[0]
+        torch.testing.assert_close(preds[1].teacher[i], fresh[-2], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(preds[2].teacher[i], fresh[-1], atol=1e-4, rtol=1e-4)
 
 
 def test_the_loss_trains_the_own_steps_towards_the_score(target):

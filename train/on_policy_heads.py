@@ -17,6 +17,9 @@ Draft-OPD) trains on what the drafter itself drafts. Here, in the job's on-polic
    at positions t+2, ..., attending to the cached real tokens up to t+1 and causally within its
    block (a 4-D mask over the cache and the blocks): the target's logits after d_1 .. d_{j-1},
    which is what verification compares draft d_j with.
+   An anchor whose drafts all equal the real tokens after it (about half of them in the phase)
+   needs no forward: the target after d_1 .. d_j is then the batch's teacher at t+j+1, already
+   computed (`replayed`); only the others are scored.
 3. The loss trains step j > 1 at the scored anchors towards those logits (DraftPrediction.teacher);
    step 1 reads only real tokens, in every row, and keeps the batch's teacher.
 
@@ -25,9 +28,9 @@ counts follows accepted drafts, i.e. the target's own tokens: there teacher forc
 text already is on-policy for every draft that can be accepted; the on-policy steps add the target's
 verdict on the drafts after a wrong one, which matters for sampled decoding and for other data.
 
-Cost: the target forward over ~T + A(depth-1) tokens per scored row (A = its scored anchors), ~a
-capture forward of those rows, plus the drafter's depth steps; scoring fewer rows at a larger
-share of their anchors buys the same number of scored drafts for less target compute
+Cost: the target forward over ~T + A(depth-1) tokens per scored row (A = its scored anchors that
+are not replayed), ~a capture forward of those rows, plus the drafter's depth steps; scoring fewer
+rows at a larger share of their anchors buys the same number of scored drafts for less target compute
 (BENCHMARKS.md "Training precision where bf16 is not native": 3.0x a teacher-forced step).
 """
 from __future__ import annotations
@@ -125,13 +128,29 @@ def score_inputs(batch: TrainBatch, drafted: torch.Tensor, rows: list[int], anch
     return real, ids, allow[:, None], pos
 
 
+def replayed(batch: TrainBatch, drafted: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """(B, T) bool: the anchors of `at` whose drafts drafted[b, t] (D,) all equal the real tokens
+    t+2 .. t+D+1 where the batch has the target's logits after each (drafters/anchors.py
+    counted(batch, 0) there): the target's verdict on those drafts is the batch's teacher at
+    t+2 .. t+D+1, already computed."""
+    B, T, D = drafted.shape
+    ids, have = batch.input_ids.cpu(), counted(batch, 0).cpu()
+    same = at.cpu().clone()
+    for j in range(D):
+        s = j + 2  # d_{j+1} at anchor t stands for token t+s; the teacher after it is at t+s
+        same[:, max(0, T - s):] = False
+        same[:, :T - s] &= (drafted[:, :T - s, j] == ids[:, s:]) & have[:, s:]
+    return same
+
+
 @torch.no_grad()
 def score_own_drafts(target, batch: TrainBatch, preds: list[DraftPrediction],
                      d2t: torch.Tensor | None, autocast_dtype: str | None) -> int:
     """Set the teacher of every on-policy step j > 1 of `preds` (forward_own's with `at`: their
-    logits are at the anchors `scored`) from the target's forward over the drafts at those
-    anchors after the real tokens' (module docstring, 2.); returns the number of drafted tokens
-    the target scored."""
+    logits are at the anchors `scored`): the target's logits after d_1 .. d_{j-1}, from its
+    forward over the drafts at those anchors after the real tokens' (module docstring, 2.), or
+    the batch's teacher where the drafts are the real tokens (`replayed`); returns the number of
+    drafted tokens the target's forward scored."""
     D = len(preds) - 1  # drafts scored per anchor: d_1 .. d_{depth-1}
     if D < 1:
         return 0
@@ -139,23 +158,35 @@ def score_own_drafts(target, batch: TrainBatch, preds: list[DraftPrediction],
     if at is None:
         raise ValueError("score_own_drafts: the drafter's own steps were not drafted at scored "
                          "anchors; call forward_own(batch, steps, at=scored_anchors(...))")
-    drafted = torch.stack([p.inputs for p in preds[1:]], dim=-1)  # (B, T, D) d_1..d_D at t
+    drafted = torch.stack([p.inputs for p in preds[1:]], dim=-1).cpu()  # (B, T, D) d_1..d_D at t
     at = at.cpu()
-    rows = at.any(-1).nonzero().flatten().tolist()
-    anchors = [at[b].nonzero().flatten() for b in rows]
-    if not rows:  # no anchor qualifies in this batch: nothing to train the own steps on
-        for pred in preds[1:]:
-            pred.teacher = pred.logits.new_zeros(0, pred.logits.shape[-1])
-        return 0
-    real, ids, mask, pos = score_inputs(batch, drafted, rows, anchors)
-    dev = target.device
-    cache = DynamicCache()  # full layers: the mask, not a sliding window, says what a draft sees
-    with autocast(target, autocast_dtype):
-        target.forward(real.to(dev), logits=False, cache=cache)  # the real tokens, causal
-        final = target.forward(ids.to(dev), layers=(-1,), logits=False, cache=cache,
-                               attention_mask=mask.to(dev), position_ids=pos.to(dev)).features
+    reuse = replayed(batch, drafted, at)  # (B, T)
+    todo = at & ~reuse
+    rows = todo.any(-1).nonzero().flatten().tolist()
+    anchors = [todo[b].nonzero().flatten() for b in rows]
+    final = None
+    if rows:
+        real, ids, mask, pos = score_inputs(batch, drafted, rows, anchors)
+        dev = target.device
+        cache = DynamicCache()  # full layers: the mask, not a sliding window, says what a draft sees
+        with autocast(target, autocast_dtype):
+            target.forward(real.to(dev), logits=False, cache=cache)  # the real tokens, causal
+            final = target.forward(ids.to(dev), layers=(-1,), logits=False, cache=cache,
+                                   attention_mask=mask.to(dev), position_ids=pos.to(dev)).features
     counts = [len(a) for a in anchors]
+    b, t = reuse.nonzero(as_tuple=True)  # row-major, as the teacher's rows
+    known = reuse[at]  # (M,) which of the scored anchors' rows come from the batch
+    dev = batch.target_logits.device
     for j, pred in enumerate(preds[1:]):  # step j+2: the target after d_1 .. d_{j+1}
-        hidden = torch.cat([final[r, j:n * D:D] for r, n in enumerate(counts)])  # (M, H) row-major
-        pred.teacher = target_logits(target, hidden, d2t).float().to(pred.logits.device)
+        width = pred.logits.shape[-1]  # the draft vocabulary (d2t) or the target's
+        teacher = torch.empty(len(known), width, device=pred.logits.device)
+        if final is not None:  # the scored anchors, row-major
+            hidden = torch.cat([final[r, j:n * D:D] for r, n in enumerate(counts)])  # (M', H)
+            teacher[~known] = target_logits(target, hidden, d2t).float().to(teacher.device)
+        if len(b):  # the replayed ones: the batch's teacher at t+j+2
+            given = batch.target_logits[b.to(dev), (t + 2 + j).to(dev)]  # (M - M', V | Vd)
+            if given.shape[-1] != width:  # a full-vocabulary batch teacher: the d2t columns
+                given = given[:, d2t.to(dev)]
+            teacher[known] = given.float().to(teacher.device)
+        pred.teacher = teacher
     return int(sum(counts) * D)

@@ -165,7 +165,7 @@ class Target:
         cache: Any = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
-        logits_to_keep: int = 0,
+        logits_to_keep: int | torch.Tensor = 0,  # the last n positions, or these (1-D)
     ) -> TargetOutput:
         """Run the target; return logits and the concatenated hidden states of `layers`.
 

@@ -12,7 +12,8 @@ from specdistill.data.capture import target_logits
 from specdistill.drafters.base import DecodeState, TrainBatch, build_drafter
 from specdistill.drafters.sampling import SamplingParams
 from specdistill.train.losses import aligned, distill_loss
-from specdistill.train.on_policy_heads import check_on_policy_heads, score_own_drafts, scored_anchors
+from specdistill.train.on_policy_heads import (check_on_policy_heads, replayed, score_own_drafts,
+                                                 scored_anchors)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -128,6 +129,25 @@ def test_drafts_that_are_the_real_tokens_take_the_batch_teacher_without_a_forwar
         fresh = target_logits(target, fresh, d.d2t)[0]
         torch.testing.assert_close(preds[1].teacher[i], fresh[-2], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(preds[2].teacher[i], fresh[-1], atol=1e-4, rtol=1e-4)
+
+
+def test_an_anchor_replays_only_where_every_draft_is_real_and_the_batch_has_its_teacher():
+    T = 8
+    ids = torch.arange(T)[None]
+    ones = torch.ones(1, T, dtype=torch.long)
+    drafted = torch.stack([ids + 2, ids + 3], -1)  # d_1, d_2 at t: the real tokens t+2, t+3
+    drafted[0, 1, 1] = 99  # anchor 1: d_2 is wrong
+    loss = ones.clone()
+    loss[0, 6] = 0  # token 6 is not trained: no teacher at position 5
+    batch = TrainBatch(ids, ones, loss, torch.empty(0))
+    at = torch.ones(1, T, dtype=torch.bool)
+    at[0, 3] = False  # not a scored anchor
+    # t needs teachers at t+2 and t+3 (tokens t+3, t+4 trained and inside the row): t <= 3, and
+    # not t = 2, 3 (position 5); so 0 alone (1: a wrong draft, 3: not scored)
+    assert replayed(batch, drafted, at)[0].tolist() == [True] + [False] * 7
+    for short in (1, 2, 3):  # rows too short for any replay, and no error
+        assert not replayed(TrainBatch(ids[:, :short], ones[:, :short], ones[:, :short],
+                                       torch.empty(0)), drafted[:, :short], at[:, :short]).any()
 
 
 def test_the_loss_trains_the_own_steps_towards_the_score(target):

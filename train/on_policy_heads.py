@@ -138,8 +138,9 @@ def replayed(batch: TrainBatch, drafted: torch.Tensor, at: torch.Tensor) -> torc
     same = at.cpu().clone()
     for j in range(D):
         s = j + 2  # d_{j+1} at anchor t stands for token t+s; the teacher after it is at t+s
-        same[:, max(0, T - s):] = False
-        same[:, :T - s] &= (drafted[:, :T - s, j] == ids[:, s:]) & have[:, s:]
+        n = max(0, T - s)  # the anchors with a token t+s in the batch
+        same[:, n:] = False
+        same[:, :n] &= (drafted[:, :n, j] == ids[:, s:s + n]) & have[:, s:s + n]
     return same
 
 

@@ -35,7 +35,7 @@ def accepted_lengths(target, drafter: Drafter, input_ids: list[int], loss_mask: 
     out = target.forward(ids[None, :last + 1], layers=drafter.feature_layers, cache=cache,
                          logits_to_keep=pick.to(target.device))
     argmax0 = torch.full((last + 1,), -1, dtype=torch.long, device=target.device)
-    argmax0[pick.to(target.device)] = out.logits[0].argmax(-1)  # target's greedy token after each sampled position
+    argmax0[pick.to(target.device)] = out.logits[0].argmax(-1)  # the target's greedy tokens there
     feats = out.features[0] if out.features is not None else None  # (last+1, F)
     results = []
     for t in pick.flip(0).tolist():  # descending, so cropping the cache never loses what we need

@@ -177,7 +177,7 @@ def score_own_drafts(target, batch: TrainBatch, preds: list[DraftPrediction],
     counts = [len(a) for a in anchors]
     b, t = reuse.nonzero(as_tuple=True)  # row-major, as the teacher's rows
     known = reuse[at]  # (M,) which of the scored anchors' rows come from the batch
-    dev = batch.target_logits.device
+    held = batch.target_logits.device  # where the batch's teacher lies
     for j, pred in enumerate(preds[1:]):  # step j+2: the target after d_1 .. d_{j+1}
         width = pred.logits.shape[-1]  # the draft vocabulary (d2t) or the target's
         teacher = torch.empty(len(known), width, device=pred.logits.device)
@@ -185,9 +185,9 @@ def score_own_drafts(target, batch: TrainBatch, preds: list[DraftPrediction],
             hidden = torch.cat([final[r, j:n * D:D] for r, n in enumerate(counts)])  # (M', H)
             teacher[~known] = target_logits(target, hidden, d2t).float().to(teacher.device)
         if len(b):  # the replayed ones: the batch's teacher at t+j+2
-            given = batch.target_logits[b.to(dev), (t + 2 + j).to(dev)]  # (M - M', V | Vd)
+            given = batch.target_logits[b.to(held), (t + 2 + j).to(held)]  # (M - M', V | Vd)
             if given.shape[-1] != width:  # a full-vocabulary batch teacher: the d2t columns
-                given = given[:, d2t.to(dev)]
+                given = given[:, d2t.to(held)]
             teacher[known] = given.float().to(teacher.device)
         pred.teacher = teacher
     return int(sum(counts) * D)

@@ -43,7 +43,7 @@ def test_summary_is_the_median_over_rounds_relative_to_single():
     assert "| tiny | ddp | 2 | 210 | 150, 210, 600 | 1.05x |" in bench.markdown(list(rows.values()))
 
 
-def test_capture_benchmark_times_each_batch_size_on_the_stored_conversations(tmp_path):
+def test_capture_benchmark_times_each_batch_size_on_the_stored_conversations(tmp_path, monkeypatch):
     """python -m train.benchmarks.capture on the tiny target: every size timed in every round, the
     padding of capture_split's length-sorted batches, nothing left behind; another target refused."""
     import json
@@ -71,6 +71,30 @@ def test_capture_benchmark_times_each_batch_size_on_the_stored_conversations(tmp
     # one row per forward: no padding; four: (30, 21, 12, 9) -> 4 x 30, then (7, 5) -> 2 x 7
     assert res["padding"]["1"] == 0 and res["padding"]["4"] == pytest.approx(1 - 84 / 134)
     assert not list(out.glob("scratch-*"))
+    # --engine-install: "after" installs in the foreground, "beside" in the background (stand-ins)
+    from specdistill.decode.engine import envs
+
+    made = []
+
+    def run_step(cmd, what, timeout):
+        if what.startswith("creating"):
+            made.append(cmd[-1])
+            Path(cmd[-1]).mkdir(parents=True)
+        return "0.32.0\n"
+
+    venv = envs.vllm_venv(tmp_path / "engines-cache")
+    monkeypatch.delenv(envs.VLLM_PYTHON_ENV, raising=False)
+    monkeypatch.setattr(envs, "run_step", run_step)
+    monkeypatch.setattr(envs, "BACKGROUND", {})
+    monkeypatch.setattr(envs, "INSTALL_CMD",
+                        ["bash", "-c", f"sleep 0.3; mkdir -p {venv}; touch {venv}/COMPLETE"])
+    cap_bench.main(["--features-dir", str(source), "--conversations", "6", "--batch-sizes", "4",
+                    "--rounds", "2", "--set", "target=tiny", "--out", str(out),
+                    "--engine-install", str(tmp_path / "engines-cache")])
+    runs = json.loads((out / "install_overlap.json").read_text())["rounds"]
+    assert {arm: len(rs) for arm, rs in runs.items()} == {"after": 2, "beside": 2}
+    assert made == [str(venv)] * 2  # only "after" installed in the foreground; "beside" waited
+    assert all(r["total_s"] >= r["capture_s"] for rs in runs.values() for r in rs)
     with pytest.raises(SystemExit, match="another target"):
         cap_bench.main(["--features-dir", str(source), "--conversations", "2", "--rounds", "1",
                         "--set", "target=tiny", "target.seed=1", "--out", str(out)])

@@ -25,6 +25,20 @@ from specdistill.train.report import write_report
 log = logging.getLogger(__name__)
 
 
+def prepare_engine(cfg: DictConfig, run_dir: Path, drafter, is_main: bool) -> None:
+    """At the job's start (on its main process): when its final eval will check the drafter in
+    vLLM and vLLM is not installed yet, install it now in a child process (decode/engine/envs.py),
+    beside the capture and the training, instead of after them. Not for llama.cpp: its build is a
+    compile that would take the training's cores."""
+    from specdistill.decode.engine.check import engine_format
+    from specdistill.decode.engine.envs import install_in_background
+
+    tcfg = cfg.trainer
+    checked = tcfg.get("final_eval") and tcfg.get("engine_check") == "vllm"
+    if is_main and checked and engine_format(drafter)[0]:
+        install_in_background(cache_root(cfg.target), run_dir / "engine_install.log")
+
+
 def final_eval(cfg: DictConfig, run_dir: Path, target, drafter, loggers, step: int) -> dict:
     """The real decoder on trainer.final_eval's prompts with the best drafter, vs plain decoding;
     logged, written under run_dir/final_eval/ and into the run's report."""

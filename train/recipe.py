@@ -104,7 +104,7 @@ class DistillRecipe:
         self.drafter = self._setup_drafter(cfg)  # 2. the drafter on the backend's device
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
         self._setup_optimizer(self.tcfg)  # 3. optimizer, schedule, the backend-wrapped model
-        prepare_engine(cfg, self.run_dir, self.drafter, self.backend.is_main)  # its install, meanwhile
+        prepare_engine(cfg, self.run_dir, self.drafter, self.backend.is_main)  # vLLM installs meanwhile
         self.offline = self._setup_features(self.tcfg)  # 4. offline features (None: online)
         self._setup_batches(cfg)  # 5. the data order, and on-policy batches (DistillSpec)
         if cfg.resume:  # 6. resume from the newest checkpoint that verifies

@@ -74,11 +74,13 @@ def install_in_background(cache_root: Path, log_file: Path) -> bool:
 def stop_background(child: subprocess.Popen) -> None:
     """Stop an unfinished background install and everything it started (its session)."""
     if child.poll() is None:
-        os.killpg(child.pid, signal.SIGTERM)
         try:
+            os.killpg(child.pid, signal.SIGTERM)
             child.wait(timeout=30)
         except subprocess.TimeoutExpired:
             os.killpg(child.pid, signal.SIGKILL)
+        except ProcessLookupError:  # it ended between the poll and the signal
+            return
         print(f"stopped the unfinished {VLLM_PACKAGE} install (the next engine check installs it "
               f"again)", file=sys.stderr)
 

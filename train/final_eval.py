@@ -30,12 +30,13 @@ def prepare_engine(cfg: DictConfig, run_dir: Path, drafter, is_main: bool) -> No
     vLLM and vLLM is not installed yet, install it now in a child process (decode/engine/envs.py),
     beside the capture and the training, instead of after them. Not for llama.cpp: its build is a
     compile that would take the training's cores."""
+    tcfg = cfg.trainer
+    if not (is_main and tcfg.get("final_eval") and tcfg.get("engine_check") == "vllm"):
+        return  # other ranks and jobs without the check import nothing of the engines
     from specdistill.decode.engine.check import engine_format
     from specdistill.decode.engine.envs import install_in_background
 
-    tcfg = cfg.trainer
-    checked = tcfg.get("final_eval") and tcfg.get("engine_check") == "vllm"
-    if is_main and checked and engine_format(drafter)[0]:
+    if engine_format(drafter)[0]:
         install_in_background(cache_root(cfg.target), run_dir / "engine_install.log")
 
 

@@ -96,3 +96,40 @@ def test_large_tensors_take_huge_pages_and_the_users_setting_stands():
     assert out[:2] == ["False", "0"], out
     if "[madvise]" in mode.read_text():  # huge pages only where asked for: the user's 0 is 4 KB pages
         assert int(out[2]) > 10_000, out
+
+
+def test_the_engine_check_starts_after_the_training_and_the_decoders_copies_are_freed(
+        tmp_path, chat_file, monkeypatch):
+    """vLLM's engines start beside the job (~2.6 GB each): by then the optimizer's moments are gone
+    (the gradients already are), and so are the decoder's bf16 copies of the target and the best drafter
+    (nothing still refers to them); the check gets the training copies, as before."""
+    import weakref
+
+    from specdistill.drafters.target import load_target
+    from specdistill.train import final_eval as fe
+    from specdistill.train.recipe import DistillRecipe
+
+    cfg = make_cfg(tmp_path, chat_file, "trainer.max_steps=3", "trainer.eval_every=3",
+                   "trainer.save_every=3", "trainer.final_eval=mtbench", "trainer.final_eval_limit=1",
+                   "trainer.final_eval_max_new_tokens=4", "trainer.engine_check=vllm")
+    r = DistillRecipe(cfg)
+    r.setup()
+    r.train()
+    assert r.optimizer.state  # Adam's moments: twice the drafter's size
+    copies, cast = [], fe.cast_drafter
+    monkeypatch.setattr(fe, "decode_target", lambda cfg, trained: copies.append(
+        weakref.ref(t := load_target(cfg.target))) or t)  # a copy, as on a bf16 machine
+    monkeypatch.setattr(fe, "cast_drafter", lambda *a: copies.append(weakref.ref(d := cast(*a))) or d)
+    seen = {}
+
+    def engine_eval(cfg, run_dir, target, drafter, ours, loggers, step):
+        seen.update(alive=[ref() is not None for ref in copies], state=dict(r.optimizer.state),
+                    grads=[p.grad for p in r.params if p.grad is not None],
+                    training_copies=(target is r.target, drafter is r.drafter), rows=len(ours))
+        return None
+
+    monkeypatch.setattr(fe, "engine_eval", engine_eval)
+    r.final_eval()
+    r.cleanup()
+    assert seen == {"alive": [False, False], "state": {}, "grads": [], "training_copies": (True, True),
+                    "rows": 1}

@@ -9,6 +9,7 @@ the decoder's dtype (auto: bf16 on native-bf16 CPUs), not the training copy at f
 """
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import shutil
@@ -20,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from specdistill.drafters.base import load_drafter
 from specdistill.drafters.precision import cast_drafter
 from specdistill.drafters.target import cache_root, load_target
+from specdistill.train.memory import release_free_memory
 from specdistill.train.report import write_report
 
 log = logging.getLogger(__name__)
@@ -58,6 +60,9 @@ def final_eval(cfg: DictConfig, run_dir: Path, target, drafter, loggers, step: i
                               k=tcfg.eval_k, out_dir=run_dir / "final_eval")
     loggers.log_decoder_eval(result["summary"], step)  # + histogram, bar charts
     if tcfg.get("engine_check"):
+        del target, drafter  # the decoder's bf16 copies: their memory goes to the engines
+        gc.collect()
+        release_free_memory()
         result["engine"] = engine_eval(cfg, run_dir, trained, trained_drafter, result["prompts"],
                                        loggers, step)
     write_report(run_dir)

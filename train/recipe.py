@@ -44,7 +44,7 @@ from specdistill.train.runlock import RunLock
 from specdistill.train.batches import BatchIterator, first_conversations
 from specdistill.train.loggers import Loggers
 from specdistill.train.losses import distill_loss
-from specdistill.train.memory import release_free_memory
+from specdistill.train.memory import drop_training_state, release_free_memory
 from specdistill.train.on_policy import OnPolicyMixer
 from specdistill.drafters.precision import features_storage, training_precision
 from specdistill.train.on_policy_heads import (anchor_generator, check_on_policy_heads,
@@ -364,10 +364,10 @@ class DistillRecipe:
         self.backend.barrier()
 
     def final_eval(self) -> dict | None:
-        """The real decoder on the final-eval set with the best drafter, vs plain decoding, and
-        the serving engine's check of it when trainer.engine_check is set (train/final_eval.py)."""
+        """The best drafter in the real decoder and the engine check (train/final_eval.py)."""
         if not self.tcfg.final_eval or not self.backend.is_main:
             return None
+        drop_training_state(self.optimizer, self.offline)  # the engines' memory
         return final_eval(self.cfg, self.run_dir, self.target, self.drafter, self.loggers, self.step)
 
     def cleanup(self) -> None:

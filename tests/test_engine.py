@@ -89,6 +89,7 @@ def test_the_default_drafter_is_one_vllm_loads_and_eagle1s_pruned_head_says_why(
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
+    import specdistill.train.__main__  # noqa: F401  (stores the schemas conf/train.yaml composes)
     from specdistill.decode.engine.check import engine_format
     from specdistill.drafters.base import build_drafter
     from specdistill.drafters.target import load_target
@@ -134,6 +135,29 @@ def test_plain_and_speculative_engines_take_the_prompts_in_turn(fake_env, tmp_pa
     # the speculative engine saw every prompt right after the plain one (warm-up first)
     order = [json.loads(x) for x in (tmp_path / "logs" / "order.jsonl").read_text().splitlines()]
     assert [o["engine"] for o in order] == ["plain", "spec"] + ["plain", "spec"] * 3
+    assert {o["kv"] for o in order} == {1 << 30}  # no config.json to size it from: 1 GiB
+
+
+def test_each_engine_gets_the_kv_cache_its_sequence_needs(tmp_path, monkeypatch):
+    """vLLM's CPU backend zeroes the whole KV cache it is given: sized to the check's sequence
+    (x2, >= 64 MiB) from the target's and the drafter's layers, not a fixed GiB; a user's
+    VLLM_CPU_KVCACHE_SPACE is passed on (vLLM lets it win)."""
+    export = _export_config(tmp_path, "eagle3", "vllm")
+    smollm2 = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+               "head_dim": 64, "hidden_size": 576}
+    llama8b = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+               "hidden_size": 4096}
+    for name, cfg in (("smollm2", smollm2), ("llama8b", llama8b)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(cfg))
+    assert ve.kv_cache_bytes(tmp_path / "smollm2", export, "float32", 286) == 64 << 20  # the floor
+    # 2 x (32 + 1 layers) x 8 heads x 128 x 2 bytes = 132 KiB a token; 4,096 + 256 tokens, twice
+    assert ve.kv_cache_bytes(tmp_path / "llama8b", export, "bfloat16", 4096) == 135168 * 4352 * 2
+    assert ve.kv_cache_bytes(tmp_path / "llama8b", export, "bfloat16", 4096) > 1 << 30
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    assert "VLLM_CPU_KVCACHE_SPACE" not in ve.worker_env(None)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
+    assert ve.worker_env(None)["VLLM_CPU_KVCACHE_SPACE"] == "4"
 
 
 def test_an_export_the_engine_refuses_is_a_result_with_its_own_words(fake_env, tmp_path):

@@ -34,7 +34,7 @@ METHODS = {("eagle", "vllm"): {"method": "eagle"}, ("eagle3", "vllm"): {"method"
            ("dflash", "vllm"): {"method": "dflash"}, ("dflash", "speculators"): {"method": "dflash"},
            ("medusa", "vllm"): {"method": "medusa"},
            ("small_lm", "causal_lm"): {"method": "draft_model"}}
-KV_CACHE_GB = 1  # VLLM_CPU_KVCACHE_SPACE: plenty for one sequence of a small target
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 @dataclass
@@ -115,14 +115,13 @@ class Worker:
 
 
 def worker_env(threads: int | None, timeout: float = 1800) -> dict[str, str]:
-    """The environment of a vLLM process: offline, no usage stats, a small KV cache, its engine core
-    in the same process, the compute threads bound to the cores this process may use, and one
+    """The environment of a vLLM process: offline, no usage stats, its engine core in the same
+    process, the compute threads bound to the cores this process may use, and one
     engine step allowed the check's own timeout (vLLM's default of 300 s kills the engine on a
     machine loaded many times over)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHONPATH", "VIRTUAL_ENV"))}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
-               DO_NOT_TRACK="1", VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GB),
-               TOKENIZERS_PARALLELISM="false",
+               DO_NOT_TRACK="1", TOKENIZERS_PARALLELISM="false",
                VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS=str(int(timeout)))
     cores = sorted(os.sched_getaffinity(0))
     if threads:
@@ -135,6 +134,26 @@ def worker_env(threads: int | None, timeout: float = 1800) -> dict[str, str]:
     return env
 
 
+def kv_cache_bytes(target_dir: Path, export_dir: Path, dtype: str, max_model_len: int) -> int:
+    """The KV cache an engine is given: twice what one sequence of max_model_len (+ a block of
+    slack) takes in the target's and the drafter's attention layers at `dtype`, at least 64 MiB;
+    1 GiB when the target's config.json does not give its sizes. vLLM's CPU backend allocates and
+    zeroes all it is given; VLLM_CPU_KVCACHE_SPACE counts whole GiB, ~16x what SmolLM2's check
+    needs (BENCHMARKS.md "The engine check's KV cache sized to its sequence"). A
+    VLLM_CPU_KVCACHE_SPACE in the environment still wins (vLLM reads it last)."""
+    try:
+        target = json.loads((Path(target_dir) / "config.json").read_text())
+        target = target.get("text_config", target)  # a multimodal target's language model
+        heads = target.get("num_key_value_heads") or target["num_attention_heads"]
+        head_dim = target.get("head_dim") or target["hidden_size"] // target["num_attention_heads"]
+        draft = json.loads((Path(export_dir) / "config.json").read_text())
+        layers = target["num_hidden_layers"] + int(draft.get("num_hidden_layers") or 1)
+    except (OSError, KeyError, TypeError, ValueError):
+        return 1 << 30
+    per_token = 2 * layers * heads * head_dim * DTYPE_BYTES.get(dtype, 4)  # K and V
+    return max(64 << 20, 2 * per_token * (max_model_len + 256))
+
+
 def run_vllm(python: Path, target_dir: Path, export_dir: Path, k: int, prompts: list[list[int]],
              max_new_tokens: list[int], stop_ids: list[int], dtype: str, max_model_len: int,
              logs: Path, plain: bool = True, threads: int | None = None,
@@ -145,7 +164,8 @@ def run_vllm(python: Path, target_dir: Path, export_dir: Path, k: int, prompts: 
     and so is an engine that loads and then fails while decoding ("loaded": True, "error")."""
     spec_cfg = speculative_config(export_dir, k)
     env = worker_env(threads, timeout)
-    base = {"model": str(target_dir), "dtype": dtype, "max_model_len": max_model_len, "seed": 0}
+    base = {"model": str(target_dir), "dtype": dtype, "max_model_len": max_model_len, "seed": 0,
+            "kv_cache_memory_bytes": kv_cache_bytes(target_dir, export_dir, dtype, max_model_len)}
     settings = {"plain": {**base, "speculative_config": None},
                 "spec": {**base, "speculative_config": spec_cfg}}
     out: dict[str, Any] = {"engine": "vllm", "speculative_config": spec_cfg, "loaded": False,

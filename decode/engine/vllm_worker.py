@@ -72,6 +72,7 @@ def main() -> None:
                   max_model_len=settings["max_model_len"], max_num_seqs=1, enforce_eager=True,
                   seed=settings.get("seed", 0), disable_log_stats=False,
                   enable_prefix_caching=False,
+                  kv_cache_memory_bytes=settings.get("kv_cache_memory_bytes"),
                   speculative_config=settings.get("speculative_config"))
     except BaseException as e:  # the engine's own words, verbatim, for the report
         reply({"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]})

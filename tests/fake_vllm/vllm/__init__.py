@@ -36,6 +36,7 @@ class LLM:
             if refuse.is_file():
                 raise ValueError(refuse.read_text())
         self.k = self.spec["num_speculative_tokens"] if self.spec else 0
+        self.kv = kw.get("kv_cache_memory_bytes")
         self.drafts = self.accepted = 0
 
     def generate(self, prompts, params, use_tqdm=False):
@@ -49,7 +50,8 @@ class LLM:
             self.accepted += rounds
         order = Path(os.environ["FAKE_VLLM_LOGS"]) / "order.jsonl"
         with open(order, "a") as f:
-            f.write(json.dumps({"engine": "spec" if self.spec else "plain", "n": len(ids)}) + "\n")
+            f.write(json.dumps({"engine": "spec" if self.spec else "plain", "n": len(ids),
+                                "kv": self.kv}) + "\n")
         return [_Out(out)]
 
     def get_metrics(self):

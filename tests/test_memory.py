@@ -100,9 +100,9 @@ def test_large_tensors_take_huge_pages_and_the_users_setting_stands():
 
 def test_the_engine_check_starts_after_the_training_and_the_decoders_copies_are_freed(
         tmp_path, chat_file, monkeypatch):
-    """vLLM's engines start beside the job (~2.6 GB each): by then the optimizer's moments are gone
-    (the gradients already are), and so are the decoder's bf16 copies of the target and the best drafter
-    (nothing still refers to them); the check gets the training copies, as before."""
+    """vLLM's engines start beside the job (~1.6 GiB each): by then the optimizer's moments are
+    gone (the gradients already are), and so are the decoder's bf16 copies of the target and the
+    best drafter (nothing still refers to them); the check gets the training copies, as before."""
     import weakref
 
     from specdistill.drafters.target import load_target

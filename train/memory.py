@@ -55,7 +55,7 @@ def release_free_memory(*mapped) -> bool:
 def drop_training_state(optimizer, *mapped) -> bool:
     """After the last step, before the final eval: the optimizer's moments are dropped (the
     checkpoints hold them), the capture's shards unmapped and the freed heap handed back to the
-    OS, so that the serving engines the eval starts beside this process (vLLM: ~2.6 GB each) find
+    OS, so that the serving engines the eval starts beside this process (vLLM: ~1.6 GiB each) find
     the memory the training held. The optimizer cannot step again."""
     optimizer.state.clear()
     gc.collect()

@@ -128,8 +128,9 @@ def worker_env(threads: int | None, timeout: float = 1800) -> dict[str, str]:
         cores = cores[:threads]
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
     env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-    # the engine core inside our worker, not a process of its own: 2.6 instead of 4.0 GB an engine,
-    # faster on 2 cores, the same outputs and acceptance (BENCHMARKS.md "vLLM's engine core in-process")
+    # the engine core inside our worker, not a process of its own: one process an engine, not three,
+    # 2.6 GB instead of 4.0 (with a 1 GiB KV cache), faster on 2 cores, the same outputs and
+    # acceptance (BENCHMARKS.md "vLLM's engine core in-process")
     env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     return env
 
@@ -139,7 +140,7 @@ def kv_cache_bytes(target_dir: Path, export_dir: Path, dtype: str, max_model_len
     slack) takes in the target's and the drafter's attention layers at `dtype`, at least 64 MiB;
     1 GiB when the target's config.json does not give its sizes. vLLM's CPU backend allocates and
     zeroes all it is given; VLLM_CPU_KVCACHE_SPACE counts whole GiB, ~16x what SmolLM2's check
-    needs (BENCHMARKS.md "The engine check's KV cache sized to its sequence"). A
+    needs (BENCHMARKS.md "The whole default job under 8 GB"). A
     VLLM_CPU_KVCACHE_SPACE in the environment still wins (vLLM reads it last)."""
     try:
         target = json.loads((Path(target_dir) / "config.json").read_text())

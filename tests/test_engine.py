@@ -57,6 +57,19 @@ def test_nothing_measured_is_not_a_number():
                                                   "max_new_tokens": 8, "loaded": True})
 
 
+def test_the_table_says_when_our_decoder_ran_at_another_dtype_than_the_engine():
+    """The job decodes at bf16 and checks the engine at float32: their plain outputs part at
+    near-ties, and the table says so instead of a bare 1/20."""
+    mine = {"p": {"accepted": [1, 0], "generated_ids": [1] * 10}}
+    s = {**chk._summarise([_row(40, 30, 40, 30)], k=2, ours=mine), "engine": "vllm",
+         "drafter": "eagle3", "format": "vllm", "k": 2, "dtype": "float32", "prompts": 1,
+         "eval": "mtbench", "max_new_tokens": 8, "loaded": True}
+    same = chk.check_markdown({**s, "ours_dtype": "float32"})
+    assert "| engine plain == our decoder's output | 0/1 |" in same
+    apart = chk.check_markdown({**s, "ours_dtype": "bfloat16"})
+    assert "our decoder's output (engine float32, ours bfloat16: they part at near-ties) | 0/1 |" in apart
+
+
 def _export_config(tmp_path, drafter: str, fmt: str) -> Path:
     folder = tmp_path / f"{drafter}-{fmt}"
     folder.mkdir()

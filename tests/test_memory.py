@@ -122,14 +122,15 @@ def test_the_engine_check_starts_after_the_training_and_the_decoders_copies_are_
     monkeypatch.setattr(fe, "cast_drafter", lambda *a: copies.append(weakref.ref(d := cast(*a))) or d)
     seen = {}
 
-    def engine_eval(cfg, run_dir, target, drafter, ours, loggers, step):
+    def engine_eval(cfg, run_dir, target, drafter, ours, loggers, step, ours_dtype):
         seen.update(alive=[ref() is not None for ref in copies], state=dict(r.optimizer.state),
                     grads=[p.grad for p in r.params if p.grad is not None],
-                    training_copies=(target is r.target, drafter is r.drafter), rows=len(ours))
+                    training_copies=(target is r.target, drafter is r.drafter), rows=len(ours),
+                    ours_dtype=ours_dtype)
         return None
 
     monkeypatch.setattr(fe, "engine_eval", engine_eval)
     r.final_eval()
     r.cleanup()
     assert seen == {"alive": [False, False], "state": {}, "grads": [], "training_copies": (True, True),
-                    "rows": 1}
+                    "rows": 1, "ours_dtype": str(r.target.dtype).removeprefix("torch.")}

@@ -206,7 +206,8 @@ def measure_in_engine(folder: Path, target, info: RunInfo, drafter, cfg) -> dict
                            limit=cfg.engine_check_limit or ref.get("prompts") or 20,
                            max_new_tokens=ref.get("max_new_tokens", 128),
                            k=int(meta.get("speculative_tokens") or 2), out_dir=Path(work),
-                           cache=cache_root(target_config(cfg, info)), ours=info.final_rows)
+                           cache=cache_root(target_config(cfg, info)), ours=info.final_rows,
+                           ours_dtype=ref.get("target_dtype"))
         for name in ("engine_check.json", "engine_check.md"):  # shipped with the export
             shutil.copy(Path(work) / name, folder / name)
     s = res["summary"]

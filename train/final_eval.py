@@ -64,7 +64,7 @@ def final_eval(cfg: DictConfig, run_dir: Path, target, drafter, loggers, step: i
         gc.collect()
         release_free_memory()
         result["engine"] = engine_eval(cfg, run_dir, trained, trained_drafter, result["prompts"],
-                                       loggers, step)
+                                       loggers, step, result["summary"].get("target_dtype"))
     write_report(run_dir)
     return result
 
@@ -82,7 +82,7 @@ def publish(result: dict, run_dir: Path) -> None:
 
 
 def engine_eval(cfg: DictConfig, run_dir: Path, target, drafter, ours: list[dict], loggers,
-                step: int) -> dict | None:
+                step: int, ours_dtype: str | None = None) -> dict | None:
     """The best drafter exported in a layout the serving engine reads and loaded there
     (decode/engine/check.py): its outputs and acceptance against ours (`ours`: our decoder's
     result rows) on the final eval's prompts, at float32 (the training target). Skipped, with the
@@ -106,7 +106,8 @@ def engine_eval(cfg: DictConfig, run_dir: Path, target, drafter, ours: list[dict
     result = engine_check(folder, target, drafter, engine=engine, eval_kind=tcfg.final_eval,
                           limit=tcfg.engine_check_limit or tcfg.final_eval_limit,
                           max_new_tokens=tcfg.final_eval_max_new_tokens, k=tcfg.eval_k,
-                          out_dir=out, cache=cache_root(cfg.target), ours=ours)
+                          out_dir=out, cache=cache_root(cfg.target), ours=ours,
+                          ours_dtype=ours_dtype)
     s = result["summary"]
     if s.get("verdict") == "engine unavailable":
         log.warning("engine check skipped: %s", s["error"])

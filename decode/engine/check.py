@@ -85,6 +85,7 @@ def engine_check(export_dir: Path, target, drafter=None, *, engine: str = "vllm"
                  eval_kind: str = "mtbench", path: Optional[str] = None, limit: Optional[int] = 20,
                  max_new_tokens: int = 128, k: int = 2, out_dir: Path, cache: Path,
                  target_dir: Optional[Path] = None, ours: Optional[list[dict]] = None,
+                 ours_dtype: Optional[str] = None,
                  plain: bool = True, threads: Optional[int] = None,
                  timeout: float = 1800) -> dict[str, Any]:
     """Run the engine check (module docstring); write engine_check.json + engine_check.md into
@@ -93,9 +94,11 @@ def engine_check(export_dir: Path, target, drafter=None, *, engine: str = "vllm"
     drafter: the drafter as trained (a checkpoint's), replayed as our decoder; None = the export
     read back, which checks the engine's reading of the layout but not the exporter's writing of
     it. ours: our decoder's result rows on the same prompts (evaluate_drafter's "prompts") for its
-    own tau beside the engine's. plain=False skips the engine's plain decode (no speed, no
-    losslessness; acceptance only). target_dir: the target as an HF folder the engine loads
-    (default: the target's own folder, else written from `target`)."""
+    own tau beside the engine's; ours_dtype: the target dtype they were decoded at, when not
+    `target`'s (the job decodes at bf16 and checks at float32: its outputs then part at ties).
+    plain=False skips the engine's plain decode (no speed, no losslessness; acceptance only).
+    target_dir: the target as an HF folder the engine loads (default: the target's own folder,
+    else written from `target`)."""
     from specdistill.drafters.export import load_export
 
     if engine not in ENGINES:
@@ -114,6 +117,8 @@ def engine_check(export_dir: Path, target, drafter=None, *, engine: str = "vllm"
                                "max_new_tokens": max_new_tokens}
     meta = json.loads((export_dir / "config.json").read_text())["specdistill"]
     summary.update(drafter=meta["drafter"]["name"], format=meta["format"])
+    if ours:
+        summary["ours_dtype"] = ours_dtype or dtype
     n_ctx = max(len(x) for x in ids) + max_new_tokens + 2 * k + 16
     try:  # 2.
         folder = target_dir or served_target(target, out_dir / "target")
@@ -277,8 +282,10 @@ def check_markdown(s: dict) -> str:
              f"{_f(s['engine_spec_tokens_per_s'], '.1f')} ({_f(s.get('engine_speedup'), '.2f')}x)")]
     if "tau_ours_decoder" in s:
         rows.insert(4, ("tau in our decoder (its own run)", _f(s["tau_ours_decoder"])))
-        rows.insert(2, ("engine plain == our decoder's output", f"{s['engine_plain_equals_ours']}/"
-                                                                  f"{s['prompts']}"))
+        apart = s.get("ours_dtype") not in (None, s["dtype"])  # two dtypes: two greedy paths
+        rows.insert(2, ("engine plain == our decoder's output" + (
+            f" (engine {s['dtype']}, ours {s['ours_dtype']}: they part at near-ties)" if apart else ""),
+            f"{s['engine_plain_equals_ours']}/{s['prompts']}"))
     return "\n".join([head, "", "| | |", "|---|---|"] + [f"| {a} | {b} |" for a, b in rows])
 
 

@@ -9,7 +9,6 @@ the decoder's dtype (auto: bf16 on native-bf16 CPUs), not the training copy at f
 """
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import shutil
@@ -61,8 +60,7 @@ def final_eval(cfg: DictConfig, run_dir: Path, target, drafter, loggers, step: i
     loggers.log_decoder_eval(result["summary"], step)  # + histogram, bar charts
     if tcfg.get("engine_check"):
         del target, drafter  # the decoder's bf16 copies: their memory goes to the engines
-        gc.collect()
-        release_free_memory()
+        release_free_memory(collect=True)
         result["engine"] = engine_eval(cfg, run_dir, trained, trained_drafter, result["prompts"],
                                        loggers, step, result["summary"].get("target_dtype"))
     write_report(run_dir)

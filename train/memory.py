@@ -41,10 +41,13 @@ def _glibc():
         return None
 
 
-def release_free_memory(*mapped) -> bool:
+def release_free_memory(*mapped, collect: bool = False) -> bool:
     """Return the heap's free pages to the OS, and unmap the memory-mapped shards of `mapped`
     (offline features with a `release()`; None is skipped: their touched pages count as resident
-    until unmapped); True when glibc trimmed (False: not glibc, or nothing could be released)."""
+    until unmapped); True when glibc trimmed (False: not glibc, or nothing could be released).
+    collect: first free what only reference cycles still hold (gc; a dropped model's modules)."""
+    if collect:
+        gc.collect()
     for features in mapped:
         if features is not None:
             features.release()
@@ -58,8 +61,7 @@ def drop_training_state(optimizer, *mapped) -> bool:
     OS, so that the serving engines the eval starts beside this process (vLLM: ~1.6 GiB each) find
     the memory the training held. The optimizer cannot step again."""
     optimizer.state.clear()
-    gc.collect()
-    return release_free_memory(*mapped)
+    return release_free_memory(*mapped, collect=True)
 
 
 def large_tensors_in_huge_pages() -> bool:

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
+
 from specdistill.decode.engine import served_entry
 from specdistill.decode.engine.envs import EngineUnavailable
 
@@ -34,7 +36,6 @@ METHODS = {("eagle", "vllm"): {"method": "eagle"}, ("eagle3", "vllm"): {"method"
            ("dflash", "vllm"): {"method": "dflash"}, ("dflash", "speculators"): {"method": "dflash"},
            ("medusa", "vllm"): {"method": "medusa"},
            ("small_lm", "causal_lm"): {"method": "draft_model"}}
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 @dataclass
@@ -151,7 +152,7 @@ def kv_cache_bytes(target_dir: Path, export_dir: Path, dtype: str, max_model_len
         layers = target["num_hidden_layers"] + int(draft.get("num_hidden_layers") or 1)
     except (OSError, KeyError, TypeError, ValueError):
         return 1 << 30
-    per_token = 2 * layers * heads * head_dim * DTYPE_BYTES.get(dtype, 4)  # K and V
+    per_token = 2 * layers * heads * head_dim * getattr(torch, dtype).itemsize  # K and V
     return max(64 << 20, 2 * per_token * (max_model_len + 256))
 
 

@@ -38,6 +38,17 @@ def _check(folder: Path, drafter, dtype: torch.dtype) -> None:
                           f"drafter's (max |diff| {float((got - want).abs().max()):.3g})")
 
 
+def _drop_load_kwargs(path: Path) -> None:
+    """transformers records how OUR process loaded the tokenizer (`local_files_only`: whether
+    HF_HUB_OFFLINE was set); a served folder must not carry that into the user's process."""
+    import json
+
+    if path.is_file():
+        conf = json.loads(path.read_text())
+        if conf.pop("local_files_only", None) is not None:
+            path.write_text(json.dumps(conf, indent=2, ensure_ascii=False) + "\n")
+
+
 def save_causal_lm(drafter, folder, ctx) -> None:
     """Write the standalone model and the target's tokenizer into `folder`, then check it."""
     dtype = torch_dtype(ctx.dtype)
@@ -48,6 +59,9 @@ def save_causal_lm(drafter, folder, ctx) -> None:
     model.generation_config.num_assistant_tokens = ctx.k
     model.generation_config.num_assistant_tokens_schedule = "constant"
     model.config.specdistill = ctx.meta  # what load_export needs to know it again
+    for key in [k for k in vars(model.config) if k.startswith("_specdistill")]:
+        delattr(model.config, key)  # our decoders' private marks (decode/exact.py), not the model's
     model.save_pretrained(folder)  # 2. config.json, model.safetensors, generation_config.json
     ctx.target.tokenizer.save_pretrained(folder)
+    _drop_load_kwargs(Path(folder) / "tokenizer_config.json")
     _check(Path(folder), drafter, dtype)  # 3. read back with transformers alone

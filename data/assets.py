@@ -65,7 +65,7 @@ def check() -> list[str]:
             print(f"{name:10s} MISSING")
             errors.append(str(e))
     # the target owns the GGUF
-    from specdistill.drafters.target import PACKAGED, TargetLoadError, packaged_gguf
+    from specdistill.target.model import PACKAGED, TargetLoadError, packaged_gguf
 
     for name in PACKAGED:
         try:

@@ -1,7 +1,7 @@
 """Target feature capture: what the frozen target says about a batch of conversations.
 
 Online (inside the training loop) and offline (`python -m specdistill.data.capture`, sharded to disk) capture
-both go through `capture` and `target_logits` (data/teacher.py in training: only where a loss
+both go through `capture` and `target_logits` (train/teacher.py in training: only where a loss
 reads them), so they produce the same batches.
 
 Only the features a drafter reads and the final-normed hidden state are kept; the target's logits
@@ -25,11 +25,11 @@ from omegaconf import MISSING
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from specdistill.cli.ranges import MAX_BATCH, MAX_COUNT, MAX_LAYERS, rng
 from specdistill.data import quiet
 from specdistill.data.dataset import DataConfig, pad_batch
-from specdistill.drafters.identity import differences
-from specdistill.drafters.target import TargetConfig
-from specdistill.drafters.ranges import MAX_BATCH, MAX_COUNT, MAX_LAYERS, rng
+from specdistill.target.identity import differences
+from specdistill.target.model import TargetConfig
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def target_logits(target, final_hidden: torch.Tensor, d2t: torch.Tensor | None =
 # files; the trainer reads them back with `OfflineFeatures` (trainer.features=offline).
 # ---------------------------------------------------------------------------------------------
 MANIFEST = "manifest.json"
-# 2: the target is recorded by its identity (drafters/identity.py), not its description;
+# 2: the target is recorded by its identity (target/identity.py), not its description;
 # a format-1 capture is refused (it cannot say which target it came from)
 FORMAT_VERSION = 2
 STORAGE = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # the dtypes a capture stores
@@ -348,9 +348,9 @@ def check_layers(layers, target, key: str = "layers") -> None:
 def run(cfg) -> Path:
     """`python -m specdistill.data.capture` on a composed config: the settings and the data file
     are checked before the target loads; then the split is captured into cfg.out."""
+    from specdistill.cli.ranges import check_ranges
     from specdistill.data.dataset import data_file, load_chat_dataset
-    from specdistill.drafters.ranges import check_ranges
-    from specdistill.drafters.target import load_target
+    from specdistill.target.model import load_target
 
     check_ranges(cfg, CLISchema)
     if cfg.split not in ("train", "eval"):
@@ -378,12 +378,13 @@ def store_schema() -> None:
 
 def main() -> None:
     """The command line: the `out=` folder checked before Hydra creates it, user errors in one
-    line (drafters/cli.py)."""
+    line (cli/errors.py)."""
     import sys
 
     import hydra
 
-    from specdistill.drafters.cli import CONF_DIR, check_out_dir_arg, user_errors
+    from specdistill.cli.errors import user_errors
+    from specdistill.cli.paths import CONF_DIR, check_out_dir_arg
 
     check_out_dir_arg("python -m specdistill.data.capture", sys.argv[1:], key="out")
     store_schema()

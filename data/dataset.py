@@ -37,13 +37,12 @@ from typing import Optional
 import datasets
 import torch
 
+from specdistill.cli.ranges import MAX_BATCH, MAX_COUNT, MAX_TEMPERATURE, MAX_THREADS, MAX_TOKENS, SEED, rng
 from specdistill.data import quiet
 from specdistill.data.assets import asset_path
 from specdistill.data.chat import encode_chats
 from specdistill.data.sharegpt import Counts, DataFormatError, iter_conversations
-from specdistill.drafters.ranges import (MAX_BATCH, MAX_COUNT, MAX_TEMPERATURE, MAX_THREADS, MAX_TOKENS,
-                                         SEED, rng)
-from specdistill.drafters.target import file_sha256, cache_root
+from specdistill.target.model import cache_root, file_sha256
 
 log = logging.getLogger(__name__)
 
@@ -322,7 +321,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     """`python -m specdistill.data.dataset`: prepare (or load) the tokenised data and print counts + time."""
     import argparse
 
-    from specdistill.drafters.target import TargetConfig, load_tokenizer
+    from specdistill.target.model import TargetConfig, load_tokenizer
 
     p = argparse.ArgumentParser(prog="python -m specdistill.data.dataset", description=main.__doc__)
     p.add_argument("--tokenizer", default="packaged:smollm2", help="target tokenizer source")

@@ -30,10 +30,10 @@ from omegaconf import MISSING
 
 from specdistill.data import quiet
 from specdistill.data.dataset import DataConfig, RegenerateSettings, cache_root, cached_file_sha256, data_file
-from specdistill.drafters.identity import differences
-from specdistill.drafters.precision import model_at
-from specdistill.drafters.target import DTYPES, TargetConfig, resolve_dtype
 from specdistill.data.sharegpt import Conversation, iter_conversations
+from specdistill.target.identity import differences
+from specdistill.target.model import DTYPES, TargetConfig, resolve_dtype
+from specdistill.target.precision import model_at
 
 # answers' format: 2 = a generation copy at another dtype keeps fp32 RoPE frequencies
 # (drafters/precision.cast_floats; format 1's bf16 copies rounded them, so were not the target)
@@ -253,8 +253,8 @@ class CLISchema(RegenerateConfig):
 def run(cfg) -> dict:
     """`python -m specdistill.data.regenerate` on a composed config: the settings and the data
     file are checked (and its conversations read) before the target loads."""
-    from specdistill.drafters.ranges import check_ranges
-    from specdistill.drafters.target import load_target
+    from specdistill.cli.ranges import check_ranges
+    from specdistill.target.model import load_target
 
     check_ranges(cfg, CLISchema)
     src = data_file(cfg.data)
@@ -276,12 +276,13 @@ def store_schema() -> None:
 
 def main() -> None:
     """The command line: the `out=` file's folder checked first, user errors in one line
-    (drafters/cli.py)."""
+    (cli/errors.py)."""
     import sys
 
     import hydra
 
-    from specdistill.drafters.cli import CONF_DIR, check_out_dir_arg, user_errors
+    from specdistill.cli.errors import user_errors
+    from specdistill.cli.paths import CONF_DIR, check_out_dir_arg
 
     check_out_dir_arg("python -m specdistill.data.regenerate", sys.argv[1:], key="out", file=True)
     store_schema()

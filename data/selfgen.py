@@ -39,14 +39,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from specdistill.data.capture import pad_features
-from specdistill.data.dataset import ChatData, FEATURES, SelfGenSettings, split_by_id
+from specdistill.data.dataset import FEATURES, ChatData, SelfGenSettings, split_by_id
 from specdistill.data.sharegpt import Counts, iter_conversations
-from specdistill.drafters.identity import differences
-from specdistill.drafters.prepack import prepacked
+from specdistill.target.identity import differences
+from specdistill.target.prepack import prepacked
 
 log = logging.getLogger(__name__)
 
-# 2: the target by its identity (drafters/identity.py); 3: a generation copy at another dtype keeps
+# 2: the target by its identity (target/identity.py); 3: a generation copy at another dtype keeps
 # fp32 RoPE frequencies (drafters/precision.cast_floats; 2's bf16 copies rounded them: not the target)
 FORMAT_VERSION = 3
 MANIFEST, COMPLETE, ANSWERS = "manifest.json", "COMPLETE", "answers.jsonl"
@@ -94,8 +94,8 @@ def store_key(target, src_sha: str, settings: SelfGenSettings, layers: Sequence[
 
 def _generation_model(target, dtype: str):
     """The target's model in the generation dtype (a copy when it differs from the target's)."""
-    from specdistill.drafters.precision import model_at
-    from specdistill.drafters.target import DTYPES, resolve_dtype
+    from specdistill.target.model import DTYPES, resolve_dtype
+    from specdistill.target.precision import model_at
 
     choice = resolve_dtype(dtype, target.device.type)  # auto: bf16 where native
     want = DTYPES[choice.dtype]

@@ -7,7 +7,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from specdistill.drafters.cli import CONF_DIR
+from specdistill.cli.paths import CONF_DIR
 from specdistill.decode.config import DecodeConfig, store_schemas
 
 store_schemas("decode_schema", DecodeConfig)
@@ -30,7 +30,7 @@ def run(cfg: DictConfig) -> None:
 
 @hydra.main(config_path=CONF_DIR, config_name="decode", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    from specdistill.drafters.cli import user_errors
+    from specdistill.cli.errors import user_errors
 
     with user_errors("python -m decode"):
         run(cfg)
@@ -40,8 +40,8 @@ def cli() -> None:
     """The command line (also the `specdistill-*` console script): argument checks, then main."""
     import sys
 
-    from specdistill.drafters.cli import check_out_dir_arg, user_errors
-    from specdistill.drafters.outdir import override, refuse_nonempty
+    from specdistill.cli.errors import user_errors
+    from specdistill.cli.paths import check_out_dir_arg, override, refuse_nonempty
 
     check_out_dir_arg("python -m decode", sys.argv[1:])
     run_dir = override(sys.argv[1:], "run_dir")

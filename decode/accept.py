@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from specdistill.drafters.sampling import SamplingParams, sample, warp
+from specdistill.drafters.parts.sampling import SamplingParams, sample, warp
 
 GREEDY = SamplingParams()  # temperature 0: the argmax rule
 

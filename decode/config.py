@@ -1,9 +1,9 @@
 """Config schemas of `python -m decode` (Hydra structured configs, stored in the ConfigStore), and
-the numeric options of `python -m decode.bench` with their ranges.
+the numeric options of `python -m benchmarks.decode_speed` with their ranges.
 
 conf/decode.yaml picks one YAML per group; every merge is checked against these dataclasses, so a
 misspelt key or a wrong type fails at start with Hydra's message, and a value out of its field's
-range with ours (drafters/ranges.py).
+range with ours (cli/ranges.py).
 """
 from __future__ import annotations
 
@@ -13,11 +13,21 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from specdistill.drafters.base import drafter_schema
-from specdistill.drafters.ranges import (MAX_BATCH, MAX_COUNT, MAX_DRAFT, MAX_TEMPERATURE, MAX_THREADS,
-                                         MAX_TOKENS, MAX_TREE, MAX_VOCAB, SEED, rng, sub)
-from specdistill.drafters.schemas import store_drafter_schemas
-from specdistill.drafters.target import TargetConfig
+from specdistill.cli.ranges import (
+    MAX_BATCH,
+    MAX_COUNT,
+    MAX_DRAFT,
+    MAX_TEMPERATURE,
+    MAX_THREADS,
+    MAX_TOKENS,
+    MAX_TREE,
+    MAX_VOCAB,
+    SEED,
+    rng,
+    sub,
+)
+from specdistill.drafters.base import drafter_schema, store_drafter_schemas
+from specdistill.target.model import TargetConfig
 
 
 @dataclass
@@ -70,7 +80,8 @@ class DecodeConfig:
 
 
 def store_schemas(primary_name: str | None = None, primary: type | None = None) -> None:
-    """Put the drafter schemas (drafters/schemas.py) and a primary schema in the ConfigStore.
+    """Put the drafter schemas (drafters/base.py store_drafter_schemas) and a primary schema in the
+    ConfigStore.
     Called by `python -m decode` before Hydra composes."""
     store_drafter_schemas()
     if primary is not None:
@@ -79,8 +90,9 @@ def store_schemas(primary_name: str | None = None, primary: type | None = None) 
 
 @dataclass
 class BenchConfig:
-    """The numeric options of `python -m decode.bench` (argparse, decode/bench.py: --limit is
-    `limit`), their defaults and ranges; the other options are names and switches."""
+    """The numeric options of `python -m benchmarks.decode_speed` (argparse,
+    benchmarks/decode_speed.py: --limit is `limit`), their defaults and ranges; the other options
+    are names and switches."""
 
     limit: int = rng(10, 1, MAX_COUNT)  # prompts of the eval set
     max_new_tokens: int = rng(256, 1, MAX_TOKENS)  # tokens generated at most per prompt

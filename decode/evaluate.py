@@ -23,7 +23,7 @@ from specdistill.decode.exact import resolve_exact
 from specdistill.decode.metrics import RunMetrics
 from specdistill.decode.spec import GenerationResult, generate
 from specdistill.drafters.base import Drafter
-from specdistill.drafters.sampling import SamplingParams
+from specdistill.drafters.parts.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -269,7 +269,7 @@ def load_decode_drafter(cfg: DictConfig, target, source=None) -> Drafter | None:
     """The drafter of a decode job: a trained one from `ckpt` (`source`: its folder already
     resolved by cfg_source), else built from the drafter config."""
     from specdistill.drafters.base import build_drafter, trainable_drafters
-    from specdistill.drafters.resolve import load_resolved
+    from specdistill.export.folder import load_resolved
 
     if cfg.ckpt:
         source = source or cfg_source(cfg)
@@ -283,9 +283,9 @@ def load_decode_drafter(cfg: DictConfig, target, source=None) -> Drafter | None:
 
 
 def cfg_source(cfg: DictConfig):
-    """The verified drafter folder of `ckpt` (drafters/resolve.py): a run dir's reference drafter
+    """The verified drafter folder of `ckpt` (store/rundir.py): a run dir's reference drafter
     (else the newest checkpoint that verifies, loudly), a checkpoint, drafter or export folder."""
-    from specdistill.drafters.resolve import resolve_drafter
+    from specdistill.store.rundir import resolve_drafter
 
     return resolve_drafter(cfg.ckpt, setting="ckpt")
 
@@ -293,7 +293,7 @@ def cfg_source(cfg: DictConfig):
 def decode_drafter_dtype(setting: str, target) -> torch.dtype:
     """decode's drafter_dtype: "target" = the target's dtype (bf16 drafting where the target runs
     bf16), else a dtype name."""
-    from specdistill.drafters.precision import DTYPES
+    from specdistill.target.precision import DTYPES
 
     if setting == "target":
         return target.dtype
@@ -305,11 +305,11 @@ def decode_drafter_dtype(setting: str, target) -> torch.dtype:
 def setup_run(cfg: DictConfig) -> tuple[Path, Any, Drafter | None, SamplingParams]:
     """A decode job's start: check the settings, make the run dir (with config.yaml), load the
     target and the drafter (cast to drafter_dtype). Returns (run_dir, target, drafter, sampling)."""
+    from specdistill.cli.paths import present
+    from specdistill.cli.ranges import check_ranges
     from specdistill.decode.config import DecodeConfig
-    from specdistill.drafters.outdir import present
-    from specdistill.drafters.precision import cast_drafter
-    from specdistill.drafters.ranges import check_ranges
-    from specdistill.drafters.target import load_target
+    from specdistill.drafters.parts.head import cast_drafter
+    from specdistill.target.model import load_target
 
     check_ranges(cfg, DecodeConfig)  # before any work
     source = cfg_source(cfg) if cfg.ckpt else None  # missing or damaged: refused before any work

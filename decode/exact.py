@@ -42,8 +42,8 @@ from transformers import AttentionInterface, StaticCache
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from specdistill.drafters import prepack
-from specdistill.drafters.attention import grouped_attention
+from specdistill.target import prepack
+from specdistill.target.attention import grouped_attention
 
 ATTN_NAME = "specdistill_exact"  # + "_<the target's own implementation>", registered at install
 _ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("specdistill_exact", default=False)
@@ -101,7 +101,7 @@ def _first_row(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tenso
 
 
 def install(target: Any) -> None:
-    """Make `target` (drafters.target.Target) able to verify exactly: the attention function and
+    """Make `target` (target.model.Target) able to verify exactly: the attention function and
     the linear hooks, both inert outside `active()`. Idempotent."""
     model = target.model
     if getattr(model, "_specdistill_exact", False):
@@ -129,7 +129,7 @@ def active(capacities: Sequence[int] | None = None) -> Iterator[None]:
     token = _ACTIVE.set(True)
     rows = _ROWS.set(tuple(int(c) for c in capacities) if capacities is not None else None)
     try:
-        with prepack.disabled():  # torch's own linear kernels (drafters/prepack.py)
+        with prepack.disabled():  # torch's own linear kernels (target/prepack.py)
             yield
     finally:
         _ROWS.reset(rows)

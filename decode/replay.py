@@ -31,7 +31,7 @@ import torch
 
 from specdistill.decode.accept import GREEDY
 from specdistill.drafters.base import DecodeState, Drafter
-from specdistill.drafters.sampling import SamplingParams, warp
+from specdistill.drafters.parts.sampling import SamplingParams, warp
 
 
 @dataclass

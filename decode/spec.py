@@ -35,10 +35,17 @@ from transformers import DynamicCache
 
 from specdistill.decode.accept import accept_chain
 from specdistill.decode.exact import ExactVerify, active
-from specdistill.decode.tree import (accept_path, ancestors, check_tree, compact_cache, prune_depth,
-                         sample_path, tree_inputs)
+from specdistill.decode.tree import (
+    accept_path,
+    ancestors,
+    check_tree,
+    compact_cache,
+    prune_depth,
+    sample_path,
+    tree_inputs,
+)
 from specdistill.drafters.base import DecodeState, Drafter
-from specdistill.drafters.sampling import SamplingParams, warp
+from specdistill.drafters.parts.sampling import SamplingParams, warp
 
 
 @dataclass
@@ -98,7 +105,7 @@ class SequenceState:
 
     T counts the committed tokens (prompt included); end = P + max_new_tokens is where buf ends."""
 
-    target: Any  # drafters.target.Target
+    target: Any  # target.model.Target
     drafter: Drafter | None  # None when plain decoding
     sampling: SamplingParams
     generator: torch.Generator | None
@@ -330,7 +337,7 @@ def _chain_round(seq: SequenceState, room: int, k: int,
 
 @torch.inference_mode()
 def generate(
-    target: Any,  # drafters.target.Target
+    target: Any,  # target.model.Target
     drafter: Drafter | None,
     prompt_ids: torch.Tensor | Sequence[int],  # (P,) or (1, P)
     *,

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from specdistill.decode.accept import multi_draft
-from specdistill.drafters.sampling import sample
+from specdistill.drafters.parts.sampling import sample
 
 
 def check_tree(tokens: torch.Tensor, parents: torch.Tensor) -> None:

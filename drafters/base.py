@@ -1,18 +1,20 @@
 """The drafter interface, its config schema, its export layouts and the registry. Interfaces live
-here and nowhere else (the decode-time types, drafters/proposals.py, are re-exported here).
+here and nowhere else: what training hands a drafter (TrainBatch) and gets back (DraftPrediction),
+what the decoder shows it (DecodeState) and gets back (ChainProposal, TreeProposal), the Drafter
+class, ExportLayout, and `register`.
 
 A drafter proposes tokens for the frozen target to verify. The decoder (decode/) and the trainer
-(train/) only ever talk to this interface. A new drafter is one module in drafters/ (any `drafters/`
-folder on sys.path: drafters/__init__.py imports them all) plus `conf/drafter/<name>.yaml`:
+(train/) only ever talk to this interface. A new drafter is one module in drafters/ (drafters/__init__.py
+imports every module there, and those of $SPECDISTILL_DRAFTERS) plus `conf/drafter/<name>.yaml`:
 
     @register("toy", config=ToyConfig, layouts=(TOY_LAYOUT,))   # ToyConfig.name defaults to "toy"
     class Toy(Drafter): ...
 
-It is built from the shared parts: drafters/head.py (the draft head: the target's frozen LM head or
-a pruned trainable one with d2t/t2d), drafters/cache.py (its own KV cache kept in step with the
+It is built from the shared parts: drafters/parts/head.py (the draft head: the target's frozen LM head or
+a pruned trainable one with d2t/t2d), drafters/parts/cache.py (its own KV cache kept in step with the
 committed tokens, tree-level masks), `Drafter.draft_chain` (the one chain-proposal loop) and the
 default `Drafter.build`. A drafter that drafts step by step through its own KV cache subclasses
-drafters/drafting.py CausalDrafter and gives its network's four public methods (drafters/eagle.py
+drafters/parts/drafting.py CausalDrafter and gives its network's four public methods (drafters/eagle.py
 is the example). Every trainable drafter exports as `hf` (STATE_DICT_LAYOUT, lossless);
 engine layouts are `ExportLayout`s registered by the drafter module that owns them.
 
@@ -22,7 +24,7 @@ Decode-time contract (see decode/spec.py for the loop that drives it):
     sampling, generator)` (tree). Batched decoding (decode/batched/spec.py) instead calls
     `propose_rows(slots, states, ks, ...)` once for every row's chain (slots[r]: row r's copy of
     the drafter, holding its state); the default loops over `propose`, EAGLE-family drafters put
-    the rows through one forward per draft step (drafters/rows.py). `state.tokens` holds every
+    the rows through one forward per draft step (drafters/parts/rows.py). `state.tokens` holds every
     committed token; between two calls it only grows by appending (accepted drafts + the target's
     bonus token), so a drafter with its own KV cache crops it back to the longest prefix it still
     shares with `state.tokens`.
@@ -32,22 +34,17 @@ Decode-time contract (see decode/spec.py for the loop that drives it):
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 from torch import nn
 
-from specdistill.drafters.folder import (  # noqa: F401  (re-exported)
-    CONFIG_FILE, DECODE_TIME_PREFIX, WEIGHTS_FILE, TargetMismatch, check_trained_target, config_dict,
-    parse_config, save_drafter)
-from specdistill.drafters.head import fit_draft_vocab, set_draft_vocab as _set_draft_vocab  # noqa: F401
-from specdistill.drafters.proposals import (  # noqa: F401  (re-exported)
-    ChainDraw, ChainProposal, DecodeState, TreeProposal)
-from specdistill.drafters.sampling import SamplingParams
-from specdistill.drafters.vocab import d2t_to_offsets, offsets_to_d2t
+from specdistill.drafters.parts.head import set_draft_vocab as _set_draft_vocab
+from specdistill.drafters.parts.sampling import SamplingParams, draft_token
+from specdistill.drafters.parts.vocab import d2t_to_offsets, expand_probs, offsets_to_d2t
+
+DECODE_TIME_PREFIX = "tree_"  # drafter settings that only shape decoding (tree size), not weights
 
 
 @dataclass
@@ -74,7 +71,7 @@ class DraftPrediction:
 
     logits[:, t] is the drafter's distribution of token t + 1 + shift, so it is compared with
     target_logits[:, t + shift] and counts where loss_mask[:, t + 1 + shift] == 1. With `at`
-    (B, T) bool (drafters/anchors.py counted), the head ran only there: logits (M, Vd), row-major.
+    (B, T) bool (drafters/parts/anchors.py counted), the head ran only there: logits (M, Vd), row-major.
     """
 
     logits: torch.Tensor  # (B, T, Vd) over the draft vocabulary (Vd = V without a pruned vocab)
@@ -91,6 +88,98 @@ class DraftPrediction:
     scored: torch.Tensor | None = None
 
 
+# =================================================================================================
+# What the decoder shows a drafter and what a drafter proposes (decode/spec.py drives them)
+# =================================================================================================
+@dataclass
+class DecodeState:
+    """What the decoder shows a drafter before a round."""
+
+    tokens: torch.Tensor  # (T,) long: prompt + generated tokens committed so far
+    # (T-1, F) target features of tokens[:-1] (the last committed token, the target's bonus token,
+    # has not been through the target yet), F = sum of the widths of `feature_layers`, concatenated
+    # in that order. None when the drafter asks for no features.
+    features: torch.Tensor | None = None
+
+
+@dataclass
+class ChainProposal:
+    """k drafted tokens that continue `state.tokens`, in order."""
+
+    tokens: torch.Tensor  # (k,) long
+    # (k, V) the warped draft distributions q_i the tokens were sampled from, needed by the lossless
+    # sampling rule. None means a deterministic drafter: q_i is one-hot on tokens[i].
+    probs: torch.Tensor | None = None
+    # (k,) max_x q_i(x) per position, for verify budgets (decode/batched/planner.py); None: deterministic
+    confidence: torch.Tensor | None = None
+
+
+@dataclass
+class TreeProposal:
+    """A draft tree rooted at the last committed token. Nodes are topologically ordered."""
+
+    tokens: torch.Tensor  # (N,) long: the token of each node
+    parents: torch.Tensor  # (N,) long: index of the parent node, -1 = child of the root
+    # (N, V) warped q node i was drawn from given its path and earlier siblings (drawn in index
+    # order), for the lossless multi-draft rule; None = a deterministic tree (q one-hot on tokens)
+    probs: torch.Tensor | None = None
+
+    def depths(self) -> torch.Tensor:
+        """(N,) depth of each node, 1 for children of the root."""
+        depth = torch.zeros_like(self.parents)
+        for i, p in enumerate(self.parents.tolist()):
+            depth[i] = 1 if p < 0 else depth[p] + 1
+        return depth
+
+
+class ChainDraw:
+    """One chain being drafted, draw by draw (Drafter.draft_chain; several at once in a drafter's
+    batched propose_rows):
+    1. draw draft i from its logits (argmax, or a sample from the warped q_i);
+    2. stop early when its confidence falls below min_confidence (never on the first);
+    3. map it to a target id; the chain goes on until k drafts;
+    4. package the target ids, their confidences and (sampling) q over the target vocabulary.
+    `drafter` is the drafters.base.Drafter drafting (its target_ids, d2t and vocab_size)."""
+
+    def __init__(self, drafter: Any, k: int, sampling: SamplingParams,
+                 generator: torch.Generator | None, min_confidence: float) -> None:
+        self.drafter, self.k, self.sampling = drafter, k, sampling
+        self.generator, self.min_confidence = generator, min_confidence
+        self.tokens: list[torch.Tensor] = []  # target ids
+        self.qs: list[torch.Tensor | None] = []
+        self.confs: list[float] = []
+        self.done = k < 1
+
+    @property
+    def n(self) -> int:
+        return len(self.tokens)
+
+    def draw(self, logits: torch.Tensor) -> bool:
+        """Draw the next draft from logits (Vd,); True when the chain wants the next logits."""
+        if self.done:
+            return False
+        d, q, conf = draft_token(logits, self.sampling, self.generator, self.min_confidence)
+        if self.tokens and conf < self.min_confidence:  # 2.
+            self.done = True
+            return False
+        self.tokens.append(self.drafter.target_ids(d))  # 3.
+        self.qs.append(q)
+        self.confs.append(conf)
+        self.done = self.n >= self.k
+        return not self.done
+
+    def proposal(self) -> ChainProposal:  # 4.
+        if not self.tokens:
+            return ChainProposal(tokens=torch.empty(0, dtype=torch.long))
+        tokens, conf = torch.stack(self.tokens).long(), torch.tensor(self.confs)  # (n,), (n,)
+        q = None if self.sampling.greedy else expand_probs(torch.stack(self.qs), self.drafter.d2t,
+                                                           self.drafter.vocab_size)
+        return ChainProposal(tokens=tokens, probs=q, confidence=conf)  # q: (n, V) | None
+
+
+# =================================================================================================
+# The drafter
+# =================================================================================================
 class Drafter(nn.Module):
     """Base class of every drafter. Subclasses implement `propose` and optionally `propose_tree`;
     trainable drafters also implement `forward_train`. Set by `register`: `name`, `config_class`,
@@ -171,8 +260,8 @@ class Drafter(nn.Module):
             logits = step(chain.n - 1, chain.tokens[-1])  # (Vd,)
         return chain.proposal()
 
-    # A pruned draft vocabulary (drafters/head.py): drafters that support one hold `self.draft_vocab`
-    # (a drafters.vocab.DraftVocab, None = the full target vocabulary) and a trainable `self.lm_head`
+    # A pruned draft vocabulary (drafters/parts/head.py): drafters that support one hold `self.draft_vocab`
+    # (a drafters.parts.vocab.DraftVocab, None = the full target vocabulary) and a trainable `self.lm_head`
     # over it. d2t[i] is the target id of draft token i; the loss restricts the target distribution
     # to these ids.
     @property
@@ -190,7 +279,7 @@ class Drafter(nn.Module):
         return self.target.lm_head()
 
     def set_draft_vocab(self, d2t: torch.Tensor) -> None:
-        """Use the draft vocab d2t (drafters.vocab.select_draft_vocab) and restart the pruned head
+        """Use the draft vocab d2t (drafters.parts.vocab.select_draft_vocab) and restart the pruned head
         from the full head's rows d2t."""
         _set_draft_vocab(self, self.full_head(), d2t)
 
@@ -210,7 +299,7 @@ class Drafter(nn.Module):
 class ExportContext:
     """What a layout writer knows besides the drafter."""
 
-    target: Any  # drafters.target.Target the drafter was trained on
+    target: Any  # target.model.Target the drafter was trained on
     drafter_config: dict[str, Any]  # the drafter's full config (every field)
     dtype: str  # weights dtype name: float32 | bfloat16 | float16
     meta: dict[str, Any]  # config.json's `specdistill` section (format, drafter, target, ...)
@@ -227,9 +316,9 @@ Files = dict[str, dict[str, torch.Tensor]]  # file name -> {tensor name: tensor}
 @dataclass(frozen=True)
 class ExportLayout:
     """One folder layout a drafter can be exported to (`format=<format>`), registered by the drafter
-    module that owns it (`register(..., layouts=...)`); drafters/export.py only dispatches.
+    module that owns it (`register(..., layouts=...)`); export/folder.py only dispatches.
 
-    A tensor layout gives `write` and `read`; drafters/export.py writes config.json and the files
+    A tensor layout gives `write` and `read`; export/folder.py writes config.json and the files
     (.safetensors, else torch.save), validates them against a freshly built drafter's layout and
     checks that `read` gives the exact state dict back. A self-saving layout (a standalone model,
     e.g. small_lm's HF causal LM) gives `save` and `load` instead and checks itself in `save`.
@@ -249,6 +338,10 @@ class ExportLayout:
     # optional: problems in values a name/shape check cannot see (files, drafter config, target, dtype)
     verify: Callable[[Files, dict[str, Any], Any, torch.dtype], list[str]] | None = None
     tags: tuple[str, ...] = ()  # model-card tags
+    # how serving engines serve this layout (decode/engine/ reads it): engine -> its entry. vllm:
+    # the speculative_config keys besides model / k ({"method": "eagle3"}); llamacpp: llama-server's
+    # `spec_type` and whether its converter `needs_target` (the target's folder). Absent: not served.
+    serving: dict[str, dict[str, Any]] = field(default_factory=dict)
     save: Callable[["Drafter", Any, ExportContext], None] | None = None  # self-saving: fill a folder
     load: Callable[[Any, Any], "Drafter"] | None = None  # self-saving: (folder, target) -> drafter
 
@@ -288,7 +381,7 @@ def _read_state_dict(files: Files, dcfg, vocab_size: int) -> dict[str, torch.Ten
 STATE_DICT_LAYOUT = ExportLayout(
     format="hf", summary="specdistill's own lossless format (every drafter, pruned vocab included).",
     usage="python -m decode ckpt={path} eval=mtbench      # or in Python:\n"
-          "from drafters.export import load_export; drafter = load_export('{path}', target)",
+          "from export.folder import load_export; drafter = load_export('{path}', target)",
     write=_write_state_dict, read=_read_state_dict)
 
 
@@ -340,7 +433,7 @@ def drafter_class(name: str) -> type[Drafter]:
 
 def drafter_schema(cfg) -> type[DrafterConfig] | None:
     """The registered schema of a drafter config in any form, by its `name` (None: unknown name,
-    refused with the known names when the drafter is built). The range check (drafters/ranges.py)
+    refused with the known names when the drafter is built). The range check (cli/ranges.py)
     walks a `drafter` setting against it."""
     name = cfg.get("name") if hasattr(cfg, "get") else getattr(cfg, "name", None)
     return CONFIGS.get(name)
@@ -352,10 +445,9 @@ def trainable_drafters() -> list[str]:
 
 
 # =================================================================================================
-# Construction, saving and loading of drafters. Every drafter class has `@classmethod build(cls,
-# cfg, target) -> Drafter` (Drafter.build by default), cfg being its config dataclass, an OmegaConf
-# node or a plain dict. A drafter folder (drafter.safetensors + drafter.json): drafters/folder.py
-# (save_drafter, config_dict and parse_config re-exported here) and load_drafter below.
+# Construction. Every drafter class has `@classmethod build(cls, cfg, target) -> Drafter`
+# (Drafter.build by default), cfg being its config dataclass, an OmegaConf node or a plain dict.
+# Saving and loading a drafter folder: store/drafter.py.
 # =================================================================================================
 def build_drafter(cfg, target) -> Drafter:
     """Build the drafter named by cfg.name (cfg: its config in any form) on top of `target`."""
@@ -365,36 +457,36 @@ def build_drafter(cfg, target) -> Drafter:
     return drafter_class(name).build(cfg, target)
 
 
-def load_drafter(folder, target, decode_overrides: dict | None = None) -> Drafter:
-    """Rebuild a saved drafter on `target` and load its weights strictly. `decode_overrides`
-    replaces decode-time settings (the `tree_*` keys) of the saved config; any other key is
-    refused, since the weights were trained with it. A drafter trained for another target is
-    refused with both targets named (folder.py check_trained_target; by its weights' shapes for a folder
-    saved before drafters recorded their target). Callers resolve and verify the folder first
-    (drafters/resolve.py)."""
-    from safetensors.torch import load_file
+def config_dict(cfg) -> dict:
+    """A drafter config (dataclass, OmegaConf node or dict) as a plain, JSON-ready dict."""
+    from omegaconf import OmegaConf
 
-    folder = Path(folder)
-    for f in (CONFIG_FILE, WEIGHTS_FILE):
-        if not (folder / f).is_file():
-            raise FileNotFoundError(f"{folder} holds no {f}; a saved drafter folder has "
-                                    f"{CONFIG_FILE} and {WEIGHTS_FILE} (written by save_drafter)")
-    cfg = json.loads((folder / CONFIG_FILE).read_text())
-    for key, value in (decode_overrides or {}).items():
-        if not key.startswith(DECODE_TIME_PREFIX) or key not in cfg:
-            raise ValueError(f"drafter.{key} cannot change after training (only the decode-time "
-                             f"{sorted(k for k in cfg if k.startswith(DECODE_TIME_PREFIX))} can)")
-        cfg[key] = value
-    check_trained_target(folder, target)
-    drafter = build_drafter(cfg, target)
-    state = load_file(str(folder / WEIGHTS_FILE), device=str(target.device))
-    try:
-        drafter.load_state_dict(state, strict=True)
-    except RuntimeError as e:  # e.g. "size mismatch for fc.weight: ... torch.Size([64, 128]) ..."
-        detail = next((ln.strip() for ln in str(e).splitlines() if "size mismatch" in ln), None)
-        if detail is None:
-            raise
-        raise TargetMismatch(f"{folder} does not fit target {target.source} (hidden "
-                             f"{target.hidden_size}, vocab {target.vocab_size}): {detail}; it was "
-                             f"trained for another target: pass that one (target=...)") from e
-    return drafter
+    if isinstance(cfg, dict):
+        return dict(cfg)
+    node = cfg if OmegaConf.is_config(cfg) else OmegaConf.structured(cfg)
+    return OmegaConf.to_container(node, resolve=True)
+
+
+def parse_config(cfg, schema):
+    """Any config form -> an instance of `schema`, type-checked by OmegaConf (typos fail here)."""
+    from omegaconf import OmegaConf
+
+    if isinstance(cfg, schema):
+        return cfg
+    merged = OmegaConf.merge(OmegaConf.structured(schema), config_dict(cfg))
+    return OmegaConf.to_object(merged)
+
+
+def store_drafter_schemas() -> list[str]:
+    """Store every registered drafter's schema in Hydra's ConfigStore (group `drafter`, as
+    `schema_<name>`), so each conf/drafter/<name>.yaml that starts from it fails at start on a
+    misspelt key or a wrong type. Every entry point calls it before Hydra composes. Returns the
+    names stored, sorted."""
+    from hydra.core.config_store import ConfigStore
+
+    import specdistill.drafters  # noqa: F401  (importing the package registers every drafter)
+
+    cs = ConfigStore.instance()
+    for name, schema in CONFIGS.items():
+        cs.store(group="drafter", name=f"schema_{name}", node=schema)
+    return sorted(CONFIGS)

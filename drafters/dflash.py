@@ -18,7 +18,7 @@ Training (`forward_train`): at anchor a (slot 0 = token a at position a) the blo
 fused features at positions < a and its own b slots; slot i predicts token a+i, compared with
 the target's logits at a+i-1 (DraftPrediction shift i-1 at anchor a), weighted exp(-(i-1)/gamma)
 (DFlash's decay; `loss_weights` overrides). `anchors` draws a share of each row's anchors per
-step (drafters/anchors.py); null trains every position as an anchor.
+step (drafters/parts/anchors.py); null trains every position as an anchor.
 
 Sources read (2026-12-01): speculators 0.9.0 (PyPI wheel) models/dflash/ (config.py
 DFlashSpeculatorConfig: block_size, aux_hidden_state_layer_ids, mask_token_id, sample_from_anchor
@@ -43,24 +43,39 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding,
-                                                      rotate_half)
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, rotate_half
 
-from specdistill.drafters.anchors import check_anchor_share, draw_anchors
-from specdistill.drafters.ranges import MAX_COUNT, MAX_DRAFT, MAX_LAYERS, MAX_TREE, MAX_VOCAB, rng
-from specdistill.drafters.attention import block_attention, few_query, grouped_attention
-from specdistill.drafters.base import (ChainProposal, DecodeState, Drafter, DrafterConfig, DraftPrediction,
-                           ExportLayout, TrainBatch, TreeProposal, register)
-from specdistill.drafters.cache import DraftCache, RowsKV, additive_mask
-from specdistill.drafters.export_formats import (WEIGHTS, ExportError, cast, llama_layer_config,
-                                     speculators_config, torch_dtype)
-from specdistill.drafters.fused_export import state_from_engine
-from specdistill.drafters.head import head_logits, init_draft_head
-from specdistill.drafters import parallel
-from specdistill.drafters.parts import default_aux_layers, drafter_llama_config
-from specdistill.drafters.rows import propose_rows
-from specdistill.drafters.sampling import SamplingParams
-from specdistill.drafters.vocab import d2t_to_offsets, t2d_mask
+from specdistill.cli.ranges import MAX_COUNT, MAX_DRAFT, MAX_LAYERS, MAX_TREE, MAX_VOCAB, rng
+from specdistill.drafters.base import (
+    ChainProposal,
+    DecodeState,
+    Drafter,
+    DrafterConfig,
+    DraftPrediction,
+    ExportLayout,
+    TrainBatch,
+    TreeProposal,
+    register,
+)
+from specdistill.drafters.parts import parallel
+from specdistill.drafters.parts.anchors import check_anchor_share, draw_anchors
+from specdistill.drafters.parts.attention import block_attention
+from specdistill.drafters.parts.cache import DraftCache, RowsKV, additive_mask
+from specdistill.drafters.parts.fused_layouts import state_from_engine
+from specdistill.drafters.parts.head import head_logits, init_draft_head
+from specdistill.drafters.parts.layers import default_aux_layers, drafter_llama_config
+from specdistill.drafters.parts.layouts import (
+    WEIGHTS,
+    ExportError,
+    cast,
+    llama_layer_config,
+    speculators_config,
+    torch_dtype,
+)
+from specdistill.drafters.parts.rows import propose_rows
+from specdistill.drafters.parts.sampling import SamplingParams
+from specdistill.drafters.parts.vocab import d2t_to_offsets, t2d_mask
+from specdistill.target.attention import few_query, grouped_attention
 
 
 @dataclass
@@ -203,7 +218,15 @@ def _layout(engine: str, summary: str, usage: str) -> ExportLayout:
         return state_from_engine(files[WEIGHTS], engine, dcfg.get("draft_vocab_size") is not None)
 
     return ExportLayout(format=engine, summary=summary, usage=usage, write=write, read=read,
-                        tags=(engine, "dflash"))
+                        tags=(engine, "dflash"), serving=SERVING[engine])
+
+
+# vLLM reads both layouts; llama.cpp's converter reads the z-lab (vllm) one with the target's folder
+# (without a d2t, i.e. a full-vocabulary head only, and it decodes an anchor + k mask block, so it
+# matches the trained block at k = block_size - 1 only)
+SERVING = {"vllm": {"vllm": {"method": "dflash"},
+                    "llamacpp": {"spec_type": "draft-dflash", "needs_target": True}},
+           "speculators": {"vllm": {"method": "dflash"}}}
 
 
 LAYOUTS = (
@@ -372,7 +395,7 @@ class DFlash(Drafter):
 
     def propose_rows(self, slots, states, ks, sampling, generators, min_confidence=0.0
                      ) -> list[ChainProposal]:
-        """Every row's block in ONE forward (drafters/rows.py propose_rows, rows_round)."""
+        """Every row's block in ONE forward (drafters/parts/rows.py propose_rows, rows_round)."""
         return propose_rows(self.rows_round, slots, states, ks, sampling, generators,
                             min_confidence)
 

@@ -20,10 +20,10 @@ Design decision (layer 0's input norm, `input_norm`): on by default (an RMSNorm 
 with the target's own LM head (draft_vocab_size=None) makes the head exportable to vLLM, SGLang
 and speculators exactly (the layouts at the end of this module).
 
-Parts: the draft head (drafters/head.py): the target's LM head, frozen (draft_vocab_size=None), or a
+Parts: the draft head (drafters/parts/head.py): the target's LM head, frozen (draft_vocab_size=None), or a
 trainable Linear(H -> Vd) over a pruned draft vocabulary started from the target's rows; the layers'
-config and the start from a target layer (drafters/parts.py). Decoding is the shared component's
-(drafters/drafting.py CausalDrafter: the KV cache, chain, tree and batched rows), driven through
+config and the start from a target layer (drafters/parts/layers.py). Decoding is the shared component's
+(drafters/parts/drafting.py CausalDrafter: the KV cache, chain, tree and batched rows), driven through
 this module's `inputs`, `backbone` and `head`: the example of a step-by-step drafter. Embedding: the
 target's, frozen. Target modules are reached through `self.target` (a plain attribute), never
 registered as submodules, so the drafter's state_dict holds only its own weights.
@@ -36,17 +36,16 @@ from typing import Optional
 import torch
 from torch import nn
 from transformers import DynamicCache
-from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaRMSNorm,
-                                                      LlamaRotaryEmbedding)
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from specdistill.drafters.anchors import counted
+from specdistill.cli.ranges import MAX_DRAFT, MAX_LAYERS, MAX_TREE, MAX_VOCAB, rng
 from specdistill.drafters.base import DrafterConfig, DraftPrediction, ExportLayout, TrainBatch, register
-from specdistill.drafters.cache import additive_mask
-from specdistill.drafters.drafting import CausalDrafter
-from specdistill.drafters.export_formats import WEIGHTS, llama_layer_config, speculators_config
-from specdistill.drafters.head import head_logits
-from specdistill.drafters.parts import drafter_llama_config, finish_init
-from specdistill.drafters.ranges import MAX_DRAFT, MAX_LAYERS, MAX_TREE, MAX_VOCAB, rng
+from specdistill.drafters.parts.anchors import counted
+from specdistill.drafters.parts.cache import additive_mask
+from specdistill.drafters.parts.drafting import CausalDrafter
+from specdistill.drafters.parts.head import head_logits
+from specdistill.drafters.parts.layers import drafter_llama_config, finish_init
+from specdistill.drafters.parts.layouts import WEIGHTS, llama_layer_config, speculators_config
 
 
 @dataclass
@@ -152,7 +151,8 @@ VLLM = ExportLayout(
             "shared).",
     usage="vllm serve {base} --speculative-config "
           "'{{\"method\": \"eagle\", \"model\": \"{path}\", \"num_speculative_tokens\": {k}}}'",
-    write=_write_vllm, read=lambda files, dcfg, vocab_size: dict(files[WEIGHTS]))
+    write=_write_vllm, read=lambda files, dcfg, vocab_size: dict(files[WEIGHTS]),
+    serving={"vllm": {"method": "eagle"}})
 SGLANG = ExportLayout(
     format="sglang", tags=("sglang",), requires=ENGINE_NEEDS,
     summary="SGLang's EAGLE layout (LlamaForCausalLMEagle).",

@@ -2,8 +2,8 @@
 
 At anchor t the drafter reads the target's hidden states of three layers (low / mid / high) at t and
 the embedding of token t+1, and predicts token t+2; later steps read the drafter's own output. The
-network (fusion, layers, head; its formulas) and its decoding are drafters/fused.py's, shared with
-P-EAGLE; the engines' names for its weights are drafters/fused_export.py's. This module trains it
+network (fusion, layers, head; its formulas) and its decoding are drafters/parts/fused.py's, shared with
+P-EAGLE; the engines' names for its weights are drafters/parts/fused_layouts.py's. This module trains it
 and registers the engines' layouts.
 
 Training-time test (`forward_train`): `ttt_length` steps unrolled on the drafter's own outputs, each
@@ -27,24 +27,28 @@ from dataclasses import dataclass
 
 import torch
 
-from specdistill.drafters.anchors import capped_steps, counted
-from specdistill.drafters.attention import ttt_attention
 from specdistill.drafters.base import DraftPrediction, ExportLayout, TrainBatch, register
-from specdistill.drafters.export_formats import WEIGHTS, torch_dtype
-from specdistill.drafters.fused import FusedConfig, FusedDrafter
-from specdistill.drafters.fused_export import (engine_config, engine_refusal, engine_state,
-                                               state_from_engine)
+from specdistill.drafters.parts.anchors import capped_steps, counted
+from specdistill.drafters.parts.attention import ttt_attention
+from specdistill.drafters.parts.fused import FusedConfig, FusedDrafter
+from specdistill.drafters.parts.fused_layouts import (
+    engine_config,
+    engine_refusal,
+    engine_state,
+    state_from_engine,
+)
+from specdistill.drafters.parts.layouts import WEIGHTS, torch_dtype
 
 
 @dataclass
 class Eagle3Config(FusedConfig):
-    """EAGLE-3 drafter settings: the fused network's (drafters/fused.py FusedConfig)."""
+    """EAGLE-3 drafter settings: the fused network's (drafters/parts/fused.py FusedConfig)."""
 
     name: str = "eagle3"  # registry key
 
 
 class Eagle3(FusedDrafter):  # registered at the end of the module, with its export layouts
-    """EAGLE-3 drafter: the fused-feature network (drafters/fused.py) trained with the
+    """EAGLE-3 drafter: the fused-feature network (drafters/parts/fused.py) trained with the
     training-time test."""
 
     # -- training ---------------------------------------------------------------------------------
@@ -131,7 +135,7 @@ def anchor_index(at: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return idx, valid
 
 
-# == Export: the engines' EAGLE-3 layouts (names and configs: drafters/fused_export.py). ==
+# == Export: the engines' EAGLE-3 layouts (names and configs: drafters/parts/fused_layouts.py). ==
 def _layout(engine: str, summary: str, usage: str) -> ExportLayout:
     """The export layout of `engine`: engine_state / engine_config written, state_from_engine read."""
     def write(drafter, state, ctx):
@@ -144,7 +148,14 @@ def _layout(engine: str, summary: str, usage: str) -> ExportLayout:
         return state_from_engine(files[WEIGHTS], engine, dcfg.get("draft_vocab_size") is not None)
 
     return ExportLayout(format=engine, summary=summary, usage=usage, write=write, read=read,
-                        check=lambda dcfg: engine_refusal(dcfg, engine), tags=(engine, "eagle3"))
+                        check=lambda dcfg: engine_refusal(dcfg, engine), tags=(engine, "eagle3"),
+                        serving=SERVING.get(engine, {}))
+
+
+# who serves which layout (vLLM reads its own and the speculators format; llama.cpp converts both)
+SERVING = {engine: {"vllm": {"method": "eagle3"},
+                    "llamacpp": {"spec_type": "draft-eagle3", "needs_target": True}}
+           for engine in ("vllm", "speculators")}
 
 
 LAYOUTS = (

@@ -8,7 +8,7 @@ LM head on f_t gives token t+1, head k gives token t+2+k. Each ResBlock's Linear
 (weight and bias), so a fresh head is exactly the target's LM head: training starts from "guess
 that the token repeats the target's next-token distribution" rather than from noise.
 
-The vocab projection is the draft head (drafters/head.py): the target's LM head, frozen and shared
+The vocab projection is the draft head (drafters/parts/head.py): the target's LM head, frozen and shared
 by all heads, or, with draft_vocab_size, one trainable Linear(H -> Vd) shared by all heads and
 started from the target's rows d2t. Heads do not see each other's drafts, so drafting costs no
 drafter recurrence and the chain is just every head's argmax (or sample) at once; trees come from a
@@ -24,14 +24,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdistill.drafters.anchors import counted
-from specdistill.drafters.base import (ChainProposal, DecodeState, Drafter, DrafterConfig, DraftPrediction,
-                           ExportLayout, TrainBatch, TreeProposal, register)
-from specdistill.drafters.export_formats import WEIGHTS, cast, torch_dtype
-from specdistill.drafters.head import head_logits, init_draft_head
-from specdistill.drafters.ranges import MAX_DRAFT, MAX_LAYERS, MAX_VOCAB, rng
-from specdistill.drafters.sampling import SamplingParams
-from specdistill.drafters.tree import StaticTree, static_tree
+from specdistill.cli.ranges import MAX_DRAFT, MAX_LAYERS, MAX_VOCAB, rng
+from specdistill.drafters.base import (
+    ChainProposal,
+    DecodeState,
+    Drafter,
+    DrafterConfig,
+    DraftPrediction,
+    ExportLayout,
+    TrainBatch,
+    TreeProposal,
+    register,
+)
+from specdistill.drafters.parts.anchors import counted
+from specdistill.drafters.parts.head import head_logits, init_draft_head
+from specdistill.drafters.parts.layouts import WEIGHTS, cast, torch_dtype
+from specdistill.drafters.parts.sampling import SamplingParams
+from specdistill.drafters.parts.tree import StaticTree, static_tree
 
 # A 26-node Medusa tree (paths of per-depth top-k ranks), widest where heads are most accurate:
 # 4 candidates at depth 1, 7 at depth 2, 7 at depth 3, 8 at depth 4.
@@ -174,7 +183,8 @@ def _medusa_layout(fmt: str) -> ExportLayout:
                 "can hold them, as the original Medusa repo reads them (medusa_lm_head.pt).",
         # vLLM's Medusa proposes one token per head
         usage="vllm serve {base} --speculative-config '{{\"method\": \"medusa\", \"model\": "
-              "\"{path}\", \"num_speculative_tokens\": {drafter[num_heads]}}}'")
+              "\"{path}\", \"num_speculative_tokens\": {drafter[num_heads]}}}'",
+        serving={"vllm": {"method": "medusa"}} if fmt == "vllm" else {})
 
 
 @register("medusa", config=MedusaConfig, layouts=(_medusa_layout("medusa"), _medusa_layout("vllm")))

@@ -14,10 +14,17 @@ from dataclasses import dataclass
 
 import torch
 
-from specdistill.drafters.base import (ChainProposal, DecodeState, Drafter, DrafterConfig, TreeProposal,
-                           parse_config, register)
-from specdistill.drafters.sampling import SamplingParams
-from specdistill.drafters.ranges import MAX_DRAFT, MAX_TREE, rng
+from specdistill.cli.ranges import MAX_DRAFT, MAX_TREE, rng
+from specdistill.drafters.base import (
+    ChainProposal,
+    DecodeState,
+    Drafter,
+    DrafterConfig,
+    TreeProposal,
+    parse_config,
+    register,
+)
+from specdistill.drafters.parts.sampling import SamplingParams
 
 
 @dataclass

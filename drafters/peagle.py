@@ -11,7 +11,7 @@ all k draft distributions come out of one forward:
     draft 1 = head(out at the last real position);  draft 1+i = head(out at mask_i)
 
 The network (fc fusion of the low / mid / high target layers, midlayer over [embed; feature],
-norm, pruned head) is EAGLE-3's, drafters/fused.py FusedDrafter with the same parameter names,
+norm, pruned head) is EAGLE-3's, drafters/parts/fused.py FusedDrafter with the same parameter names,
 plus `mask_hidden`.
 
 Training (`forward_train`) reuses EAGLE-3's training-time-test attention: "step" 1 is the real
@@ -26,7 +26,7 @@ here one share for every mask, so a sampled anchor keeps its whole rollout): the
 over A rows with (A x T) attention to the real keys, and their logits carry the anchors
 (DraftPrediction.anchors) for the loss. Draft position 1 (the real positions) stays at every anchor.
 
-Proposals (drafters/parallel.py, shared with DFlash) are per-position argmax / samples over the
+Proposals (drafters/parts/parallel.py, shared with DFlash) are per-position argmax / samples over the
 k logits of `draft_logits`, returning the q each token was sampled from (lossless speculative
 sampling); the adaptive length cuts the chain where a position's confidence falls below
 min_confidence. Trees come from the same single forward: EAGLE-2's dynamic tree over the
@@ -46,7 +46,7 @@ embed_requires_grad default true), core.py (PEagleDraftModel = Eagle3DraftModel 
 position a+d), attention.py (depth 0 causal, depth d sees depth 0 at anchors <= a and its own
 rollout: our training attention), data.py (COD sampling).
 
-Exports: `hf` (ours, lossless); `vllm`: EAGLE-3's vLLM layout (drafters/fused_export.py) plus the
+Exports: `hf` (ours, lossless); `vllm`: EAGLE-3's vLLM layout (drafters/parts/fused_layouts.py) plus the
 `mask_hidden` tensor and `mask_token_id` / `parallel_drafting` in config.json, served with
 `"method": "eagle3", "parallel_drafting": true`; `speculators`: EAGLE-3's speculators layout with
 the peagle type, mask_token_id and mask_hidden (1, 1, 3H); the slow test in tests/test_eagle3.py
@@ -60,18 +60,29 @@ from typing import Optional
 import torch
 from torch import nn
 
-from specdistill.drafters.anchors import capped_steps, check_anchor_share, counted, draw_anchors
-from specdistill.drafters.base import (ChainProposal, DecodeState, DraftPrediction, ExportLayout,
-                                      TrainBatch, TreeProposal, register)
-from specdistill.drafters.attention import ttt_attention
-from specdistill.drafters.fused import FusedConfig, FusedDrafter
-from specdistill.drafters.fused_export import (engine_config, engine_refusal, engine_state,
-                                               state_from_engine)
-from specdistill.drafters.export_formats import WEIGHTS, torch_dtype
-from specdistill.drafters import parallel
-from specdistill.drafters.rows import propose_rows, rows_forward, rows_keep
-from specdistill.drafters.ranges import MAX_COUNT, MAX_DRAFT, MAX_VOCAB, rng
-from specdistill.drafters.sampling import SamplingParams
+from specdistill.cli.ranges import MAX_COUNT, MAX_DRAFT, MAX_VOCAB, rng
+from specdistill.drafters.base import (
+    ChainProposal,
+    DecodeState,
+    DraftPrediction,
+    ExportLayout,
+    TrainBatch,
+    TreeProposal,
+    register,
+)
+from specdistill.drafters.parts import parallel
+from specdistill.drafters.parts.anchors import capped_steps, check_anchor_share, counted, draw_anchors
+from specdistill.drafters.parts.attention import ttt_attention
+from specdistill.drafters.parts.fused import FusedConfig, FusedDrafter
+from specdistill.drafters.parts.fused_layouts import (
+    engine_config,
+    engine_refusal,
+    engine_state,
+    state_from_engine,
+)
+from specdistill.drafters.parts.layouts import WEIGHTS, torch_dtype
+from specdistill.drafters.parts.rows import propose_rows, rows_forward, rows_keep
+from specdistill.drafters.parts.sampling import SamplingParams
 
 
 @dataclass
@@ -112,7 +123,7 @@ VLLM = ExportLayout(
     usage="vllm serve {base} --speculative-config '{{\"method\": \"eagle3\", \"model\": "
           "\"{path}\", \"num_speculative_tokens\": {k}, \"parallel_drafting\": true}}'",
     write=_write_vllm, read=_read_vllm, check=lambda dcfg: engine_refusal(dcfg, "vllm"),
-    tags=("vllm", "eagle3", "peagle"))
+    tags=("vllm", "eagle3", "peagle"), serving={"vllm": {"method": "eagle3", "parallel_drafting": True}})
 
 
 # == Export: the speculators format's `peagle` type (speculators 0.9.0 models/peagle/: ==
@@ -165,7 +176,7 @@ SPECULATORS = ExportLayout(
 
 @register("peagle", config=PeagleConfig, layouts=(VLLM, SPECULATORS))
 class Peagle(FusedDrafter):
-    """P-EAGLE drafter: EAGLE-3's network (drafters/fused.py) + a learnt mask hidden state; k
+    """P-EAGLE drafter: EAGLE-3's network (drafters/parts/fused.py) + a learnt mask hidden state; k
     drafts per forward. No forward_own: it drafts from masks, never from its own tokens."""
 
     tags = ("peagle", "parallel-drafting")
@@ -250,7 +261,7 @@ class Peagle(FusedDrafter):
                                          anchors=None if dense else anchors))
         return preds
 
-    # -- decoding: parallel drafts (drafters/parallel.py) from one forward of drafters/drafting.py --
+    # -- decoding: parallel drafts (drafters/parts/parallel.py) from one forward (parts/drafting.py) --
     @torch.no_grad()
     def draft_logits(self, state: DecodeState, k: int) -> torch.Tensor:
         """The k draft distributions (k, Vd) after state.tokens, from ONE forward over the new
@@ -274,7 +285,7 @@ class Peagle(FusedDrafter):
 
     def propose_rows(self, slots, states, ks, sampling, generators, min_confidence=0.0
                      ) -> list[ChainProposal]:
-        """Every row's round in ONE forward (drafters/rows.py propose_rows, rows_round)."""
+        """Every row's round in ONE forward (drafters/parts/rows.py propose_rows, rows_round)."""
         return propose_rows(self.rows_round, slots, states, ks, sampling, generators,
                             min_confidence)
 

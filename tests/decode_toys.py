@@ -9,9 +9,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdistill.decode.accept import accepted_prefix
 from specdistill.drafters.base import ChainProposal, Drafter, TreeProposal
-from specdistill.drafters.sampling import sample, warp
-from specdistill.drafters.tree import draw_children
-from specdistill.drafters.target import Target
+from specdistill.drafters.parts.sampling import sample, warp
+from specdistill.drafters.parts.tree import draw_children
+from specdistill.target.model import Target
 
 V = 64  # vocabulary of the default tiny target
 
@@ -192,7 +192,7 @@ def chi2_stat(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, float]:
 def pair_joint(target: Target, prompt: list[int], sampling) -> torch.Tensor:
     """(V*V,) exact joint of generated tokens 2 and 3 (index t2 * V + t3) after `prompt`:
     sum over t1 of p(t1) p(t2 | t1) p(t3 | t1, t2), with the warped target distributions."""
-    from specdistill.drafters.sampling import warp
+    from specdistill.drafters.parts.sampling import warp
 
     Vs, P = target.vocab_size, len(prompt)
     seqs = torch.tensor([prompt + [a, b] for a in range(Vs) for b in range(Vs)])  # (V*V, P+2)
@@ -279,7 +279,7 @@ def check_sampling_lossless(tgt: Target, drafter, monkeypatch, n: int = 2000, wr
     test catches a wrong acceptance rule (resampling from p), far off rather than borderline."""
     import specdistill.decode.spec  # noqa: F401  (loads the submodule for decode.<name>)
     from specdistill import decode
-    from specdistill.drafters.sampling import SamplingParams
+    from specdistill.drafters.parts.sampling import SamplingParams
 
     prompt, sp = [1, 2, 3, 4], SamplingParams(temperature=1.0, top_k=6)
     joint = pair_joint(tgt, prompt, sp)  # (V*V,)

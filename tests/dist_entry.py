@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from specdistill.train import checkpoint as ckpt
+from specdistill.store import rundir as runs
 from specdistill.train import recipe as recipe_mod
 
 RANK = int(os.environ.get("RANK", "0"))
@@ -43,7 +43,7 @@ def fault_in_checkpoint(step: int) -> None:
 
     def save(obj, f, *args, **kwargs):
         path = Path(f) if isinstance(f, (str, os.PathLike)) else None
-        if path is not None and path.name == ckpt.STATE and path.parent.name == staging:
+        if path is not None and path.name == runs.STATE and path.parent.name == staging:
             buf = io.BytesIO()
             real_save(obj, buf, *args, **kwargs)
             with open(path, "wb") as fh:  # half a file on disk, as a crash mid-write leaves it
@@ -96,8 +96,8 @@ def main() -> None:
         fault_in_step(int(parts[1]), int(parts[2]) if len(parts) > 2 else None)
     if os.environ.get("SPECDISTILL_DUMP") == "1":
         dump_weights()
-    # as `python -m train` runs it: Hydra then resolves conf/ relative to train/__main__.py
-    runpy.run_module("train", run_name="__main__", alter_sys=True)
+    # as `python -m specdistill.train` runs it (any folder: conf/ is found by absolute path)
+    runpy.run_module("specdistill.train", run_name="__main__", alter_sys=True)
 
 
 if __name__ == "__main__":

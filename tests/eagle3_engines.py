@@ -214,7 +214,7 @@ def tiny8_target():
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from specdistill.drafters.target import Target
+    from specdistill.target.model import Target
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=TOY_V, hidden_size=TOY_H, intermediate_size=64,
@@ -239,7 +239,8 @@ def feature_batch(target, drafter, B=2, T=14, seed=0):
 
 def perturbed_drafter(target, name: str, seed=1, **cfg):
     """A drafter moved off its init (so every weight matters), with a real pruned map if any."""
-    from specdistill.drafters.base import build_drafter, fit_draft_vocab
+    from specdistill.drafters.base import build_drafter
+    from specdistill.drafters.parts.head import fit_draft_vocab
 
     d = build_drafter({"name": name, **cfg}, target)
     g = torch.Generator().manual_seed(seed)

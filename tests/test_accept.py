@@ -5,10 +5,10 @@ position whatever the draft distribution q is; three plausible wrong rules must 
 """
 import pytest
 import torch
+from decode_toys import chi2_stat, wrong_rule
 
 from specdistill.decode.accept import accept_chain, accepted_prefix
-from decode_toys import chi2_stat, wrong_rule
-from specdistill.drafters.sampling import SamplingParams, sample, warp
+from specdistill.drafters.parts.sampling import SamplingParams, sample, warp
 
 V, M, B = 8, 2, 200_000  # vocabulary, drafts per round, rounds
 

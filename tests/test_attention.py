@@ -1,4 +1,4 @@
-"""drafters/attention.py: the few-query attention equals SDPA's (every mask kind, GQA, causal
+"""target/attention.py: the few-query attention equals SDPA's (every mask kind, GQA, causal
 blocks, fully masked padding rows finite), runs exactly where it is the faster kernel (16-bit CPU
 forwards of <= FEW_Q_MAX queries, masked fp32 ones of 2..FEW_Q_MAX) and leaves everything else to
 SDPA; targets and EAGLE drafters use it."""
@@ -6,9 +6,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import specdistill.drafters.attention as attn
-from specdistill.drafters.attention import (FEW_Q, FEW_Q_MAX, FP32_MIN_KEYS, KEYS_PER_QUERY, few_query,
-                                            grouped_attention, masked_few_query)
+import specdistill.target.attention as attn
+from specdistill.target.attention import (
+    FEW_Q,
+    FEW_Q_MAX,
+    FP32_MIN_KEYS,
+    KEYS_PER_QUERY,
+    few_query,
+    grouped_attention,
+    masked_few_query,
+)
 
 
 def qkv(q, L, dtype=torch.float64, B=2, H=6, Hkv=2, d=8, seed=0):
@@ -91,7 +98,7 @@ def test_dispatch_is_16_bit_cpu_few_queries_over_many_keys_only(monkeypatch):
 
 def test_targets_and_eagle_drafters_use_it(tiny_target_cfg, monkeypatch):
     from specdistill.drafters.base import build_drafter
-    from specdistill.drafters.target import load_target
+    from specdistill.target.model import load_target
 
     target = load_target(tiny_target_cfg)
     assert target.model.config._attn_implementation == FEW_Q

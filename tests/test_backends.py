@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import specdistill.train.__main__  # noqa: F401  (stores the schemas, registers the resolvers)
-from specdistill.drafters.cli import UserError
+from specdistill.cli.errors import UserError
 from specdistill.train import backends, distributed
 from specdistill.train.batches import BatchIterator
 from specdistill.train.deepspeed_backend import deepspeed_config

@@ -18,21 +18,22 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
+from procs import pythonpath
 from safetensors.torch import load_file, save_file
+from test_train import chat_file, make_cfg  # noqa: F401  (fixture + config helper)
 
 import specdistill.decode.engine.__main__ as engine_main
 import specdistill.train.__main__  # noqa: F401  (stores the train schemas)
-from procs import pythonpath
+from specdistill.cli.errors import user_errors
 from specdistill.data import capture, regenerate
 from specdistill.data.prompts import PromptFormatError, load_prompts
 from specdistill.data.sharegpt import DataFormatError, first_invalid_utf8
-from specdistill.drafters.cli import user_errors
-from specdistill.drafters.export_formats import ExportError
-from specdistill.drafters.folder import TargetMismatch, check_trained_target
-from specdistill.drafters.resolve import load_resolved, resolve_drafter
-from specdistill.drafters.target import load_target
+from specdistill.drafters.parts.layouts import ExportError
+from specdistill.export.folder import load_resolved
+from specdistill.store.drafter import TargetMismatch, check_trained_target
+from specdistill.store.rundir import resolve_drafter
+from specdistill.target.model import load_target
 from specdistill.train import export
-from test_train import chat_file, make_cfg  # noqa: F401  (fixture + config helper)
 
 ROOT = Path(__file__).resolve().parents[1]
 for _module in (capture, regenerate, export):
@@ -125,7 +126,7 @@ def test_the_first_bad_byte_is_found_across_chunks(monkeypatch):
 
 
 def test_an_unwritable_out_is_refused_before_hydra_and_the_probe_leaves_nothing(tmp_path, capsys):
-    from specdistill.drafters.cli import check_out_dir_arg
+    from specdistill.cli.paths import check_out_dir_arg
 
     for key, file, value in (("out", False, "/proc/specdistill-capture"),  # data.capture
                              ("out", True, "/proc/specdistill/regen.jsonl"),  # data.regenerate
@@ -162,7 +163,7 @@ def test_a_full_disk_is_one_line_and_other_os_errors_are_not_hidden(tmp_path, ch
 
 # -- no drafter folder read unverified ------------------------------------------------------------
 def test_a_damaged_drafter_is_named_and_a_run_dir_falls_back_loudly(run_copy, caplog, capsys):
-    from specdistill.decode import bench
+    import benchmarks.decode_speed as bench
 
     best = run_copy / "best" / "drafter.safetensors"
     _truncate(best)
@@ -196,7 +197,7 @@ def test_export_of_a_run_with_a_damaged_best_says_so_in_its_card(run_copy, tmp_p
 
 
 def test_a_damaged_export_is_refused_by_every_reader(run_copy, tmp_path, tiny_target_cfg, capsys):
-    from specdistill.drafters.export import export_drafter, load_export
+    from specdistill.export.folder import export_drafter, load_export
 
     target = load_target(tiny_target_cfg)
     source = resolve_drafter(run_copy)
@@ -216,7 +217,7 @@ def test_a_damaged_export_is_refused_by_every_reader(run_copy, tmp_path, tiny_ta
 
 
 def test_bench_resolves_a_run_dir_like_decode(tiny_run, tiny_target_cfg):
-    from specdistill.decode import bench
+    import benchmarks.decode_speed as bench
 
     target = load_target(tiny_target_cfg)
     [(label, drafter)] = bench.load_drafters(target, [str(tiny_run)], ["target"])
@@ -282,7 +283,7 @@ def test_every_command_refuses_bad_input_in_one_line(run_copy, tmp_path):
         ("specdistill.data.regenerate", "target=tiny", "batch_size=0", "max_new_tokens=-1",
          f"data.path={tmp_path / 'none.jsonl'}", f"out={tmp_path / 'r' / 'regen.jsonl'}"):
             "invalid settings: batch_size=0 is outside [1, 4096]; max_new_tokens=-1 is outside [1, 1048576]",
-        ("specdistill.decode.bench", "--limit", "0", "--k", "-1", "--batch", "--batch-sizes", "0",
+        ("benchmarks.decode_speed", "--limit", "0", "--k", "-1", "--batch", "--batch-sizes", "0",
          "--out", str(tmp_path / "b")):
             "invalid settings: limit=0 is outside [1, 1000000000]; k=-1 is outside [1, 64]; "
             "batch_sizes[0]=0 is outside [1, 4096]",

@@ -13,22 +13,31 @@ The toys are tests/decode_toys.py's float64 Llamas (no near-ties between kernel 
 """
 import pytest
 import torch
+from decode_toys import (
+    FixedQ,
+    NoisyOracle,
+    StubTokenizer,
+    V,
+    chi2_stat,
+    jsonl_prompt_ids,
+    make_target,
+    pair_joint,
+    wrong_rule,
+)
+from eagle3_engines import perturbed_drafter, tiny8_target
 from transformers import DynamicCache
 
-import specdistill.decode.batched.spec  # noqa: F401  (loads the submodule for decode.<name>)
-import specdistill.decode.batched.planner  # noqa: F401  (loads the submodule for decode.<name>)
 import specdistill.decode.batched.cost  # noqa: F401  (loads the submodule for decode.<name>)
+import specdistill.decode.batched.planner  # noqa: F401  (loads the submodule for decode.<name>)
+import specdistill.decode.batched.spec  # noqa: F401  (loads the submodule for decode.<name>)
 from specdistill import decode
-from specdistill.decode.batched.spec import generate_batch, slot_drafter
 from specdistill.decode.batched.cost import BATCH_NS, WIDTH_NS, CostCurve, cost_curve, isotonic
 from specdistill.decode.batched.planner import RoundPlanner, choose_widths, survival
+from specdistill.decode.batched.spec import generate_batch, slot_drafter
 from specdistill.decode.spec import generate
-from decode_toys import (V, FixedQ, NoisyOracle, StubTokenizer, chi2_stat, jsonl_prompt_ids,
-                         make_target, pair_joint, wrong_rule)
 from specdistill.drafters.base import ChainProposal, DecodeState, build_drafter
-from specdistill.drafters.sampling import SamplingParams
-from specdistill.drafters.target import Target
-from eagle3_engines import perturbed_drafter, tiny8_target
+from specdistill.drafters.parts.sampling import SamplingParams
+from specdistill.target.model import Target
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -611,7 +620,7 @@ def test_decode_cli_batch(tmp_path, tiny_target_cfg, tree, B, mode):
     import sys
     from pathlib import Path
 
-    from specdistill.drafters.target import load_target
+    from specdistill.target.model import load_target
 
     root = Path(__file__).resolve().parents[1]
     prompts = tmp_path / "prompts.jsonl"
@@ -647,7 +656,7 @@ def test_measure_cost_times_every_size(target):
 def test_batch_bench_table_and_plot(target, tmp_path, tree):
     """Every (B, mode) cell is measured, interleaved; greedy outputs equal plain's at each B; the
     table and the PNG are written; with tree=True the speculative modes verify trees."""
-    from specdistill.decode.batched.bench import batch_markdown, batch_plot, run_batch_bench
+    from benchmarks.batch_speed import batch_markdown, batch_plot, run_batch_bench
     from specdistill.drafters.ngram import Ngram
 
     prompts = [torch.tensor(p) for p in PROMPTS[:3]]
@@ -673,7 +682,7 @@ def test_batch_bench_table_and_plot(target, tmp_path, tree):
 def test_batch_bench_one_by_one_is_the_drafting_a_b(target8):
     """one_by_one=True adds each speculative mode with its rows drafting one after another,
     interleaved with the together default; both decode what plain decoding does."""
-    from specdistill.decode.batched.bench import batch_markdown, run_batch_bench
+    from benchmarks.batch_speed import batch_markdown, run_batch_bench
 
     prompts = [torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(n))
                for n in (5, 9, 7)]
@@ -693,14 +702,14 @@ def test_batch_bench_one_by_one_is_the_drafting_a_b(target8):
 
 
 def test_bench_batch_cli_writes_files(tiny_target_cfg, tmp_path):
-    """`python -m decode.bench --batch` minus the target loading: batch.md / .json / .png."""
+    """`python -m benchmarks.decode_speed --batch` minus the target loading: batch.md / .json / .png."""
     import json
 
+    import benchmarks.decode_speed as bench
+    from benchmarks.batch_speed import batch_main
     from specdistill.data.prompts import load_prompts
-    from specdistill.decode import bench
-    from specdistill.decode.batched.bench import batch_main
     from specdistill.drafters.ngram import NgramConfig
-    from specdistill.drafters.target import load_target
+    from specdistill.target.model import load_target
 
     tgt = load_target(tiny_target_cfg)
     args = bench.parse_args(["--batch", "--batch-sizes", "1", "2", "--batch-modes", "plain",
@@ -763,6 +772,7 @@ def test_batched_sampled_trees_have_the_target_distribution(B, monkeypatch):
     """Sampled trees (siblings drawn without replacement from a q far from p) verified in a
     batch: the joint of tokens 2 and 3 matches the target's; trusting the first sibling fails."""
     from decode_toys import SampledToyTree
+
     import specdistill.decode.tree  # noqa: F401  (loads the submodule for decode.<name>)
     from specdistill import decode
 

@@ -4,14 +4,14 @@ decoding that prompt alone at bf16, whatever the batch size, the other rows and 
 not only up to near-ties."""
 import pytest
 import torch
+from decode_toys import NoisyOracle
+from test_exact_verify import _toy
 
 from specdistill.decode.batched.exact import ExactRows
 from specdistill.decode.batched.spec import generate_batch
 from specdistill.decode.exact import VERIFY_ROOM, ExactVerify
 from specdistill.decode.spec import generate
-from decode_toys import NoisyOracle
 from specdistill.drafters.ngram import Ngram, NgramConfig
-from test_exact_verify import _toy
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -125,7 +125,7 @@ def test_smollm2_bf16_exact_batch_is_unbatched_bit_for_bit():
     """The real target at bf16 with the n-gram drafter, 3 MT-bench prompts through batches of 2."""
     from specdistill.data.prompts import load_prompts
     from specdistill.decode.evaluate import render
-    from specdistill.drafters.target import TargetConfig, load_target
+    from specdistill.target.model import TargetConfig, load_target
 
     target = load_target(TargetConfig(path="packaged:smollm2", dtype="bfloat16"))
     ids = [render(target, p.turns[:1], []) for p in load_prompts("mtbench", limit=3)]
@@ -143,7 +143,7 @@ def test_exact_attention_reduces_each_row_over_its_own_capacity():
     from torch import nn
 
     from specdistill.decode.exact import active, exact_attention
-    from specdistill.drafters.attention import grouped_attention
+    from specdistill.target.attention import grouped_attention
 
     g = torch.Generator().manual_seed(2)  # a draw where the two widths round differently there
     caps, q = [929, 1429], 3
@@ -165,9 +165,9 @@ def test_exact_attention_reduces_each_row_over_its_own_capacity():
 
 
 def test_batch_bench_exact_cells_match_unbatched(toy):
-    """`decode.bench --batch --batch-exact`: every mode again with exact_verify, interleaved; the
+    """`benchmarks.decode_speed --batch --batch-exact`: every mode again with exact_verify, interleaved; the
     exact cells' outputs equal unbatched (B = 1) exact plain decoding's, and the table says so."""
-    from specdistill.decode.batched.bench import batch_markdown, run_batch_bench
+    from benchmarks.batch_speed import batch_markdown, run_batch_bench
 
     prompts, _ = _work()
     order = []
@@ -189,10 +189,10 @@ def test_explicit_masks_refuse_contexts_past_a_sliding_window():
     """Decodes that pass their own 4-D attention masks (batched, exact, trees) would attend past a
     sliding-window layer's window: they refuse such a length with the numbers; plain chains alone
     (the model's own masks) and lengths within the window still run."""
+    from decode_toys import StubTokenizer
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from decode_toys import StubTokenizer
-    from specdistill.drafters.target import Target
+    from specdistill.target.model import Target
 
     cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
@@ -244,7 +244,7 @@ def test_exact_batched_sampling_draws_what_each_prompt_draws_alone(toy):
     """Sampling (T = 0.8) with exact rows: each row's logits are its lone decode's bit for bit, so
     with the same generator and a deterministic drafter every sampled output is the one `generate`
     draws alone with exact_verify (not only the same distribution)."""
-    from specdistill.drafters.sampling import SamplingParams
+    from specdistill.drafters.parts.sampling import SamplingParams
 
     prompts, budgets = _work()
     sampling = SamplingParams(temperature=0.8)

@@ -1,4 +1,4 @@
-"""train/benchmarks/throughput.py without running it: every mode's job composes as the same
+"""benchmarks/throughput.py without running it: every mode's job composes as the same
 training job (only the per-rank batch differs), launch commands, and the median-over-rounds
 summary."""
 from argparse import Namespace
@@ -8,7 +8,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 import specdistill.train.__main__  # noqa: F401  (stores the schemas)
-from specdistill.train.benchmarks import throughput as bench
+from benchmarks import throughput as bench
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 ARGS = Namespace(device="cpu", conversations=50, max_length=256, global_batch=4, steps=3)
@@ -18,7 +18,7 @@ ARGS = Namespace(device="cpu", conversations=50, max_length=256, global_batch=4,
 def test_every_mode_trains_the_same_global_batch(mode, tmp_path):
     cmd, world = bench.command(mode, 2, bench.job_overrides("tiny", 2 if mode != "single" else 1,
                                                             tmp_path, ARGS))
-    overrides = cmd[cmd.index("train") + 1:]
+    overrides = cmd[cmd.index("specdistill.train") + 1:]
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose(config_name="train", overrides=overrides)
     assert cfg.trainer.batch_size * world == 4
@@ -44,15 +44,15 @@ def test_summary_is_the_median_over_rounds_relative_to_single():
 
 
 def test_capture_benchmark_times_each_batch_size_on_the_stored_conversations(tmp_path, monkeypatch):
-    """python -m train.benchmarks.capture on the tiny target: every size timed in every round, the
+    """python -m benchmarks.capture_speed on the tiny target: every size timed in every round, the
     padding of capture_split's length-sorted batches, nothing left behind; another target refused."""
     import json
 
     import torch
 
+    from benchmarks import capture_speed as cap_bench
     from specdistill.data.capture import CaptureConfig, capture_split
-    from specdistill.drafters.target import load_target
-    from specdistill.train.benchmarks import capture as cap_bench
+    from specdistill.target.model import load_target
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose(config_name="train", overrides=["target=tiny"])
@@ -104,13 +104,13 @@ def test_capture_benchmark_times_each_batch_size_on_the_stored_conversations(tmp
 
 
 def test_op_count_counts_each_call_of_a_real_decode_and_restores_the_decoder(tmp_path):
-    """train.benchmarks.op_count on the tiny target: ops per target forward and per draft round,
+    """benchmarks.op_count on the tiny target: ops per target forward and per draft round,
     a round of k=3 drafts dispatching more than one of k=1, and the decoder's methods put back."""
     import json
 
+    from benchmarks import op_count
     from specdistill.decode import spec
     from specdistill.drafters.eagle3 import Eagle3
-    from specdistill.train.benchmarks import op_count
 
     before = (spec.SequenceState.forward, Eagle3.propose)
     res = {k: op_count.main(["--tiny", "--k", str(k), "--prompts", "1", "--max-new-tokens", "10",
@@ -128,11 +128,11 @@ def test_op_count_counts_each_call_of_a_real_decode_and_restores_the_decoder(tmp
 
 
 def test_selfgen_benchmark_answers_the_same_spread_groups_in_every_mode(tmp_path):
-    """train.benchmarks.selfgen on the tiny target: groups spread from the shortest prompts to the
+    """benchmarks.selfgen_speed on the tiny target: groups spread from the shortest prompts to the
     longest, each answered by two_pass and one_pass at every batch size, ratios against two_pass."""
     import json
 
-    from specdistill.train.benchmarks import selfgen
+    from benchmarks import selfgen_speed as selfgen
 
     assert selfgen.group_starts(1200, 128, 3) == [0, 536, 1072]
     assert selfgen.group_starts(10, 4, 1) == [3] and selfgen.group_starts(4, 4, 3) == [0]

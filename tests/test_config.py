@@ -116,8 +116,10 @@ def _cli(*args, cwd=None):
 
 
 def test_cli_cfg_job_and_help(tmp_path):
-    # from another directory too: the config path is relative to the package, not the cwd
-    out = _cli("train", "--cfg", "job", "drafter=eagle", "target=llama", cwd=tmp_path)
+    # from another directory through the one command (`specdistill train`): the config path is
+    # the package's, not the cwd's
+    out = _cli("specdistill.cli.main", "train", "--cfg", "job", "drafter=eagle", "target=llama",
+               cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert "meta-llama/Llama-3.1-8B-Instruct" in out.stdout and "name: eagle" in out.stdout
     out = _cli("decode", "--help")

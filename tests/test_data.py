@@ -37,7 +37,7 @@ def smollm2_tokenizer():
     """The SmolLM2 tokenizer read from the packaged GGUF (~3 s, no model weights)."""
     from transformers import AutoTokenizer
 
-    from specdistill.drafters.target import packaged_gguf
+    from specdistill.target.model import packaged_gguf
 
     gguf = packaged_gguf("smollm2")
     return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

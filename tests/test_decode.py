@@ -7,16 +7,14 @@ the time, so every branch of the acceptance rules runs.
 """
 import pytest
 import torch
+from decode_toys import FixedQ, NoisyOracle, StubTokenizer, V, check_sampling_lossless, make_target
 
 import specdistill.decode.spec as spec_module
 from specdistill.decode.spec import generate
-from decode_toys import (V, FixedQ, NoisyOracle, StubTokenizer, check_sampling_lossless,
-                         make_target)
 from specdistill.drafters.base import Drafter
 from specdistill.drafters.ngram import Ngram, NgramConfig
-from specdistill.drafters.sampling import SamplingParams
-from specdistill.drafters.target import Target
-
+from specdistill.drafters.parts.sampling import SamplingParams
+from specdistill.target.model import Target
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 

@@ -4,9 +4,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from specdistill.decode.spec import generate
 from decode_toys import jsonl_prompt_ids
-from specdistill.drafters.target import load_target
+
+from specdistill.decode.spec import generate
+from specdistill.target.model import load_target
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,7 +50,7 @@ def test_decode_time_tree_settings_override_a_checkpoint(tiny_run, tiny_target_c
 
     from specdistill.decode.config import DecodeConfig, store_schemas
     from specdistill.decode.evaluate import load_decode_drafter
-    from specdistill.drafters.base import load_drafter
+    from specdistill.store.drafter import load_drafter
 
     store_schemas("decode_schema", DecodeConfig)
     target = load_target(tiny_target_cfg)

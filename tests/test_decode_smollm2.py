@@ -9,7 +9,7 @@ from specdistill.data.prompts import load_prompts
 from specdistill.decode.evaluate import render
 from specdistill.decode.spec import generate
 from specdistill.drafters.base import build_drafter
-from specdistill.drafters.target import TargetConfig, load_target
+from specdistill.target.model import TargetConfig, load_target
 
 
 @pytest.mark.slow

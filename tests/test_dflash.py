@@ -13,17 +13,27 @@ import math
 
 import pytest
 import torch
+from decode_toys import check_sampling_lossless, greedy_lossless_accepted, make_target, teach
+from eagle3_engines import (
+    TOY_H,
+    TOY_L,
+    TOY_V,
+    dflash_block,
+    feature_batch,
+    perturbed_drafter,
+    recipe_cfg,
+    tiny8_target,
+    train_rows,
+    twin,
+)
 from safetensors.torch import load_file
 
-from decode_toys import check_sampling_lossless, greedy_lossless_accepted, make_target, teach
-from eagle3_engines import (TOY_H, TOY_L, TOY_V, dflash_block, feature_batch, perturbed_drafter,
-                            recipe_cfg, tiny8_target, train_rows, twin)
-from specdistill.drafters.anchors import dense_logits
 from specdistill.drafters.base import DecodeState, TrainBatch, build_drafter
 from specdistill.drafters.dflash import DFlash
-from specdistill.drafters.export import export_drafter, load_export
-from specdistill.drafters.sampling import SamplingParams, warp
-from specdistill.drafters.target import Target
+from specdistill.drafters.parts.anchors import dense_logits
+from specdistill.drafters.parts.sampling import SamplingParams, warp
+from specdistill.export.folder import export_drafter, load_export
+from specdistill.target.model import Target
 from specdistill.train.losses import distill_loss
 
 V, H, L = TOY_V, TOY_H, TOY_L
@@ -121,7 +131,7 @@ def test_training_logits_equal_the_decode_forward(target, cfg):
 def test_blocks_in_chunks_give_the_same_logits_and_gradients(target, monkeypatch):
     """With room for 3 blocks per chunk (checkpointed), the loss and every gradient equal the
     one-chunk computation's."""
-    import specdistill.drafters.attention as attention
+    import specdistill.drafters.parts.attention as attention
 
     d = make(target, block_size=4, num_layers=2)
     batch = feature_batch(target, d)

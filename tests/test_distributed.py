@@ -26,7 +26,8 @@ from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
 import specdistill.train.__main__  # noqa: F401  (stores the schemas)
-from specdistill.drafters.base import load_drafter
+from specdistill.store import rundir as runs
+from specdistill.store.drafter import load_drafter
 from specdistill.train import checkpoint as ckpt
 from specdistill.train.recipe import DistillRecipe
 
@@ -176,7 +177,7 @@ def wait_for_marks(mark: Path, names: list[str], proc: subprocess.Popen, log: Pa
 
 def assert_checkpoints(run_dir: Path, complete: list[int], staging: int | None = None) -> None:
     """Exactly these steps are complete, and each of them loads; a half-written one is ignored."""
-    found = ckpt.complete_checkpoints(run_dir)
+    found = runs.complete_checkpoints(run_dir)
     assert [int(p.name.split("-")[1]) for p in found] == complete
     for p in found:
         assert ckpt.load_trainer_state(p)["step"] == int(p.name.split("-")[1])
@@ -186,7 +187,7 @@ def assert_checkpoints(run_dir: Path, complete: list[int], staging: int | None =
         assert tmps == []
         return
     assert tmps == [f".tmp-step-{staging:07d}"]
-    half = run_dir / "checkpoints" / tmps[0] / ckpt.STATE
+    half = run_dir / "checkpoints" / tmps[0] / runs.STATE
     with pytest.raises(Exception):  # the kill really hit the middle of a write
         torch.load(half, weights_only=False)
 
@@ -229,13 +230,13 @@ def test_deepspeed_zero3_on_two_ranks_trains_like_one_process_and_exports_full_w
     assert [e["step"] for e in evals] == [4, 8]
     for e, r in zip(evals, ref_evals):
         assert e["eval/acc_1"] == pytest.approx(r["eval/acc_1"], abs=1e-6)
-    last = ckpt.latest_checkpoint(run)
+    last = runs.latest_checkpoint(run)
     assert_close_weights(load_file(str(last / "drafter.safetensors")), job.weights)
     shards = sorted(p.name for p in (last / "deepspeed").iterdir())
     assert any("rank_0" in s for s in shards) and any("rank_1" in s for s in shards), shards
     # the frozen target is in no checkpoint: each is far smaller than the target's embedding
     target_bytes = 49152 * 64 * 4  # the tiny target's embedding alone, fp32
-    for p in ckpt.complete_checkpoints(run):
+    for p in runs.complete_checkpoints(run):
         size = sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
         assert size < target_bytes / 2, (p, size)
     # best/ holds the full drafter, loadable on its own
@@ -308,9 +309,9 @@ def test_deepspeed_bf16_without_a_launcher(job, tmp_path):
     got = losses(run)
     for step in (1, 2, 3, 4):  # bf16 rounding, the same trajectory
         assert got[step] == pytest.approx(job.losses[step], rel=3e-2)
-    saved = load_file(str(ckpt.latest_checkpoint(run) / "drafter.safetensors"))
+    saved = load_file(str(runs.latest_checkpoint(run) / "drafter.safetensors"))
     assert {v.dtype for k, v in saved.items() if k in job.weights} == {torch.bfloat16}
-    from specdistill.drafters.target import load_target
+    from specdistill.target.model import load_target
     cfg = json.loads((run / "best" / "drafter.json").read_text())
     assert cfg["name"] == "eagle"
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):

@@ -13,13 +13,19 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import specdistill.drafters  # noqa: F401  (registers every drafter)
-from specdistill.drafters.anchors import counted, dense_logits
-from specdistill.drafters.base import (CONFIGS, DecodeState, TrainBatch, build_drafter, fit_draft_vocab,
-                           load_drafter, save_drafter, trainable_drafters)
-from specdistill.drafters.sampling import SamplingParams
-from specdistill.drafters.target import Target
-from specdistill.drafters.vocab import (d2t_to_offsets, expand_probs, offsets_to_d2t, select_draft_vocab,
-                            t2d_mask)
+from specdistill.drafters.base import CONFIGS, DecodeState, TrainBatch, build_drafter, trainable_drafters
+from specdistill.drafters.parts.anchors import counted, dense_logits
+from specdistill.drafters.parts.head import fit_draft_vocab
+from specdistill.drafters.parts.sampling import SamplingParams
+from specdistill.drafters.parts.vocab import (
+    d2t_to_offsets,
+    expand_probs,
+    offsets_to_d2t,
+    select_draft_vocab,
+    t2d_mask,
+)
+from specdistill.store.drafter import load_drafter, save_drafter
+from specdistill.target.model import Target
 from specdistill.train.losses import distill_loss
 
 V, H = 128, 32
@@ -106,7 +112,7 @@ def own_rng():
 
 @pytest.mark.parametrize("name", TRAINABLE)
 def test_head_only_where_the_loss_counts_changes_nothing(target, name, monkeypatch, own_rng):
-    """The head runs only at the anchors the loss counts (drafters/anchors.py counted): the loss
+    """The head runs only at the anchors the loss counts (drafters/parts/anchors.py counted): the loss
     and every gradient equal those of the head run at every position, the loss picking its rows."""
     import importlib
 
@@ -137,11 +143,11 @@ def test_head_only_where_the_loss_counts_changes_nothing(target, name, monkeypat
 
 @pytest.mark.parametrize("name", TRAINABLE)
 def test_teacher_only_where_the_loss_reads_it(target, name, own_rng):
-    """The trainer's batch (data/teacher.py train_batch) holds the target's logits only where a
+    """The trainer's batch (train/teacher.py train_batch) holds the target's logits only where a
     loss reads them, NaN elsewhere: the loss equals the one against the teacher at every position
     (so no NaN is ever read), and prompts and padding cost no LM-head rows."""
     from specdistill.data.capture import capture
-    from specdistill.data.teacher import train_batch
+    from specdistill.train.teacher import train_batch
 
     torch.manual_seed(0)
     d = build_drafter(pruned(name), target)
@@ -239,7 +245,7 @@ def test_eagle_training_matches_decoding(target):
 def test_eagle_tree_expands_each_node_correctly(target, monkeypatch):
     """Every expansion's log-probs equal the node's draft distribution recomputed from scratch
     along its path (checks the tree mask and positions); top_k=1 gives the greedy chain."""
-    import specdistill.drafters.drafting as eagle_module
+    import specdistill.drafters.parts.drafting as eagle_module
 
     calls = []
 
@@ -371,7 +377,7 @@ def test_shipped_yaml_composes_builds_and_holds_only_differences(tiny_target_cfg
 
     from specdistill.decode.config import store_schemas
     from specdistill.drafters.base import config_dict
-    from specdistill.drafters.target import load_target
+    from specdistill.target.model import load_target
 
     store_schemas()
     conf = Path(__file__).resolve().parents[1] / "conf"

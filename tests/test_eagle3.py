@@ -10,21 +10,31 @@ from pathlib import Path
 
 import pytest
 import torch
+from decode_toys import greedy_lossless_accepted, make_target
+from eagle3_engines import (
+    TOY_H,
+    TOY_L,
+    TOY_V,
+    engine_chain,
+    engine_name,
+    feature_batch,
+    perturbed_drafter,
+    tiny8_target,
+    train_rows,
+)
+from eagle3_engines import recipe_cfg as eagle3_recipe_cfg
 from safetensors.torch import load_file
 
 from specdistill.decode.evaluate import is_near_tie
 from specdistill.decode.spec import generate
-from decode_toys import greedy_lossless_accepted, make_target
 from specdistill.drafters import eagle3 as e3
-from specdistill.drafters.anchors import dense_logits
-from specdistill.drafters.base import DecodeState, TrainBatch, build_drafter, config_dict, fit_draft_vocab
-from specdistill.drafters.target import Target
-from specdistill.drafters.export import export_drafter, load_export
-from specdistill.drafters.export_formats import ExportError
-from specdistill.drafters.parts import default_aux_layers
-from eagle3_engines import (TOY_H, TOY_L, TOY_V, engine_chain, engine_name, feature_batch,
-                            perturbed_drafter, tiny8_target, train_rows)
-from eagle3_engines import recipe_cfg as eagle3_recipe_cfg
+from specdistill.drafters.base import DecodeState, TrainBatch, build_drafter, config_dict
+from specdistill.drafters.parts.anchors import dense_logits
+from specdistill.drafters.parts.head import fit_draft_vocab
+from specdistill.drafters.parts.layers import default_aux_layers
+from specdistill.drafters.parts.layouts import ExportError
+from specdistill.export.folder import export_drafter, load_export
+from specdistill.target.model import Target
 from specdistill.train.losses import distill_loss
 
 V, H, L = TOY_V, TOY_H, TOY_L  # an 8-layer target: the engines' default aux layers (2, 4, 5) exist
@@ -229,7 +239,7 @@ def test_bf16_stored_features_train_the_same_drafter_under_bf16(tmp_path, chats,
     storage; fp32 training keeps fp32 features."""
     from safetensors import safe_open
 
-    from specdistill.drafters.precision import features_storage
+    from specdistill.train.precision import features_storage
     from specdistill.train.recipe import DistillRecipe
 
     monkeypatch.setenv("SPECDISTILL_CACHE", str(tmp_path / "cache"))  # the captures' default folders
@@ -333,7 +343,7 @@ def test_smollm2_eagle3_greedy_is_lossless_on_mtbench():
     a few steps on the target's own continuations of the prompts (so drafts get accepted)."""
     from specdistill.data.prompts import load_prompts
     from specdistill.decode.evaluate import render
-    from specdistill.drafters.target import TargetConfig, load_target
+    from specdistill.target.model import TargetConfig, load_target
 
     target = load_target(TargetConfig(path="packaged:smollm2", dtype="float32"))  # no near-ties
     d = build_drafter({"name": "eagle3", "draft_vocab_size": 4096, "ttt_length": 2}, target)

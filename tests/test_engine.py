@@ -105,7 +105,7 @@ def test_the_default_drafter_is_one_vllm_loads_and_eagle1s_pruned_head_says_why(
     import specdistill.train.__main__  # noqa: F401  (stores the schemas conf/train.yaml composes)
     from specdistill.decode.engine.check import engine_format
     from specdistill.drafters.base import build_drafter
-    from specdistill.drafters.target import load_target
+    from specdistill.target.model import load_target
 
     target = load_target(tiny_target_cfg)
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"),
@@ -196,7 +196,7 @@ def test_an_engine_that_dies_while_decoding_is_a_result_with_its_own_words(fake_
 @pytest.fixture(scope="module")
 def vllm():
     """The specdistill cache, with vLLM CPU installed in it (or SPECDISTILL_VLLM_PYTHON)."""
-    from specdistill.drafters.target import TargetConfig, cache_root
+    from specdistill.target.model import TargetConfig, cache_root
 
     cache = cache_root(TargetConfig(path="packaged:smollm2"))
     try:
@@ -208,7 +208,7 @@ def vllm():
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from specdistill.drafters.target import TargetConfig, load_target
+    from specdistill.target.model import TargetConfig, load_target
 
     return load_target(TargetConfig(path="packaged:smollm2", dtype="float32"))
 
@@ -220,16 +220,17 @@ def overfit(target, cfg: dict, steps: int = 60):
     """A drafter trained on the target's own greedy answers to the check's prompts (the engine
     matrix's overfit): it gets most drafts right, so a layout the engine reads differently shows
     as lost acceptance."""
+    from benchmarks.engine_matrix import greedy_answers
+    from benchmarks.engine_matrix import overfit as fit
     from specdistill.data.prompts import load_prompts
     from specdistill.decode.evaluate import render
-    from specdistill.train.benchmarks.engine_matrix import greedy_answers, overfit as fit
 
     prompts = [render(target, p.turns[:1], []) for p in load_prompts("mtbench", limit=PROMPTS)]
     return fit(target, cfg, greedy_answers(target, prompts, TOKENS), steps)
 
 
 def export(d, cfg, target, fmt, folder):
-    from specdistill.drafters.export import export_drafter
+    from specdistill.export.folder import export_drafter
 
     export_drafter(d, cfg, target, fmt, folder, k=K)
     return folder

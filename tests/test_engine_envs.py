@@ -100,7 +100,7 @@ def test_the_job_starts_the_install_only_for_a_vllm_check_of_a_layout_vllm_serve
     from omegaconf import OmegaConf
 
     from specdistill.drafters.base import build_drafter
-    from specdistill.drafters.target import load_target
+    from specdistill.target.model import load_target
     from specdistill.train import final_eval
 
     started = []

@@ -1,4 +1,4 @@
-"""The engine matrix (train/benchmarks/engine_matrix.py): every (drafter, format) pair trained or
+"""The engine matrix (benchmarks/engine_matrix.py): every (drafter, format) pair trained or
 reused, exported and checked, one table. Driven against the stand-in vllm of tests/fake_vllm on
 the tiny target, so the plumbing is tested in seconds; the real engine's numbers are the
 matrix's own output (BENCHMARKS.md)."""
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import engine_matrix as em
 from specdistill.decode.engine import vllm_engine as ve
-from specdistill.train.benchmarks import engine_matrix as em
 
 FAKE = Path(__file__).with_name("fake_vllm")
 
@@ -27,7 +27,7 @@ def fake_vllm(monkeypatch, tmp_path):
 
 def test_the_matrix_trains_exports_checks_and_tabulates_every_pair(fake_vllm, monkeypatch,
                                                                    tmp_path, tiny_target_cfg):
-    from specdistill.drafters.target import load_target
+    from specdistill.target.model import load_target
 
     tiny_target_cfg.model_config["num_hidden_layers"] = 4  # 3 distinct aux layers an engine names
     target = load_target(tiny_target_cfg)

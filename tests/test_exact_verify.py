@@ -5,14 +5,14 @@ import json
 
 import pytest
 import torch
+from decode_toys import NoisyOracle, StubTokenizer
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from specdistill.decode.evaluate import is_near_tie
 from specdistill.decode.exact import VERIFY_ROOM, ExactVerify, active, install
 from specdistill.decode.spec import generate
-from decode_toys import NoisyOracle, StubTokenizer
 from specdistill.drafters.ngram import Ngram, NgramConfig
-from specdistill.drafters.target import Target, load_target
+from specdistill.target.model import Target, load_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -154,7 +154,7 @@ def test_smollm2_bf16_exact_chain_is_plain_bit_for_bit():
     exact_verify (BENCHMARKS.md): with it, n-gram chains give plain decoding's tokens exactly."""
     from specdistill.data.prompts import load_prompts
     from specdistill.decode.evaluate import render
-    from specdistill.drafters.target import TargetConfig
+    from specdistill.target.model import TargetConfig
 
     target = load_target(TargetConfig(path="packaged:smollm2", dtype="bfloat16"))
     ngram = Ngram(NgramConfig(), target.vocab_size)

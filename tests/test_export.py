@@ -17,7 +17,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
+from eagle3_engines import dflash_logits, first_step_logits
 from omegaconf import OmegaConf
+from procs import pythonpath
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -25,16 +27,15 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 
 import specdistill.drafters  # noqa: F401  (registers every drafter)
 from specdistill.decode.spec import generate
-from specdistill.drafters.anchors import dense_logits
-from specdistill.drafters.base import DRAFTERS, DecodeState, TrainBatch, build_drafter, fit_draft_vocab
-from specdistill.drafters.export import export_drafter, full_config, load_export, validate_export
-from specdistill.drafters.export_formats import ExportError
-from specdistill.drafters.hub import PushError, push_to_hub
-from specdistill.drafters.sampling import SamplingParams
-from specdistill.drafters.target import Target
-from eagle3_engines import dflash_logits, first_step_logits
-from procs import pythonpath
+from specdistill.drafters.base import DRAFTERS, DecodeState, TrainBatch, build_drafter
+from specdistill.drafters.parts.anchors import dense_logits
+from specdistill.drafters.parts.head import fit_draft_vocab
+from specdistill.drafters.parts.layouts import ExportError
+from specdistill.drafters.parts.sampling import SamplingParams
+from specdistill.export.folder import export_drafter, full_config, load_export, validate_export
+from specdistill.target.model import Target
 from specdistill.train.export import ExportConfig, run_export
+from specdistill.train.hub import PushError, push_to_hub
 
 V, H = 128, 32
 GREEDY = SamplingParams()
@@ -344,7 +345,7 @@ CORRUPTIONS = {  # exports of one configuration per layout validator, corrupted
                    "required key 'rope_theta' is missing"),
     "not ours": ({"name": "eagle", "draft_vocab_size": None}, "hf",
                  lambda f: _edit_config(f, lambda c: c.pop("specdistill")),
-                 "not an export written by drafters.export"),
+                 "not an export written by export.folder"),
     "weights file": (MEDUSA, "medusa", lambda f: (f / "medusa_lm_head.pt").unlink() or
                      (f / "model.safetensors").unlink(), "weights file model.safetensors is missing"),
     "sglang bias": (EAGLE_ENGINE, "sglang", lambda f: _edit_tensors(

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from specdistill.drafters.base import DraftPrediction, Drafter, DrafterConfig, ExportLayout, register
-from specdistill.drafters.head import head_logits, init_draft_head
+from specdistill.drafters.parts.head import head_logits, init_draft_head
 
 
 @dataclass
@@ -132,15 +132,16 @@ def toy_folder(tmp_path):
 
 def test_a_drafter_in_one_module_and_one_yaml(toy_folder, tiny_target_cfg):
     from specdistill.decode.spec import generate
-    from specdistill.drafters.base import DRAFTERS, load_drafter
-    from specdistill.drafters.export import export_drafter, load_export
-    from specdistill.drafters.target import load_target
-    from specdistill.train.checkpoint import resolve_drafter
+    from specdistill.drafters.base import DRAFTERS
+    from specdistill.export.folder import export_drafter, load_export
+    from specdistill.store.drafter import load_drafter
+    from specdistill.store.rundir import resolve_drafter
+    from specdistill.target.model import load_target
 
-    # 1. trains through the real recipe: `python -m train drafter=toy`, nothing else edited
+    # 1. trains through the real recipe: `python -m specdistill.train drafter=toy`, nothing else edited
     run = toy_folder / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # SPECDISTILL_DRAFTERS: the fixture's
-    cmd = [sys.executable, "-m", "train", f"hydra.searchpath=[file://{toy_folder / 'conf'}]",
+    cmd = [sys.executable, "-m", "specdistill.train", f"hydra.searchpath=[file://{toy_folder / 'conf'}]",
            "drafter=toy", "target=tiny", "data=jsonl",
            f"data.path={write_chats(toy_folder / 'c.jsonl', 16, 10)}",
            "data.max_length=64", "data.eval_fraction=0.25", f"data.cache_dir={toy_folder / 'cache'}",

@@ -7,17 +7,16 @@ import logging
 
 import pytest
 import torch
+from decode_toys import FixedQ, NoisyOracle, chi2_stat, make_target
 
-import specdistill.drafters.precision as precision
-from specdistill.decode import bench
+import benchmarks.decode_speed as bench
+import specdistill.target.precision as precision
 from specdistill.decode.evaluate import NEAR_TIE_ULPS, evaluate_drafter, is_near_tie
 from specdistill.decode.spec import generate
-from decode_toys import FixedQ, NoisyOracle, chi2_stat, make_target
 from specdistill.drafters.ngram import Ngram, NgramConfig
-from specdistill.drafters.sampling import SamplingParams, warp
-from specdistill.drafters.precision import resolve_dtype, set_threads
-from specdistill.drafters.target import load_target
-
+from specdistill.drafters.parts.sampling import SamplingParams, warp
+from specdistill.target.model import load_target
+from specdistill.target.precision import resolve_dtype, set_threads
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -77,7 +76,7 @@ def test_explicit_and_bad_dtypes(monkeypatch):
 def test_load_target_runs_at_the_resolved_dtype(tiny_target_cfg, monkeypatch, caplog):
     _flags(monkeypatch, {"avx512_bf16"})
     tiny_target_cfg.dtype = "auto"
-    with caplog.at_level(logging.INFO, logger="specdistill.drafters.target"):
+    with caplog.at_level(logging.INFO, logger="specdistill.target.model"):
         t = load_target(tiny_target_cfg)
     assert t.dtype == torch.bfloat16 and t.dtype_choice.as_dict()["cpu_bf16_flags"] == ["avx512_bf16"]
     assert "target dtype bfloat16 (target.dtype=auto; /proc/cpuinfo flags" in caplog.text
@@ -110,7 +109,7 @@ BF16_PROMPTS = ([3, 17, 5, 9, 41], list(range(20, 32)))
 def bf16_target():
     """A float64 toy cast to bf16 whose greedy path has no near-tie: bf16 keeps 8 significant
     bits, so two logits closer than ~0.8% of their size can round to a tie in one kernel shape
-    and not in another (that is a near-tie flip, measured by decode.bench, not a decoder bug)."""
+    and not in another (that is a near-tie flip, measured by benchmarks.decode_speed, not a decoder bug)."""
     t = make_target(init=0.2, seed=5)
     t.model.to(torch.bfloat16)
     for prompt in BF16_PROMPTS:  # the precondition: top-2 gaps > 1.4 bf16 spacings everywhere
@@ -215,7 +214,7 @@ def test_smollm2_bf16_greedy_is_plain_greedy_up_to_near_ties():
     except where a bf16 near-tie flips (margin within two bf16 spacings of the top logit)."""
     from specdistill.data.prompts import load_prompts
     from specdistill.decode.evaluate import render
-    from specdistill.drafters.target import TargetConfig
+    from specdistill.target.model import TargetConfig
 
     target = load_target(TargetConfig(path="packaged:smollm2", dtype="bfloat16"))
     ngram = Ngram(NgramConfig(), target.vocab_size)
@@ -247,7 +246,7 @@ def test_bench_tables_compare_at_the_same_dtype_and_list_differences():
 
 
 def test_bench_runs_a_trained_drafter_at_each_dtype_losslessly(tiny_run, tiny_target_cfg):
-    """The trained-drafter rows of decode.bench: one per drafter dtype; a bf16 drafter on an fp32
+    """The trained-drafter rows of benchmarks.decode_speed: one per drafter dtype; a bf16 drafter on an fp32
     target still gives exactly plain decoding's tokens (the decoder verifies every draft)."""
     from argparse import Namespace
 
@@ -293,8 +292,7 @@ def test_cast_drafter_runs_every_drafter_at_bf16_losslessly(tiny_target_cfg, nam
     own weights and the compute dtype of the target modules it calls), leaves the target's weights
     alone, and the output is still plain decoding's."""
     from specdistill.drafters.base import CONFIGS, build_drafter
-    from specdistill.drafters.head import Shared
-    from specdistill.drafters.precision import cast_drafter
+    from specdistill.drafters.parts.head import Shared, cast_drafter
 
     t = load_target(tiny_target_cfg)  # float32
     d = build_drafter(CONFIGS[name](), t).eval()
@@ -331,10 +329,10 @@ def test_decode_casts_the_drafter_to_the_target_dtype(tiny_run, tmp_path):
 
 
 def test_bench_attention_a_b_loads_one_target_per_attention(monkeypatch, tiny_target_cfg):
-    """`decode.bench --attn few_q sdpa`: a target per (dtype, attention), named apart; the sdpa
+    """`benchmarks.decode_speed --attn few_q sdpa`: a target per (dtype, attention), named apart; the sdpa
     one runs torch's kernel, the other ours; one attention keeps the plain dtype names."""
-    from specdistill.decode import bench
-    from specdistill.drafters.attention import FEW_Q
+    import benchmarks.decode_speed as bench
+    from specdistill.target.attention import FEW_Q
 
     monkeypatch.setattr(bench, "load_target", lambda cfg: load_target(tiny_target_cfg))
     both = bench.load_targets(bench.parse_args(["--dtypes", "float32", "--attn", "few_q", "sdpa"]))
@@ -345,11 +343,11 @@ def test_bench_attention_a_b_loads_one_target_per_attention(monkeypatch, tiny_ta
 
 
 def test_bench_labels_two_runs_of_one_drafter_apart(monkeypatch):
-    """`decode.bench --ckpt A --ckpt B` with two runs of the same drafter kind: each mode's label
+    """`benchmarks.decode_speed --ckpt A --ckpt B` with two runs of the same drafter kind: each mode's label
     names its run, so neither overwrites the other; one run keeps the short label."""
     from types import SimpleNamespace
 
-    from specdistill.decode import bench
+    import benchmarks.decode_speed as bench
 
     monkeypatch.setattr(bench, "resolve_drafter", lambda path, setting: path)
     monkeypatch.setattr(bench, "load_resolved", lambda path, target: _Stub(path))

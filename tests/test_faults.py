@@ -11,17 +11,18 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from specdistill.decode import evaluate as ev
-from specdistill.drafters.cli import UserError
-from specdistill.drafters.ranges import check_ranges
-from specdistill.train import checkpoint as ckpt
-from specdistill.train.config import TrainConfig
-from specdistill.train.recipe import DistillRecipe
-from specdistill.train.runlock import RunDirLocked, RunLock
 from procs import pythonpath, run_cli
 from test_train import chat_file, make_cfg  # noqa: F401  (fixture + config helper)
 from test_train import run as _train
+
+from specdistill.cli.errors import UserError
+from specdistill.cli.ranges import check_ranges
+from specdistill.decode import evaluate as ev
+from specdistill.store import manifest
+from specdistill.store import rundir as runs
+from specdistill.train.config import TrainConfig
+from specdistill.train.recipe import DistillRecipe
+from specdistill.train.runlock import RunDirLocked, RunLock
 
 ROOT = Path(__file__).resolve().parents[1]
 # this checkout first, after the test process's own path (a worktree's package folder, if any)
@@ -55,10 +56,10 @@ def _step(run: Path, n: int) -> Path:
 def test_checkpoints_carry_a_manifest_that_verifies(two_ckpts):
     tmp_path, _ = two_ckpts
     for n in (2, 4):
-        entries = json.loads((_step(tmp_path / "run", n) / ckpt.MANIFEST).read_text())
+        entries = json.loads((_step(tmp_path / "run", n) / manifest.MANIFEST).read_text())
         assert {"drafter.safetensors", "drafter.json", "trainer_state.pt", "optimizer.pt"} <= set(entries)
-        assert ckpt.verify(_step(tmp_path / "run", n), ckpt.REQUIRED) == []
-    assert ckpt.verify(tmp_path / "run" / "best", ()) == []
+        assert manifest.verify(_step(tmp_path / "run", n), runs.REQUIRED) == []
+    assert manifest.verify(tmp_path / "run" / "best", ()) == []
 
 
 def test_truncated_newest_checkpoint_falls_back_to_the_older_one(two_ckpts, chat_file, caplog):  # noqa: F811
@@ -80,7 +81,7 @@ def test_a_deleted_file_is_named_and_all_damaged_refuses(two_ckpts, chat_file, v
     config_before = (tmp_path / "run" / "config.yaml").read_text()
     for n in (2, 4):
         (_step(tmp_path / "run", n) / victim).unlink()
-    with pytest.raises(ckpt.CheckpointError) as e:
+    with pytest.raises(runs.CheckpointError) as e:
         _resume(tmp_path, chat_file)
     for n in (2, 4):
         assert f"{_step(tmp_path / 'run', n) / victim}: missing" in str(e.value)
@@ -176,7 +177,7 @@ def test_ctrl_c_says_how_to_resume(tmp_path, chat_file):  # noqa: F811
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:  # interrupted after its first checkpoint (before it, the hint says so: test_folders.py)
         deadline = time.time() + 240
-        while time.time() < deadline and ckpt.latest_checkpoint(run) is None:
+        while time.time() < deadline and runs.latest_checkpoint(run) is None:
             time.sleep(0.5)
         p.send_signal(signal.SIGINT)
         _, err = p.communicate(timeout=120)
@@ -190,7 +191,7 @@ def test_ctrl_c_says_how_to_resume(tmp_path, chat_file):  # noqa: F811
 
 def test_a_lossless_failure_is_reported_with_the_margin(monkeypatch, tiny_target_cfg):
     from specdistill.drafters.base import build_drafter
-    from specdistill.drafters.target import load_target
+    from specdistill.target.model import load_target
 
     target = load_target(tiny_target_cfg)
     real = ev.generate
@@ -225,7 +226,7 @@ def test_near_tie_tells_case_6_from_a_bug():
 
 def test_decode_budget_cap_is_recorded(tiny_target_cfg, caplog):
     from specdistill.drafters.base import build_drafter
-    from specdistill.drafters.target import load_target
+    from specdistill.target.model import load_target
 
     tiny_target_cfg.model_config["max_position_embeddings"] = 160  # the prompt leaves a few tokens
     target = load_target(tiny_target_cfg)

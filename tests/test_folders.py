@@ -1,4 +1,4 @@
-"""No command replaces a file it did not write (issue 30): every CLI that writes into a folder,
+"""No command replaces a file it did not write: every CLI that writes into a folder,
 pointed at a folder that holds another job's or the user's files. Real processes where the
 behaviour is the process's (before Hydra writes anything, a local multirun sweep).
 
@@ -8,7 +8,7 @@ behaviour is the process's (before Hydra writes anything, a local multirun sweep
 |                  | files, another run's checkpoints without resume=true; a job   |                      |
 |                  | that died before its first checkpoint is set aside (*.prev)   |                      |
 | decode           | refused before Hydra unless run_dir is new or empty           | here                 |
-| decode.bench     | --out holding an earlier benchmark's results: refused         | here                 |
+| decode benchmark | --out holding an earlier benchmark's results: refused         | here                 |
 | decode.engine    | out not empty: refused                                        | here                 |
 | train.export     | out exists: refused; overwrite=true replaces only an export   | test_export.py       |
 | data.capture     | not empty and no capture manifest: refused                    | test_identity.py     |
@@ -22,10 +22,10 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import write_chats
 from hydra import compose, initialize_config_dir
 
 import specdistill.train.__main__  # noqa: F401  (stores the schemas)
-from conftest import write_chats
 from specdistill.train.recipe import DistillRecipe
 from specdistill.train.rundir import interrupt_hint
 
@@ -150,7 +150,7 @@ def test_train_never_writes_over_another_jobs_or_the_users_files(tmp_path, files
 
 
 def test_bench_and_engine_refuse_a_folder_of_earlier_results(tmp_path, capsys):
-    from specdistill.decode import bench
+    import benchmarks.decode_speed as bench
 
     out = tmp_path / "bench"
     out.mkdir()

@@ -23,8 +23,8 @@ import specdistill.drafters  # noqa: F401  (registers every drafter)
 from specdistill.decode.batched.spec import generate_batch
 from specdistill.decode.spec import generate
 from specdistill.drafters.base import DRAFTERS, build_drafter
-from specdistill.drafters.export import export_drafter, full_config
-from specdistill.drafters.target import TargetConfig, load_target
+from specdistill.export.folder import export_drafter, full_config
+from specdistill.target.model import TargetConfig, load_target
 
 GOLDEN = Path(__file__).with_name("golden.json")
 WRITE = os.environ.get("SPECDISTILL_GOLDEN") == "write"

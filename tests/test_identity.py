@@ -8,15 +8,15 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
+from conftest import write_chats
 from hydra import compose, initialize_config_dir
+from tiny_gguf import write_tiny_gguf
 
 import specdistill.train.__main__  # noqa: F401  (stores the schemas)
-from conftest import write_chats
 from specdistill.data import capture as capture_mod
 from specdistill.data.capture import CaptureConfig, capture_split, offline_features
-from specdistill.drafters.target import TargetConfig, load_target
+from specdistill.target.model import TargetConfig, load_target
 from specdistill.train.recipe import DistillRecipe
-from tiny_gguf import write_tiny_gguf
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 pytestmark = pytest.mark.usefixtures("one_thread")

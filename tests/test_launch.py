@@ -4,6 +4,7 @@ Hydra), the single-node torchrun script, and the submitit launcher config for sw
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -66,7 +67,7 @@ def test_sbatch_renders_srun_torchrun_with_c10d_rendezvous_on_the_first_node(mon
     assert (args.nnodes, args.nproc_per_node) == ("2", "8")
     assert (args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id) == ("c10d", "gpu-a01:29500", "4242")
     assert args.max_restarts == 0
-    assert args.module and args.training_script == "train" and args.training_script_args == JOB
+    assert args.module and args.training_script == "specdistill.train" and args.training_script_args == JOB
     cfg = compose_job(args.training_script_args)  # the train command composes as given
     assert cfg.trainer.backend == "deepspeed" and cfg.deepspeed.zero_stage == 3
     assert cfg.target.path == "meta-llama/Llama-3.1-8B-Instruct" and cfg.trainer.lr == 2e-4
@@ -90,7 +91,7 @@ def test_torchrun_script_single_node():
     cmd = render(TORCHRUN, ["target=tiny", "trainer=smoke"], NPROC="2")
     args = torchrun_args(cmd)
     assert args.standalone and (args.nnodes, args.nproc_per_node) == ("1", "2")
-    assert args.module and args.training_script == "train"
+    assert args.module and args.training_script == "specdistill.train"
     assert args.training_script_args == ["target=tiny", "trainer=smoke"]
 
 
@@ -153,7 +154,7 @@ def test_gpu_bench_commands_compose():
     assert train["drafter"]["name"] == drafter and train["target"]["device"] == "cuda"
     assert train["target"]["path"] == "packaged:smollm2" and train["data"]["kind"] == "sharegpt"
     assert train["data"]["max_conversations"] is None  # the whole packaged ShareGPT
-    # precision auto: bf16 on a GPU that supports it (drafters/precision.py native_bf16)
+    # precision auto: bf16 on a GPU that supports it (target/precision.py native_bf16)
     assert train["data"]["max_length"] == 1024 and train["trainer"]["precision"] == "auto"
     t = train["trainer"]
     assert t["features"] == "online" and t["batch_size"] == 32 and t["max_steps"] == 1200
@@ -307,17 +308,16 @@ def test_the_commands_work_from_an_ml_project_with_its_own_data_train_and_decode
         (tmp_path / name).mkdir()
         (tmp_path / name / "__init__.py").write_text(f"MINE = {name!r}\n")
     job = ["--cfg", "job", "target=tiny"]
-    for cmd in (["specdistill-train", *job], ["specdistill-decode", *job],
-                ["specdistill-export", "--cfg", "job", "run=x"],
+    specdistill = shutil.which("specdistill")
+    assert specdistill, "the `specdistill` console script is not installed (pip install -e .)"
+    for cmd in ([specdistill, "train", *job], [specdistill, "decode", *job],
+                [specdistill, "export", "--cfg", "job", "run=x"],
+                [specdistill, "capture", "--cfg", "job", "out=x"],
+                [sys.executable, "-m", "specdistill.train", *job],
                 [sys.executable, "-m", "specdistill.data.capture", "--cfg", "job", "out=x"]):
         out = _in(tmp_path, *cmd)
         assert out.returncode == 0 and "target:" in out.stdout + out.stderr or "run: x" in out.stdout \
             or "out: x" in out.stdout, (cmd, out.stderr[-2000:])
-    # python -m train / decode: top-level names, so they need a folder without train/ / decode/
-    (tmp_path / "train" / "__init__.py").unlink()
-    (tmp_path / "train").rmdir()
-    out = _in(tmp_path, sys.executable, "-m", "train", *job)
-    assert out.returncode == 0 and "drafter:" in out.stdout, out.stderr[-2000:]
     # the user's own modules stay theirs, and ours installed no data / drafters of ours
     probe = ("import importlib.util as u, data, drafters; print(data.MINE, drafters.MINE); "
              "print(u.find_spec('specdistill.data').submodule_search_locations[0])")
@@ -349,7 +349,7 @@ def test_a_wheel_install_carries_the_configs(tmp_path):
     assert sorted(p.relative_to(conf) for p in conf.rglob("*.yaml")) == \
         sorted(p.relative_to(ROOT / "conf") for p in (ROOT / "conf").rglob("*.yaml"))
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
-    probe = "import specdistill.drafters.cli as c; print(c.__file__)"
+    probe = "import specdistill.cli.errors as c; print(c.__file__)"
     where = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True,
                            text=True, timeout=120)
     assert where.stdout.strip().startswith(str(tmp_path / "site")), where.stdout + where.stderr

@@ -23,8 +23,18 @@ import torch
 import torch.nn.functional as F
 
 from specdistill.drafters.base import DraftPrediction, TrainBatch
-from specdistill.train.losses import (DIVERGENCES, LOG_FLOOR, distill_loss, feature_loss, forward_kl,
-                                      get_divergence, greedy_accept, lk_hybrid, nla, tv)
+from specdistill.train.losses import (
+    DIVERGENCES,
+    LOG_FLOOR,
+    distill_loss,
+    feature_loss,
+    forward_kl,
+    get_divergence,
+    greedy_accept,
+    lk_hybrid,
+    nla,
+    tv,
+)
 
 P = torch.tensor([[0.7, 0.2, 0.1]])
 Q = torch.tensor([[0.4, 0.4, 0.2]])
@@ -140,7 +150,7 @@ def test_forward_kl_gradient_in_one_expression_equals_autograd(dtype):
 def test_logits_at_the_counted_anchors_only():
     """A head run only at `at` (row-major (M, Vd)) gives the masked mean of the dense one; `at`
     may hold more anchors than the loss counts, never fewer."""
-    from specdistill.drafters.anchors import counted
+    from specdistill.drafters.parts.anchors import counted
 
     batch = make_batch()
     draft = torch.randn(2, 6, 5)
@@ -331,10 +341,10 @@ def test_acceptance_losses_on_a_pruned_vocab(name):
 
 
 def test_loss_kernel_benchmark_writes_both_modes(tmp_path):
-    """python -m train.benchmarks.loss_kernel, tiny: both modes timed, and they agree."""
+    """python -m benchmarks.loss_kernel, tiny: both modes timed, and they agree."""
     import json
 
-    from specdistill.train.benchmarks.loss_kernel import main
+    from benchmarks.loss_kernel import main
 
     main(["--rows", "8", "--vocab", "16", "--rounds", "2", "--warmup", "0", "--threads", "1",
           "--out", str(tmp_path)])

@@ -4,7 +4,6 @@ import subprocess
 import sys
 
 import pytest
-
 from test_train import chat_file, make_cfg, run  # noqa: F401 (chat_file: a fixture)
 
 HOLES = """
@@ -105,7 +104,7 @@ def test_the_engine_check_starts_after_the_training_and_the_decoders_copies_are_
     best drafter (nothing still refers to them); the check gets the training copies, as before."""
     import weakref
 
-    from specdistill.drafters.target import load_target
+    from specdistill.target.model import load_target
     from specdistill.train import final_eval as fe
     from specdistill.train.recipe import DistillRecipe
 

@@ -8,7 +8,7 @@ import torch
 
 from specdistill.drafters.base import CONFIGS, DRAFTERS, DecodeState, build_drafter
 from specdistill.drafters.ngram import Ngram, NgramConfig
-from specdistill.drafters.sampling import SamplingParams
+from specdistill.drafters.parts.sampling import SamplingParams
 
 GREEDY = SamplingParams()
 

@@ -13,7 +13,7 @@ from specdistill.decode.batched.evaluate import evaluate_batched
 from specdistill.decode.evaluate import evaluate_drafter
 from specdistill.decode.simulate import acceptance_summary
 from specdistill.drafters.base import build_drafter
-from specdistill.drafters.target import load_target
+from specdistill.target.model import load_target
 from specdistill.train.loggers import JsonlLogger, decoder_eval_scalars
 from specdistill.train.report import write_report
 
@@ -24,7 +24,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def target():
     from conftest import TINY_MODEL
-    from specdistill.drafters.target import TargetConfig
+
+    from specdistill.target.model import TargetConfig
 
     return load_target(TargetConfig(path="tiny", random_init=True, tokenizer="packaged:smollm2",
                                     model_config=dict(TINY_MODEL), dtype="float32"))
@@ -90,7 +91,7 @@ def test_the_warm_up_decodes_both_modes_first_and_changes_no_measured_number(tar
     its own random stream: at T=1 the measured prompts sample exactly what they sample without it,
     and no count (rounds, forwards, tokens) includes the warm-up."""
     import specdistill.decode.evaluate as ev
-    from specdistill.drafters.sampling import SamplingParams
+    from specdistill.drafters.parts.sampling import SamplingParams
 
     ngram = build_drafter({"name": "ngram"}, target)
     runs = runs_with_and_without_warm_up(
@@ -110,7 +111,7 @@ def test_the_batched_warm_up_decodes_one_batch_first_and_changes_no_measured_num
     tokens and every count is unchanged (verify_all); budgeted, the measured planner is not the
     warm-up's (its choices depend on measured times: no identity of counts to check there)."""
     import specdistill.decode.batched.evaluate as bev
-    from specdistill.drafters.sampling import SamplingParams
+    from specdistill.drafters.parts.sampling import SamplingParams
 
     ngram = build_drafter({"name": "ngram"}, target)
     runs = runs_with_and_without_warm_up(

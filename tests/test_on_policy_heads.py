@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from eagle3_engines import feature_batch, perturbed_drafter, tiny8_target
+
 from specdistill.data.capture import target_logits
 from specdistill.drafters.base import DecodeState, TrainBatch, build_drafter
-from specdistill.drafters.sampling import SamplingParams
+from specdistill.drafters.parts.sampling import SamplingParams
 from specdistill.train.losses import aligned, distill_loss
-from specdistill.train.on_policy_heads import (check_on_policy_heads, replayed, score_own_drafts,
-                                                 scored_anchors)
+from specdistill.train.on_policy_heads import (
+    check_on_policy_heads,
+    replayed,
+    score_own_drafts,
+    scored_anchors,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -221,7 +225,8 @@ def test_a_run_branches_into_a_later_phase_before_its_phase_began(tmp_path):
 
     from conftest import write_chats
     from test_train import make_cfg, run
-    from specdistill.drafters.cli import UserError
+
+    from specdistill.cli.errors import UserError
 
     chats = write_chats(tmp_path / "chats.jsonl", 24, 10)
     common = ["drafter=eagle3", "drafter.draft_vocab_size=256", "drafter.ttt_length=1",

@@ -10,17 +10,27 @@ import json
 
 import pytest
 import torch
+from decode_toys import check_sampling_lossless, greedy_lossless_accepted, make_target, teach
+from eagle3_engines import (
+    TOY_H,
+    TOY_L,
+    TOY_V,
+    feature_batch,
+    parallel_draft,
+    perturbed_drafter,
+    recipe_cfg,
+    tiny8_target,
+    train_rows,
+    twin,
+)
 from safetensors.torch import load_file
 
-from decode_toys import check_sampling_lossless, greedy_lossless_accepted, make_target, teach
-from eagle3_engines import (TOY_H, TOY_L, TOY_V, feature_batch, parallel_draft, perturbed_drafter,
-                            recipe_cfg, tiny8_target, train_rows, twin)
-from specdistill.drafters.anchors import dense_logits
 from specdistill.drafters.base import DecodeState, build_drafter
-from specdistill.drafters.export import export_drafter, load_export
+from specdistill.drafters.parts.anchors import dense_logits
+from specdistill.drafters.parts.sampling import SamplingParams, warp
 from specdistill.drafters.peagle import Peagle
-from specdistill.drafters.sampling import SamplingParams, warp
-from specdistill.drafters.target import Target
+from specdistill.export.folder import export_drafter, load_export
+from specdistill.target.model import Target
 from specdistill.train.losses import distill_loss
 
 V, H, L = TOY_V, TOY_H, TOY_L

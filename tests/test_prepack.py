@@ -1,4 +1,4 @@
-"""drafters/prepack.py: a decoding fp32 CPU target runs its linear layers through oneDNN with
+"""target/prepack.py: a decoding fp32 CPU target runs its linear layers through oneDNN with
 packed weights, the same numbers as F.linear within fp32 rounding; autograd, exact verification,
 copies, training targets, `prepack=false` and a machine short of memory keep torch's F.linear;
 speculative decoding with a packed target stays lossless."""
@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import specdistill.drafters.prepack as prepack
-from specdistill.drafters.target import load_target
+import specdistill.target.prepack as prepack
+from specdistill.target.model import load_target
 
 pytestmark = pytest.mark.skipif(not prepack.supported(), reason="this torch has no oneDNN linear ops")
 
@@ -100,7 +100,7 @@ def test_only_decoding_fp32_targets_are_packed(tiny_target_cfg, monkeypatch):
 def test_packed_target_logits_and_lossless_decoding(tiny_target_cfg):
     from specdistill.decode.spec import generate
     from specdistill.drafters.base import build_drafter
-    from specdistill.drafters.precision import cast_drafter
+    from specdistill.drafters.parts.head import cast_drafter
 
     packed = load_target(tiny_target_cfg)
     tiny_target_cfg.prepack = False

@@ -1,4 +1,4 @@
-"""Ranges on their fields (drafters/ranges.py): every numeric setting of every command has one (or
+"""Ranges on their fields (cli/ranges.py): every numeric setting of every command has one (or
 says why not), the shipped configs lie inside them, and every command refuses each out-of-range
 value at its start, naming the key, before it reads a file or loads a target."""
 import ast
@@ -10,17 +10,24 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+import benchmarks.decode_speed as bench
 import specdistill.decode.__main__ as decode_main
 import specdistill.decode.engine.__main__ as engine_main
 import specdistill.train.__main__  # noqa: F401  (stores the train schemas)
+from specdistill.cli.errors import UserError
+from specdistill.cli.ranges import (
+    Range,
+    check_ranges,
+    range_problems,
+    rng,
+    schema_fields,
+    strip_optional,
+    unranged,
+)
 from specdistill.data import capture, regenerate
-from specdistill.decode import bench
 from specdistill.decode.config import BenchConfig, DecodeConfig
 from specdistill.decode.engine.__main__ import EngineCheckConfig
 from specdistill.drafters.base import CONFIGS
-from specdistill.drafters.cli import UserError
-from specdistill.drafters.ranges import (Range, check_ranges, range_problems, rng, schema_fields,
-                                         strip_optional, unranged)
 from specdistill.train import export, recipe
 from specdistill.train.config import TrainConfig, TrainerConfig
 
@@ -205,5 +212,6 @@ def test_bench_refuses_every_out_of_range_value_at_start(tmp_path, capsys):
                 bench.main([flags[key], str(v), "--ckpt", str(tmp_path / "none"),
                             "--out", str(tmp_path / "out")])
             err = capsys.readouterr().err
-            assert e.value.code == 2 and f"python -m decode.bench: error: invalid settings: {key}" in err
+            assert e.value.code == 2
+            assert f"python -m benchmarks.decode_speed: error: invalid settings: {key}" in err
     assert not (tmp_path / "out").exists()

@@ -1,4 +1,4 @@
-"""`python -m train.benchmarks.recipe` (issue 14's study) on the tiny target: arms trained as real
+"""`python -m benchmarks.recipe_study` (issue 14's study) on the tiny target: arms trained as real
 `python -m train` processes on the study's settings, every checkpoint of a curve arm replayed on
 MT-bench and HumanEval answers, the table and the learning-curve plot."""
 from __future__ import annotations
@@ -7,14 +7,14 @@ import json
 
 import pytest
 
-from specdistill.train.benchmarks.recipe import ARMS, arm_overrides, main
+from benchmarks.recipe_study import ARMS, arm_overrides, main
 
 
 def test_every_arm_composes_into_a_train_config(tmp_path):
     """A misspelt override in ARMS would only fail hours into a study: compose every arm now."""
     from argparse import Namespace
 
-    from specdistill.train.benchmarks.replaying import compose
+    from benchmarks.replaying import compose
 
     args = Namespace(tiny=False, features_dir=str(tmp_path), steps=10, save_every=5, seed=0, set=[])
     for name in ARMS:
@@ -63,7 +63,7 @@ def test_step_costs_interleave_the_arms_in_one_process(tmp_path):
     assert rows["eagle"]["vs_first"] == 1.0 and rows["e3_ttt2"]["s_per_step"] > 0
     assert "| e3_ttt2 |" in md
     # with measured prices, an arm's minutes are its steps x its seconds per step, not the wall
-    from specdistill.train.benchmarks.recipe import price_minutes
+    from benchmarks.recipe_study import price_minutes
 
     reps = [{"arm": "e3_ttt2", "step": 60, "wall_minutes": 99.0},
             {"arm": "other", "step": 60, "wall_minutes": 7.0}]

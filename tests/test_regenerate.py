@@ -9,7 +9,7 @@ import torch
 
 from specdistill.data.regenerate import RegenerateConfig, regenerate
 from specdistill.data.sharegpt import Conversation, iter_conversations
-from specdistill.drafters.target import TargetConfig, load_target
+from specdistill.target.model import TargetConfig, load_target
 
 ROOT = Path(__file__).resolve().parents[1]
 

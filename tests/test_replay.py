@@ -3,13 +3,13 @@ drafter, same accepted counts, from the target's greedy answer alone; the per-dr
 sum min(p, q)."""
 import pytest
 import torch
+from decode_toys import FixedQ, NoisyOracle, StubTokenizer, V, make_target
 
 from specdistill.decode.replay import draft_acceptance, replay_greedy
 from specdistill.decode.spec import generate
-from decode_toys import V, FixedQ, NoisyOracle, StubTokenizer, make_target
 from specdistill.drafters.base import ChainProposal, Drafter
-from specdistill.drafters.sampling import SamplingParams, warp
-from specdistill.drafters.target import Target
+from specdistill.drafters.parts.sampling import SamplingParams, warp
+from specdistill.target.model import Target
 
 PROMPTS = [[3, 17, 5, 9, 41], list(range(20, 32))]
 
@@ -61,7 +61,7 @@ def test_replay_refuses_an_answer_longer_than_its_budget(target):
 
 def test_replay_of_a_small_lm_equals_the_decoder(tiny_target_cfg):
     from specdistill.drafters.small_lm import SmallLm, SmallLmConfig
-    from specdistill.drafters.target import load_target
+    from specdistill.target.model import load_target
 
     tgt = load_target(tiny_target_cfg)
     drafter = SmallLm(SmallLmConfig(num_layers=1), tgt).eval()

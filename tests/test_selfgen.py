@@ -2,15 +2,14 @@
 hidden states a separate capture would compute, the store resumes and refuses what it was not made
 from, and training on it reads those features."""
 import json
-from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import write_chats
-from specdistill.data.generate import generate_with_features
-from specdistill.drafters.target import load_target
 from test_train import make_cfg, run
+
+from specdistill.data.generate import generate_with_features
+from specdistill.target.model import load_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -18,7 +17,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def tiny(request):
     from conftest import TINY_MODEL
-    from specdistill.drafters.target import TargetConfig
+
+    from specdistill.target.model import TargetConfig
 
     return load_target(TargetConfig(path="tiny", random_init=True, tokenizer="packaged:smollm2",
                                     model_config=dict(TINY_MODEL), seed=0, dtype="float32"))

@@ -2,8 +2,8 @@
 accepted count is the longest prefix of the drafter's chain that the target's greedy continuation
 agrees with, as one round of the decoder would count it."""
 import torch
-
 from decode_toys import NoisyOracle, greedy_next, make_target
+
 from specdistill.decode.accept import GREEDY
 from specdistill.decode.simulate import accepted_lengths
 from specdistill.drafters.base import DecodeState

@@ -10,17 +10,18 @@ import json
 
 import pytest
 import torch
+from conftest import TINY_MODEL
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from conftest import TINY_MODEL
 from specdistill.data.dataset import pad_batch
 from specdistill.decode.spec import generate
-from specdistill.drafters.anchors import dense_logits
-from specdistill.drafters.base import (DecodeState, TrainBatch, build_drafter, load_drafter, save_drafter)
-from specdistill.drafters.card import CardFacts
-from specdistill.drafters.export import ExportError, export_drafter, load_export
-from specdistill.drafters.sampling import SamplingParams
-from specdistill.drafters.target import TargetConfig, load_target
+from specdistill.drafters.base import DecodeState, TrainBatch, build_drafter
+from specdistill.drafters.parts.anchors import dense_logits
+from specdistill.drafters.parts.sampling import SamplingParams
+from specdistill.export.card import CardFacts
+from specdistill.export.folder import ExportError, export_drafter, load_export
+from specdistill.store.drafter import load_drafter, save_drafter
+from specdistill.target.model import TargetConfig, load_target
 from specdistill.train.losses import distill_loss
 from specdistill.train.on_policy import OnPolicyMixer, assistant_starts
 
@@ -373,9 +374,9 @@ def test_offline_capture_for_a_drafter_without_features(tmp_path):
 
 
 def test_bench_grid_replay_equals_the_real_decoder(tmp_path):
-    """`python -m train.benchmarks.small_lm --tiny`: one trained run, its real-decoder eval and its greedy
+    """`python -m benchmarks.small_lm_study --tiny`: one trained run, its real-decoder eval and its greedy
     replay on the same prompts and answer length, which must give the decoder's tau exactly."""
-    from specdistill.train.benchmarks.small_lm import main
+    from benchmarks.small_lm_study import main
 
     out = tmp_path / "bench"
     rows = main(["--tiny", "--out", str(out), "--steps", "2", "--layers", "1", "--losses",
@@ -402,7 +403,7 @@ def test_bench_grid_replay_equals_the_real_decoder(tmp_path):
 
 
 def test_bench_standard_errors_count_prompts_not_rounds():
-    from specdistill.train.benchmarks.replaying import paired_gap, ratio_se
+    from benchmarks.replaying import paired_gap, ratio_se
 
     assert ratio_se([3, 1], [1, 1]) == pytest.approx((2.0, 1.0))  # residuals +1, -1 over 2 prompts
     assert ratio_se([2, 4], [1, 2]) == pytest.approx((2.0, 0.0))  # every prompt at the ratio
@@ -416,8 +417,8 @@ def test_bench_standard_errors_count_prompts_not_rounds():
 def test_bench_init_divergence_is_zero_for_the_whole_target(tiny_target_cfg):
     """A drafter built from every target layer IS the target: KL 0 and full agreement; fewer
     layers start away from it."""
-    from specdistill.drafters.target import load_target
-    from specdistill.train.benchmarks.small_lm import init_divergence
+    from benchmarks.small_lm_study import init_divergence
+    from specdistill.target.model import load_target
 
     target = load_target(tiny_target_cfg)
     answers = [{"prompt": [5, 6, 7, 8], "answer": [9, 10, 11, 12, 13]},

@@ -3,7 +3,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from specdistill.drafters.target import TargetConfig, TargetLoadError, load_target
+from specdistill.target.model import TargetConfig, TargetLoadError, load_target
 
 
 def _check_against_plain_forward(target, plain_model):
@@ -39,7 +39,7 @@ def test_a_cast_model_is_the_model_a_load_at_that_dtype_gives(tiny_target_cfg, t
     attention of late positions (this test fails with it)."""
     from dataclasses import replace
 
-    from specdistill.drafters.precision import model_at
+    from specdistill.target.precision import model_at
 
     fp32 = load_target(tiny_target_cfg).model
     fp32.save_pretrained(tmp_path)
@@ -69,7 +69,7 @@ def test_smollm2_target_and_cache(tmp_path, monkeypatch):
     plain = AutoModelForCausalLM.from_pretrained(cached[0], dtype=second.dtype)  # auto: bf16 or fp32
     _check_against_plain_forward(second, plain)
     torch.testing.assert_close(first.model.lm_head.weight, second.model.lm_head.weight)
-    ids = torch.arange(100, 164)[None]  # prepacked (fp32 CPUs: drafters/prepack.py): fp32 rounding
+    ids = torch.arange(100, 164)[None]  # prepacked (fp32 CPUs: target/prepack.py): fp32 rounding
     with torch.no_grad():
         torch.testing.assert_close(first.model(ids).logits, plain(ids).logits, rtol=1e-4, atol=2e-3)
     assert 2 in second.eos_token_ids  # <|im_end|>

@@ -1,4 +1,4 @@
-"""`python -m train.benchmarks.tau_minutes`: acceptance against training minutes for finished runs
+"""`python -m benchmarks.tau_minutes`: acceptance against training minutes for finished runs
 and their branches, every step priced by its kind from one run's measured seconds."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import shutil
 import pytest
 import yaml
 
-from specdistill.train.benchmarks.tau_minutes import main, minutes, step_prices
+from benchmarks.tau_minutes import main, minutes, step_prices
 
 
 def fake_run(path, start, max_steps, lines):

@@ -6,15 +6,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import write_chats
 from hydra import compose, initialize_config_dir
 
 import specdistill.train.__main__  # noqa: F401  (stores the schemas)
-from conftest import write_chats
 from specdistill.data.capture import CaptureConfig, OfflineFeatures, capture, capture_split
-from specdistill.data.dataset import pad_batch
 from specdistill.decode.spec import generate
-from specdistill.drafters.base import load_drafter
-from specdistill.drafters.vocab import select_draft_vocab
+from specdistill.drafters.parts.vocab import select_draft_vocab
+from specdistill.store import rundir as runs
+from specdistill.store.drafter import load_drafter
 from specdistill.train import checkpoint as ckpt
 from specdistill.train import recipe as recipe_mod
 from specdistill.train.recipe import DistillRecipe, NonFiniteLoss
@@ -61,7 +61,7 @@ def test_training_lowers_the_loss(tmp_path, chat_file):
     assert (Path(cfg.run_dir) / "config.yaml").is_file()
     assert r.last_eval["positions"] > 0 and 1.0 <= r.last_eval["sim_tau"] <= 1 + cfg.trainer.eval_k
     # the target is never saved with the drafter
-    saved = ckpt.latest_checkpoint(Path(cfg.run_dir))
+    saved = runs.latest_checkpoint(Path(cfg.run_dir))
     from safetensors.torch import load_file
     names = load_file(str(saved / "drafter.safetensors")).keys()
     assert not any("embed_tokens" in n or n.startswith("model.") for n in names)
@@ -106,7 +106,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, chat_file, 
     r.setup()
     with pytest.raises(NonFiniteLoss, match="loss is nan at step 2"):
         r.train()
-    last = ckpt.latest_checkpoint(Path(cfg.run_dir))
+    last = runs.latest_checkpoint(Path(cfg.run_dir))
     assert last is not None and last.name == "step-0000002"
     assert load_drafter(last, r.target) is not None
 
@@ -126,7 +126,7 @@ def test_crash_mid_checkpoint_leaves_previous_intact(tmp_path, chat_file, monkey
     r.train_step(), r.train_step()
     with pytest.raises(OSError, match="disk died"):
         r.save_checkpoint()
-    assert [p.name for p in ckpt.complete_checkpoints(Path(cfg.run_dir))] == ["step-0000002"]
+    assert [p.name for p in runs.complete_checkpoints(Path(cfg.run_dir))] == ["step-0000002"]
 
 
 def test_online_and_offline_capture_give_the_same_batches(tmp_path, chat_file):
@@ -144,7 +144,7 @@ def test_online_and_offline_capture_give_the_same_batches(tmp_path, chat_file):
     offline = r.make_batch(raw)
     real = raw["attention_mask"].bool()
     torch.testing.assert_close(offline.features[real], online.features[real], rtol=1e-4, atol=1e-5)
-    read = ~online.target_logits[..., 0].isnan()  # the teacher where a loss reads it (data/teacher.py)
+    read = ~online.target_logits[..., 0].isnan()  # the teacher where a loss reads it (train/teacher.py)
     assert read.any() and torch.equal(read, ~offline.target_logits[..., 0].isnan())
     torch.testing.assert_close(offline.target_logits[read], online.target_logits[read],
                                rtol=1e-4, atol=1e-4)
@@ -245,13 +245,13 @@ def test_final_eval_target_keeps_training_threads_under_its_own_load(tiny_target
 
     from omegaconf import OmegaConf
 
-    from specdistill.drafters.target import load_target
+    from specdistill.target.model import load_target
     from specdistill.train.final_eval import decode_target
 
     trained = load_target(tiny_target_cfg)  # float32, as training loads it
     cfg = OmegaConf.structured(dataclasses.replace(tiny_target_cfg, dtype="bfloat16", threads=0))
     monkeypatch.setattr(os, "getloadavg", lambda: (2.0, 2.0, 2.0))  # training kept 2 cores busy
-    monkeypatch.setattr("specdistill.drafters.precision.available_cores", lambda: 2)
+    monkeypatch.setattr("specdistill.target.precision.available_cores", lambda: 2)
     n = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

@@ -4,12 +4,18 @@ import math
 
 import pytest
 import torch
+from decode_toys import make_target
 from transformers import DynamicCache
 
-from specdistill.decode.tree import (accept_path, ancestors, check_tree, compact_cache, prune_depth,
-                         tree_inputs)
-from decode_toys import make_target
-from specdistill.drafters.tree import dynamic_tree, static_tree
+from specdistill.decode.tree import (
+    accept_path,
+    ancestors,
+    check_tree,
+    compact_cache,
+    prune_depth,
+    tree_inputs,
+)
+from specdistill.drafters.parts.tree import dynamic_tree, static_tree
 
 #        root
 #       /    \

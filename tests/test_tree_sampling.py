@@ -1,5 +1,5 @@
 """Trees with sampling: the multi-draft rule (decode/accept.py `multi_draft`) is exact by
-enumeration, sampled trees record true draws (drafters/tree.py), and tree decoding at temperature
+enumeration, sampled trees record true draws (drafters/parts/tree.py), and tree decoding at temperature
 > 0 gives the target's own distribution (chi-square), while wrong rules fail the same checks."""
 import itertools
 import json
@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from decode_toys import SampledToyTree, chi2_stat, make_target, pair_counts, pair_joint
 
 import specdistill.decode.tree  # noqa: F401  (loads the submodule for decode.<name>)
 from specdistill import decode
 from specdistill.decode.accept import multi_draft
 from specdistill.decode.tree import sample_path
-from decode_toys import SampledToyTree, chi2_stat, make_target, pair_counts, pair_joint
 from specdistill.drafters.base import DecodeState, build_drafter
-from specdistill.drafters.sampling import SamplingParams, warp
-from specdistill.drafters.tree import draw_children, dynamic_tree, sampled_tree
+from specdistill.drafters.parts.sampling import SamplingParams, warp
+from specdistill.drafters.parts.tree import draw_children, dynamic_tree, sampled_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 # a target with an impossible token and a drafter that disagrees with it and never drafts token 3

@@ -1,6 +1,6 @@
 """`python -m train ...`: distil a drafter from a frozen target (Hydra entry point).
 
-conf/ is found by absolute path (drafters/cli.py CONF_DIR), so the job composes from any folder,
+conf/ is found by absolute path (cli/errors.py CONF_DIR), so the job composes from any folder,
 under `python -m train` and the `specdistill-train` console script alike.
 """
 from specdistill.train.memory import large_tensors_in_huge_pages
@@ -11,8 +11,8 @@ import hydra  # noqa: E402
 from hydra.core.config_store import ConfigStore  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from specdistill.drafters.cli import CONF_DIR  # noqa: E402
-from specdistill.drafters.schemas import store_drafter_schemas  # noqa: E402
+from specdistill.cli.paths import CONF_DIR  # noqa: E402
+from specdistill.drafters.base import store_drafter_schemas  # noqa: E402
 from specdistill.train.config import TrainConfig  # noqa: E402
 
 store_drafter_schemas()
@@ -25,7 +25,7 @@ def main(cfg: DictConfig) -> None:
 
     from hydra.core.hydra_config import HydraConfig
 
-    from specdistill.drafters.cli import user_errors
+    from specdistill.cli.errors import user_errors
     from specdistill.train.recipe import run
     from specdistill.train.rundir import interrupt_hint
 
@@ -42,7 +42,8 @@ def cli() -> None:
     """The command line (also the `specdistill-*` console script): argument checks, then main."""
     import sys
 
-    from specdistill.drafters.cli import check_out_dir_arg, user_errors
+    from specdistill.cli.errors import user_errors
+    from specdistill.cli.paths import check_out_dir_arg
     from specdistill.train.rundir import check_run_dir_arg
 
     check_out_dir_arg("python -m train", sys.argv[1:])

@@ -18,8 +18,12 @@ from typing import ContextManager, Protocol
 import torch
 from torch import nn
 
-from specdistill.train.distributed import (ProcessGroupMixin, export_slurm_task_env, init_distributed,
-                               rank_device)
+from specdistill.train.distributed import (
+    ProcessGroupMixin,
+    export_slurm_task_env,
+    init_distributed,
+    rank_device,
+)
 
 OPTIMIZER_FILE = "optimizer.pt"  # TorchBackend's optimizer state inside a checkpoint folder
 
@@ -105,8 +109,8 @@ class TorchBackend(ProcessGroupMixin):
     def load_state(self, folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         from safetensors.torch import load_file
 
-        from specdistill.drafters.base import WEIGHTS_FILE
-        from specdistill.train.checkpoint import STATE
+        from specdistill.store.drafter import WEIGHTS_FILE
+        from specdistill.store.rundir import STATE
 
         folder = Path(folder)
         if (folder / OPTIMIZER_FILE).is_file():

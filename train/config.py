@@ -6,11 +6,20 @@ from typing import Any, Optional
 
 from omegaconf import MISSING, OmegaConf
 
+from specdistill.cli.ranges import (
+    MAX_BATCH,
+    MAX_COUNT,
+    MAX_DRAFT,
+    MAX_SECONDS,
+    MAX_TEMPERATURE,
+    MAX_TOKENS,
+    SEED,
+    rng,
+    sub,
+)
 from specdistill.data.dataset import DataConfig
 from specdistill.drafters.base import drafter_schema
-from specdistill.drafters.ranges import (MAX_BATCH, MAX_COUNT, MAX_DRAFT, MAX_SECONDS, MAX_TEMPERATURE,
-                                         MAX_TOKENS, SEED, rng, sub)
-from specdistill.drafters.target import TargetConfig
+from specdistill.target.model import TargetConfig
 from specdistill.train.distributed import job_run_id, rank_zero_log
 
 # conf/train.yaml: `${run_id:}` names the run dir all ranks share (each job of a multirun sweep its
@@ -39,7 +48,7 @@ class TrainerConfig:
     min_lr_ratio: float = rng(0.1, 0, 1)  # floor of the cosine schedule, as a fraction of lr
     grad_clip: float = rng(1.0, 0, 1e6)  # max global grad norm (0 = off)
     # fp32 | bf16 (autocast for the drafter; the target runs in target.dtype) | auto (bf16 where
-    # the device runs it natively, fp32 elsewhere: drafters/precision.py native_bf16)
+    # the device runs it natively, fp32 elsewhere: target/precision.py native_bf16)
     precision: str = "fp32"
     # forward_kl | reverse_kl | jsd | tv | nla | lk_hybrid | hard_ce (train/losses.py)
     loss: str = "forward_kl"
@@ -53,7 +62,7 @@ class TrainerConfig:
     # torch.autocast: bfloat16 | float16 | auto (bfloat16 where native, else off) | None (target.dtype)
     capture_autocast: Optional[str] = None
     # storage of the captured layers' features: float32 | bfloat16 | auto (bfloat16 when precision is
-    # bf16: the drafter reads them at bf16 anyway; drafters/precision.py features_storage)
+    # bf16: the drafter reads them at bf16 anyway; train/precision.py features_storage)
     capture_features_dtype: Optional[str] = "float32"
     # offline: a `python -m specdistill.data.capture` out folder (None = auto, in the cache)
     features_dir: Optional[str] = None

@@ -33,8 +33,12 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch import nn
 
-from specdistill.train.distributed import (ProcessGroupMixin, export_slurm_task_env, init_distributed,
-                               rank_device)
+from specdistill.train.distributed import (
+    ProcessGroupMixin,
+    export_slurm_task_env,
+    init_distributed,
+    rank_device,
+)
 
 TAG = "deepspeed"  # engine checkpoint subfolder inside checkpoints/step-XXXXXXX/
 

@@ -19,6 +19,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+
 # ---------------------------------------------------------------------------- launch environment
 def export_slurm_task_env() -> None:
     """Tasks started by SLURM without torchrun (Hydra's submitit launcher with tasks_per_node > 1)

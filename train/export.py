@@ -1,5 +1,5 @@
 """`python -m train.export ...`: the export job. Run dir -> its best checkpoint -> an export layout
-(drafters/export.py) + a model card with the run's measurements + optional train/serve parity.
+(export/folder.py) + a model card with the run's measurements + optional train/serve parity.
 
     python -m train.export run=runs/train/<run> format=hf out=exports/my-eagle
     python -m train.export run=<run> format=vllm out=exports/eagle-vllm push_to_hub=org/name
@@ -7,7 +7,7 @@
 
 `run` is a training run dir (its best/ drafter, else the latest complete checkpoint: the one the
 final eval measured) or a checkpoint / drafter folder, verified against its MANIFEST.json first
-(drafters/resolve.py). A run dir whose best/ is damaged exports the newest checkpoint that
+(store/rundir.py). A run dir whose best/ is damaged exports the newest checkpoint that
 verifies, with a warning, and the model card says which checkpoint it is and that the card's
 numbers were not measured with it (parity is then refused). The formats are the layouts the
 drafter's module registered (drafters/base.py ExportLayout).
@@ -29,12 +29,19 @@ from typing import Any, Callable, Optional
 
 from omegaconf import MISSING, OmegaConf
 
-from specdistill.drafters.card import CardFacts
-from specdistill.drafters.export import ExportError, export_drafter, layout_for, full_config, load_export
-from specdistill.drafters.hub import PushError, push_to_hub
-from specdistill.drafters.ranges import MAX_COUNT, MAX_DRAFT, check_ranges, rng
-from specdistill.drafters.target import TargetConfig, load_target
-from specdistill.drafters.resolve import load_resolved, reference_drafter, resolve_drafter
+from specdistill.cli.ranges import MAX_COUNT, MAX_DRAFT, check_ranges, rng
+from specdistill.export.card import CardFacts
+from specdistill.export.folder import (
+    ExportError,
+    export_drafter,
+    full_config,
+    layout_for,
+    load_export,
+    load_resolved,
+)
+from specdistill.store.rundir import reference_drafter, resolve_drafter
+from specdistill.target.model import TargetConfig, load_target
+from specdistill.train.hub import PushError, push_to_hub
 
 HF_IDS = {"packaged:smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}  # packaged target -> Hub id
 
@@ -71,7 +78,7 @@ class RunInfo:
     """What the export job knows about the training run it exports from."""
 
     drafter_dir: Path  # the saved drafter exported (drafter.json + drafter.safetensors)
-    source: Any = None  # how `run` resolved (drafters/resolve.py DrafterSource)
+    source: Any = None  # how `run` resolved (store/rundir.py DrafterSource)
     run_dir: Optional[Path] = None  # the training run dir, when the drafter lies in one
     config: Optional[dict] = None  # the run's config.yaml
     final_rows: Optional[list] = None  # final_eval/result.json per-prompt rows
@@ -196,7 +203,7 @@ def measure_in_engine(folder: Path, target, info: RunInfo, drafter, cfg) -> dict
     import tempfile
 
     from specdistill.decode.engine.check import engine_check
-    from specdistill.drafters.target import cache_root
+    from specdistill.target.model import cache_root
 
     ref = info.facts.final or {}
     meta = json.loads((folder / "config.json").read_text())["specdistill"]
@@ -270,13 +277,13 @@ def store_schema() -> None:
 def main() -> None:
     import hydra
 
-    from specdistill.drafters.cli import CONF_DIR
+    from specdistill.cli.paths import CONF_DIR
 
     store_schema()
 
     @hydra.main(config_path=CONF_DIR, config_name="export", version_base="1.3")
     def _run(cfg) -> None:
-        from specdistill.drafters.cli import user_errors
+        from specdistill.cli.errors import user_errors
 
         with user_errors("python -m train.export"):  # ExportError is a ValueError
             try:

@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from specdistill.drafters.base import load_drafter
-from specdistill.drafters.precision import cast_drafter
-from specdistill.drafters.target import cache_root, load_target
+from specdistill.drafters.parts.head import cast_drafter
+from specdistill.store.drafter import load_drafter
+from specdistill.target.model import cache_root, load_target
 from specdistill.train.memory import release_free_memory
 from specdistill.train.report import write_report
 
@@ -87,7 +87,7 @@ def engine_eval(cfg: DictConfig, run_dir: Path, target, drafter, ours: list[dict
     reason logged, when the drafter has no such layout or the engine cannot be installed here.
     `drafter`: the training copy, used when the run has no best/ checkpoint."""
     from specdistill.decode.engine.check import engine_check, engine_format
-    from specdistill.drafters.export import export_drafter
+    from specdistill.export.folder import export_drafter
 
     tcfg = cfg.trainer
     engine, best = tcfg.engine_check, run_dir / "best"
@@ -120,10 +120,10 @@ def engine_eval(cfg: DictConfig, run_dir: Path, target, drafter, ours: list[dict
 def decode_target(cfg: DictConfig, target):
     """The target as decoding loads it: training resolves target.dtype=auto to float32, the
     decoder to the machine's fastest lossless dtype; reload only when they differ. Kept, the
-    training target gets decoding's kernels: fp32 CPU linear layers packed (drafters/prepack.py;
+    training target gets decoding's kernels: fp32 CPU linear layers packed (target/prepack.py;
     frozen weights, and forwards needing a gradient keep F.linear)."""
-    from specdistill.drafters.precision import resolve_dtype
-    from specdistill.drafters.prepack import use_prepacked_linear
+    from specdistill.target.precision import resolve_dtype
+    from specdistill.target.prepack import use_prepacked_linear
 
     want = resolve_dtype(str(cfg.target.dtype), str(cfg.target.device)).dtype
     if want == str(target.dtype).removeprefix("torch."):

@@ -18,8 +18,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from specdistill.drafters.anchors import counted
 from specdistill.drafters.base import DraftPrediction, TrainBatch
+from specdistill.drafters.parts.anchors import counted
 
 LOG_FLOOR = -1e4  # log-probs are clamped here so 0 * log 0 never turns into NaN
 
@@ -201,7 +201,7 @@ def aligned(pred: DraftPrediction, batch: TrainBatch):
         if (ok & ~pred.at).any():
             raise ValueError(f"prediction of shift {s}: its head ran at {int(pred.at.sum())} "
                              f"anchors that miss {int((ok & ~pred.at).sum())} the loss counts; "
-                             f"run it at drafters/anchors.py counted(batch, {s})")
+                             f"run it at drafters/parts/anchors.py counted(batch, {s})")
         draft = pred.logits[ok[pred.at]]  # (M, Vd)
     b, t = ok.nonzero(as_tuple=True)  # (M,) each, row-major
     target = batch.target_logits[b, t + s]  # (M, V)

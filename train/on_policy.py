@@ -30,7 +30,7 @@ from tqdm import tqdm
 from specdistill.data import quiet
 from specdistill.data.dataset import pad_batch
 from specdistill.drafters.base import DecodeState, Drafter
-from specdistill.drafters.sampling import SamplingParams
+from specdistill.drafters.parts.sampling import SamplingParams
 
 
 def _device(drafter: Drafter) -> torch.device:

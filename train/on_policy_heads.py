@@ -41,8 +41,8 @@ import torch
 from transformers import DynamicCache
 
 from specdistill.data.capture import autocast, target_logits
-from specdistill.drafters.anchors import counted
-from specdistill.drafters.base import DraftPrediction, Drafter, TrainBatch
+from specdistill.drafters.base import Drafter, DraftPrediction, TrainBatch
+from specdistill.drafters.parts.anchors import counted
 
 
 def check_on_policy_heads(tcfg, drafter) -> None:
@@ -130,7 +130,7 @@ def score_inputs(batch: TrainBatch, drafted: torch.Tensor, rows: list[int], anch
 
 def replayed(batch: TrainBatch, drafted: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
     """(B, T) bool: the anchors of `at` whose drafts drafted[b, t] (D,) all equal the real tokens
-    t+2 .. t+D+1 where the batch has the target's logits after each (drafters/anchors.py
+    t+2 .. t+D+1 where the batch has the target's logits after each (drafters/parts/anchors.py
     counted(batch, 0) there): the target's verdict on those drafts is the batch's teacher at
     t+2 .. t+D+1, already computed."""
     B, T, D = drafted.shape

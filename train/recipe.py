@@ -21,35 +21,46 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from specdistill.cli.ranges import check_ranges
 from specdistill.data import quiet
-from specdistill.data.capture import (CaptureConfig, OfflineFeatures, autocast, capture, capture_dir,
-                                      offline_features)
+from specdistill.data.capture import (
+    CaptureConfig,
+    OfflineFeatures,
+    autocast,
+    capture,
+    capture_dir,
+    offline_features,
+)
 from specdistill.data.mix import MixedFeatures
 from specdistill.data.sources import training_data
-from specdistill.data.teacher import train_batch
 from specdistill.decode.simulate import simulate_acceptance
-from specdistill.drafters.base import TrainBatch, build_drafter, fit_draft_vocab
-from specdistill.drafters.target import cache_root, load_target
-from specdistill.drafters.cli import UserError
-from specdistill.drafters.ranges import check_ranges
+from specdistill.drafters.base import TrainBatch, build_drafter
+from specdistill.drafters.parts.head import fit_draft_vocab
+from specdistill.store import rundir as runs
+from specdistill.target.model import cache_root, load_target
 from specdistill.train import checkpoint as ckpt
 from specdistill.train.backends import build_backend
+from specdistill.train.batches import BatchIterator, first_conversations
 from specdistill.train.config import TrainConfig
 from specdistill.train.distributed import peer_failure_message
 from specdistill.train.final_eval import final_eval, prepare_engine, publish
-from specdistill.train.resume import check_resume_config
-from specdistill.train.rundir import (check_contents, check_disk_space, set_aside_unfinished,
-                                      write_config)
-from specdistill.train.runlock import RunLock
-from specdistill.train.batches import BatchIterator, first_conversations
 from specdistill.train.loggers import Loggers
 from specdistill.train.losses import distill_loss
 from specdistill.train.memory import drop_training_state, release_free_memory
 from specdistill.train.on_policy import OnPolicyMixer
-from specdistill.drafters.precision import features_storage, training_precision
-from specdistill.train.on_policy_heads import (anchor_generator, check_on_policy_heads,
-                                               own_drafts, own_steps, score_own_drafts)
+from specdistill.train.on_policy_heads import (
+    anchor_generator,
+    check_on_policy_heads,
+    own_drafts,
+    own_steps,
+    score_own_drafts,
+)
+from specdistill.train.precision import features_storage, training_precision
 from specdistill.train.report import write_report
+from specdistill.train.resume import check_resume_config
+from specdistill.train.rundir import check_contents, check_disk_space, set_aside_unfinished, write_config
+from specdistill.train.runlock import RunLock
+from specdistill.train.teacher import train_batch
 
 log = logging.getLogger(__name__)
 
@@ -210,12 +221,12 @@ class DistillRecipe:
             RunLock(self.run_dir).check_free()  # a live job's run dir is refused first
             check_contents(self.run_dir, self.cfg.resume)  # no other job's files, no other run's
             self.lock = RunLock(self.run_dir).acquire()  # one job per run dir
-            if ckpt.latest_checkpoint(self.run_dir) is None:  # a fresh start: an earlier job's
+            if runs.latest_checkpoint(self.run_dir) is None:  # a fresh start: an earlier job's
                 set_aside_unfinished(self.run_dir)  # metrics become metrics.prev.jsonl
             self._check_disk_space(0)
         self._resume_from = None
         if self.cfg.resume:  # every rank: verify before any heavy work, refuse a changed run
-            self._resume_from = ckpt.resumable_checkpoint(self.run_dir)
+            self._resume_from = runs.resumable_checkpoint(self.run_dir)
             if self._resume_from is not None:
                 check_resume_config(self._resume_from, self.cfg)
         self.backend.barrier()
@@ -359,8 +370,8 @@ class DistillRecipe:
                                     self.cfg.drafter, self.optimizer, state)
         if self.backend.is_main:
             if is_best:
-                ckpt.publish_best(path, self.run_dir / "best")
-            ckpt.prune_checkpoints(self.run_dir, self.tcfg.keep_last)
+                runs.publish_best(path, self.run_dir / "best")
+            runs.prune_checkpoints(self.run_dir, self.tcfg.keep_last)
         self.backend.barrier()
 
     def final_eval(self) -> dict | None:

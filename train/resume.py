@@ -19,8 +19,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from specdistill.drafters.base import CONFIG_FILE
-from specdistill.drafters.cli import UserError
+from specdistill.cli.errors import UserError
+from specdistill.store.drafter import CONFIG_FILE
 from specdistill.train.checkpoint import load_trainer_state
 from specdistill.train.config import RESUMABLE_CHANGES
 from specdistill.train.on_policy_heads import in_phase

@@ -21,21 +21,13 @@ from pathlib import Path
 
 import yaml
 
-from specdistill.drafters.cli import UserError
-from specdistill.drafters.outdir import listing, override, present
-from specdistill.train import checkpoint as ckpt
+from specdistill.cli.errors import UserError
+from specdistill.cli.paths import listing, override, present
+from specdistill.store.rundir import RUN_CONFIG, TRAIN_MARKERS, TRAIN_OUTPUTS, UNFINISHED, latest_checkpoint
 from specdistill.train.runlock import RunLock
 
 log = logging.getLogger(__name__)
 
-# names a training job writes into its run dir (its log file is appended to, never replaced)
-TRAIN_OUTPUTS = ("config.yaml", "config.prev.yaml", ".hydra", ".hydra.prev", "metrics.jsonl",
-                 "metrics.prev.jsonl", "checkpoints", "best", "final_eval", "plots", "report.md",
-                 "summary.json", "wandb", "wandb_run_id", "tensorboard", "run.lock")
-# what only a training job leaves: a folder holding one of these is a training run dir
-TRAIN_MARKERS = ("run.lock", "metrics.jsonl", "checkpoints", "wandb_run_id")
-# an unfinished job's records that a fresh job sets aside instead of appending to
-UNFINISHED = ("metrics.jsonl", "wandb_run_id", "tensorboard")
 
 
 def is_training_run(run_dir: Path) -> bool:
@@ -43,7 +35,7 @@ def is_training_run(run_dir: Path) -> bool:
     `trainer` section)."""
     if present(run_dir, TRAIN_MARKERS):
         return True
-    config = Path(run_dir) / "config.yaml"
+    config = Path(run_dir) / RUN_CONFIG
     try:
         return isinstance(cfg := yaml.safe_load(config.read_text()), dict) and "trainer" in cfg
     except (OSError, yaml.YAMLError):
@@ -63,7 +55,7 @@ def check_contents(run_dir: Path, resume: bool) -> None:
                 f"run_dir {run_dir} holds files that are not a training run's ({listing(clash)}: "
                 f"another command's output or your own); training would replace them. Give a new "
                 f"run_dir=")
-    if not resume and ckpt.latest_checkpoint(run_dir) is not None:
+    if not resume and latest_checkpoint(run_dir) is not None:
         raise FileExistsError(f"run_dir {run_dir} already holds checkpoints of another run: pass "
                               f"resume=true to continue it or a new run_dir=")
 
@@ -135,7 +127,7 @@ def write_config(run_dir: Path, cfg) -> None:
     record of a training job."""
     from omegaconf import OmegaConf
 
-    path = run_dir / "config.yaml"
+    path = run_dir / RUN_CONFIG
     if path.is_file():
         os.replace(path, run_dir / "config.prev.yaml")
     path.write_text(OmegaConf.to_yaml(cfg, resolve=True))
@@ -157,7 +149,7 @@ def check_disk_space(run_dir: Path, need: int, keep_last: int) -> None:
 
 def interrupt_hint(run_dir: str) -> str:
     """What Ctrl-C tells the user: resume=true only when there is a checkpoint to resume."""
-    if ckpt.latest_checkpoint(Path(run_dir)) is not None:
+    if latest_checkpoint(Path(run_dir)) is not None:
         return (f"Continue this run with: python -m train run_dir={run_dir} resume=true (plus the "
                 f"same overrides)")
     return (f"No checkpoint was written yet, so there is nothing to resume: run the same command "

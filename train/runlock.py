@@ -14,7 +14,7 @@ import socket
 import time
 from pathlib import Path
 
-from specdistill.drafters.cli import UserError
+from specdistill.cli.errors import UserError
 
 log = logging.getLogger(__name__)
 LOCK = "run.lock"

@@ -24,7 +24,7 @@ from transformers import DynamicCache
 from specdistill.decode.batched import kv_cache
 from specdistill.decode.batched.exact import ExactRows
 from specdistill.decode.exact import ExactVerify
-from specdistill.drafters.prepack import is_prepacked
+from specdistill.target.prepack import is_prepacked
 
 BATCH_NS = (1, 2, 4, 8, 16, 32)  # rows per forward measured
 WIDTH_NS = (1, 2, 3, 4, 6, 8, 16, 32, 64)  # tokens per row measured (last token + drafts;
@@ -100,7 +100,7 @@ class CostCurve:
 
 def target_hash(target: Any) -> str:
     """A short fingerprint of the target: its config, dtype, attention implementation and whether
-    its linear layers are prepacked (their costs differ: drafters/attention.py, drafters/prepack.py)
+    its linear layers are prepacked (their costs differ: target/attention.py, target/prepack.py)
     and a sample of every weight."""
     h = hashlib.sha256(target.config.to_json_string().encode())
     h.update(str(target.dtype).encode())

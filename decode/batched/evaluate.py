@@ -17,12 +17,20 @@ from specdistill.data.prompts import load_prompts
 from specdistill.decode.batched.cost import cost_curve
 from specdistill.decode.batched.planner import new_planner
 from specdistill.decode.batched.spec import BatchResult, generate_batch
+from specdistill.decode.evaluate import (
+    finish_run,
+    fit_max_new_tokens,
+    render,
+    result_row,
+    results_markdown,
+    setup_run,
+    summarise,
+    write_results,
+)
 from specdistill.decode.exact import parse_exact
-from specdistill.decode.evaluate import (finish_run, fit_max_new_tokens, render, result_row,
-                                         results_markdown, setup_run, summarise, write_results)
 from specdistill.decode.metrics import RunMetrics
 from specdistill.drafters.base import Drafter
-from specdistill.drafters.sampling import SamplingParams
+from specdistill.drafters.parts.sampling import SamplingParams
 
 
 def _batch_metrics(results: list, batches: list[BatchResult]) -> RunMetrics:
@@ -117,7 +125,7 @@ def evaluate_batched(target, drafter: Drafter | None, *, batch_size: int, batch_
 def run_batched(cfg) -> None:
     """`python -m decode batch_size=B batch_mode=...` with B > 1 or budgeted (decode/__main__.py)."""
     from specdistill.decode.batched.spec import MODES
-    from specdistill.drafters.target import cache_root
+    from specdistill.target.model import cache_root
 
     if cfg.batch_mode not in MODES:
         raise ValueError(f"batch_size={cfg.batch_size} needs batch_mode in {MODES} (got "

@@ -18,7 +18,7 @@ changes. Here the batch keeps each row as its lone decode would:
 Admission prefills the prompt alone through its own `ExactVerify` (as a lone decode does) and
 copies the committed columns into a new row. Cost: B small attention calls per layer instead of
 one (BENCHMARKS.md "Exact batched greedy"). Measured and tested on CPUs; on a GPU the GEMM
-row-consistency it relies on is unverified (`decode.bench --batch --batch-exact` counts the
+row-consistency it relies on is unverified (`benchmarks.decode_speed --batch --batch-exact` counts the
 outputs that differ from unbatched decoding).
 """
 from __future__ import annotations

@@ -20,8 +20,8 @@ from __future__ import annotations
 import copy
 import time
 from contextlib import nullcontext
-from functools import partial
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable, Sequence
 
 import torch
@@ -32,10 +32,20 @@ from specdistill.decode.batched import kv_cache
 from specdistill.decode.batched.cost import CostCurve
 from specdistill.decode.batched.exact import ExactRows
 from specdistill.decode.batched.planner import RoundPlanner, batch_planner, choose_widths, survival
-from specdistill.decode.spec import (DraftTree, GenerationResult, SequenceState, StopChecker,
-                                     accept_tree, check_inputs, commit, draft_tree, prefill, timed)
+from specdistill.decode.spec import (
+    DraftTree,
+    GenerationResult,
+    SequenceState,
+    StopChecker,
+    accept_tree,
+    check_inputs,
+    commit,
+    draft_tree,
+    prefill,
+    timed,
+)
 from specdistill.drafters.base import Drafter
-from specdistill.drafters.sampling import SamplingParams
+from specdistill.drafters.parts.sampling import SamplingParams
 
 MODES = ("plain", "verify_all", "budgeted")
 
@@ -326,7 +336,7 @@ def _finish(seq: _Seq, t_start: float, results: list, latency: list) -> None:
 
 @torch.inference_mode()
 def generate_batch(
-    target: Any,  # drafters.target.Target
+    target: Any,  # target.model.Target
     drafter: Drafter | Callable[[], Drafter] | None,  # one is shared (slot_drafter), or a factory
     prompts: Sequence[torch.Tensor | Sequence[int]],  # each (P_i,)
     *,

@@ -9,10 +9,10 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 
-from specdistill.drafters.cli import CONF_DIR
+from specdistill.cli.paths import CONF_DIR
+from specdistill.cli.ranges import MAX_DRAFT, MAX_SECONDS, MAX_THREADS, MAX_TOKENS, rng
 from specdistill.decode.config import EvalConfig
-from specdistill.drafters.ranges import MAX_DRAFT, MAX_SECONDS, MAX_THREADS, MAX_TOKENS, rng
-from specdistill.drafters.target import TargetConfig
+from specdistill.target.model import TargetConfig
 
 
 @dataclass
@@ -41,10 +41,10 @@ ConfigStore.instance().store(name="engine_schema", node=EngineCheckConfig)
 
 def run(cfg: DictConfig) -> None:
     """The check, after the settings' ranges and the export folder (verified against its
-    manifest: drafters/resolve.py) pass, before anything loads."""
-    from specdistill.drafters.cli import UserError
-    from specdistill.drafters.ranges import check_ranges
-    from specdistill.drafters.resolve import resolve_drafter
+    manifest: store/rundir.py) pass, before anything loads."""
+    from specdistill.cli.errors import UserError
+    from specdistill.cli.ranges import check_ranges
+    from specdistill.store.rundir import resolve_drafter
 
     check_ranges(cfg, EngineCheckConfig)
     if not resolve_drafter(cfg.export, setting="export").is_export:
@@ -57,12 +57,12 @@ def run(cfg: DictConfig) -> None:
 
 @hydra.main(config_path=CONF_DIR, config_name="engine", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    from specdistill.drafters.cli import user_errors
+    from specdistill.cli.errors import user_errors
 
     with user_errors("python -m decode.engine"):
         from pathlib import Path
 
-        from specdistill.drafters.outdir import refuse_nonempty
+        from specdistill.cli.paths import refuse_nonempty
 
         # Hydra writes nothing into `out` here (no .hydra/, logs to stdout): checked before the run
         refuse_nonempty(Path(cfg.out), "out", "engine_check.json, engine_check.md, the served "
@@ -74,7 +74,7 @@ def cli() -> None:
     """The command line (also the `specdistill-*` console script): argument checks, then main."""
     import sys
 
-    from specdistill.drafters.cli import check_out_dir_arg
+    from specdistill.cli.paths import check_out_dir_arg
 
     check_out_dir_arg("python -m decode.engine", sys.argv[1:], key="out")
     main()

@@ -9,7 +9,7 @@
    tokens/s and acceptance counters. An export the engine refuses is a result ("loaded": false,
    the engine's own error verbatim), not a crash.
 3. Replay our decoder on the engine's speculative text (decode/replay.py): the export read back
-   into our decoder (drafters/export.py load_export), the same k and max_new_tokens, gives the
+   into our decoder (export/folder.py load_export), the same k and max_new_tokens, gives the
    accepted drafts our decoder commits on exactly that text, round by round. Engine tau / replay
    tau is the like-for-like measure of whether the engine computes the drafter we trained: a wrong
    aux layer, a stale d2t, a head tied by mistake or a block read in another layout all show up
@@ -99,7 +99,7 @@ def engine_check(export_dir: Path, target, drafter=None, *, engine: str = "vllm"
     plain=False skips the engine's plain decode (no speed, no losslessness; acceptance only).
     target_dir: the target as an HF folder the engine loads (default: the target's own folder,
     else written from `target`)."""
-    from specdistill.drafters.export import load_export
+    from specdistill.export.folder import load_export
 
     if engine not in ENGINES:
         raise ValueError(f"engine={engine!r}: engines this check runs: {', '.join(ENGINES)}")
@@ -293,8 +293,8 @@ def run(cfg) -> None:
     """`python -m decode.engine`: load the target, decode the prompts with our decoder (cfg.ours),
     run the engine check, print its table; a failed check fails the command."""
     from specdistill.decode.evaluate import evaluate_drafter
-    from specdistill.drafters.export import load_export
-    from specdistill.drafters.target import cache_root, load_target
+    from specdistill.export.folder import load_export
+    from specdistill.target.model import cache_root, load_target
 
     export = Path(cfg.export).expanduser()
     if not (export / "config.json").is_file():
@@ -327,13 +327,12 @@ def engine_format(drafter, engine: str = "vllm") -> tuple[Optional[str], str]:
     config meets (an EAGLE-1 head trained with the pruned vocabulary has none, say why)."""
     import dataclasses
 
-    from specdistill.decode.engine.llamacpp_engine import SPEC_TYPES
-    from specdistill.decode.engine.vllm_engine import METHODS
+    from specdistill.decode.engine import served_layouts
 
     if engine not in ENGINES:
         return None, f"engine={engine!r}: engines this check runs: {', '.join(ENGINES)}"
     dcfg = dataclasses.asdict(drafter.cfg)
-    readers = METHODS if engine == "vllm" else SPEC_TYPES
+    readers = served_layouts(engine)
     served = [fmt for (name, fmt) in readers if name == drafter.name and fmt in drafter.layouts]
     reasons = []
     for fmt in served:

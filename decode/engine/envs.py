@@ -29,8 +29,13 @@ import time
 from pathlib import Path
 
 # EngineUnavailable is the engines' one error; callers import it from here too
-from specdistill.decode.engine.install import (COMPLETE, EngineUnavailable, engines_root,
-                                               install_lock, run_step)
+from specdistill.decode.engine.install import (
+    COMPLETE,
+    EngineUnavailable,
+    engines_root,
+    install_lock,
+    run_step,
+)
 
 log = logging.getLogger(__name__)
 
@@ -141,8 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     environment, print where it is."""
     import argparse
 
-    from specdistill.drafters.cli import USAGE_EXIT
-    from specdistill.drafters.target import TargetConfig, cache_root
+    from specdistill.cli.errors import USAGE_EXIT
+    from specdistill.target.model import TargetConfig, cache_root
 
     p = argparse.ArgumentParser(prog="python -m decode.engine.envs", description=main.__doc__)
     p.add_argument("engine", choices=["vllm", "llamacpp"])

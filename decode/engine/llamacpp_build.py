@@ -34,8 +34,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdistill.decode.engine.install import (COMPLETE, EngineUnavailable, engines_root,
-                                               install_lock, run_step)
+from specdistill.decode.engine.install import (
+    COMPLETE,
+    EngineUnavailable,
+    engines_root,
+    install_lock,
+    run_step,
+)
 
 log = logging.getLogger(__name__)
 

@@ -54,14 +54,6 @@ from specdistill.decode.engine.envs import EngineUnavailable, engines_root
 from specdistill.decode.engine.llamacpp_build import LlamaCpp
 from specdistill.decode.engine.vllm_engine import Generation
 
-# (drafter, export format) -> llama-server's --spec-type for its GGUF, and whether the converter
-# needs the target's folder (--target-model-dir)
-# (DFlash: llama.cpp reads the z-lab layout without a d2t, i.e. a full-vocabulary head only, and
-# decodes an anchor + k mask block, so it matches the trained block at k = block_size - 1 only)
-SPEC_TYPES = {("eagle3", "vllm"): ("draft-eagle3", True),
-              ("eagle3", "speculators"): ("draft-eagle3", True),
-              ("dflash", "vllm"): ("draft-dflash", True),
-              ("small_lm", "causal_lm"): ("draft-simple", False)}
 OUTTYPE = "f32"  # GGUF weights: f32 keeps llama.cpp's numbers next to our fp32 decoder's
 COUNTERS = {"llamacpp:spec_decode_num_drafts_total": "drafts",
             "llamacpp:spec_decode_num_draft_tokens_total": "draft_tokens",
@@ -71,9 +63,12 @@ ERROR_WORDS = ("error", "failed", "what():", "exception", "abort", "invalid", "u
 
 
 def spec_type(export_dir: Path) -> tuple[str, bool]:
-    """(llama-server's --spec-type, converter needs the target folder) for an export folder;
-    ValueError naming what llama.cpp serves when this one is not among it."""
-    return served_entry(export_dir, SPEC_TYPES, "which this check does not serve in llama.cpp; it serves")
+    """(llama-server's --spec-type, converter needs the target folder: --target-model-dir) for an
+    export folder, from its layout's `serving` entry; ValueError naming what llama.cpp serves when
+    this one is not among it."""
+    entry = served_entry(export_dir, "llamacpp", "which this check does not serve in llama.cpp; "
+                                                 "it serves")
+    return entry["spec_type"], bool(entry["needs_target"])
 
 
 def _last_error(text: str) -> str:
@@ -255,11 +250,11 @@ def run_llamacpp(build: LlamaCpp, target_gguf: Path, draft_gguf: Path, spec: str
     interleaved prompt by prompt. Returns run_vllm's dict: {"loaded", "error", "version",
     "load_s", "plain", "spec", "speculative_config"}; a refused load is a result, not a raise.
 
-    threads=None: the cores the load average leaves idle (drafters/precision.py idle_cores):
+    threads=None: the cores the load average leaves idle (target/precision.py idle_cores):
     ggml's threads spin at a barrier after every op, so one descheduled thread stalls the rest;
     on the shared 2-core machine at load ~12, SmolLM2 f32 decoded at 0.06-0.2 tokens/s with 2
     threads and 3.7 with 1."""
-    from specdistill.drafters.precision import idle_cores
+    from specdistill.target.precision import idle_cores
 
     threads = threads or idle_cores()
     spec_args = server_args(target_gguf, draft_gguf, spec, k, n_ctx)

@@ -8,8 +8,8 @@ A B A B rule). Each process keeps one sequence at a time (max_num_seqs=1), eager
 cache, the target at the asked dtype.
 
 Which speculative method an export is loaded with is vLLM's choice of reader, so it is named here
-from the export's own config.json (METHODS): vLLM would otherwise guess from the folder's name and
-fall back to `draft_model`.
+from the export's own config.json and its layout's `serving["vllm"]` (the drafter module's): vLLM
+would otherwise guess from the folder's name and fall back to `draft_model`.
 """
 from __future__ import annotations
 
@@ -28,14 +28,6 @@ from specdistill.decode.engine import served_entry
 from specdistill.decode.engine.envs import EngineUnavailable
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
-# (drafter, export format) -> vLLM's speculative_config for it (vllm/config/speculative.py):
-# the method, and P-EAGLE's parallel drafting (EAGLE-3 with k-1 mask slots per round)
-METHODS = {("eagle", "vllm"): {"method": "eagle"}, ("eagle3", "vllm"): {"method": "eagle3"},
-           ("eagle3", "speculators"): {"method": "eagle3"},
-           ("peagle", "vllm"): {"method": "eagle3", "parallel_drafting": True},
-           ("dflash", "vllm"): {"method": "dflash"}, ("dflash", "speculators"): {"method": "dflash"},
-           ("medusa", "vllm"): {"method": "medusa"},
-           ("small_lm", "causal_lm"): {"method": "draft_model"}}
 
 
 @dataclass
@@ -52,9 +44,9 @@ class Generation:
 
 
 def speculative_config(export_dir: Path, k: int) -> dict[str, Any]:
-    """vLLM's speculative_config for an export folder written by drafters/export.py; ValueError
+    """vLLM's speculative_config for an export folder written by export/folder.py; ValueError
     naming the formats vLLM serves when this one is not among them."""
-    method = served_entry(export_dir, METHODS, "which vLLM does not serve; vLLM serves")
+    method = served_entry(export_dir, "vllm", "which vLLM does not serve; vLLM serves")
     return {**method, "model": str(Path(export_dir).resolve()), "num_speculative_tokens": int(k)}
 
 

@@ -1,0 +1,40 @@
+"""The training batch and its teacher: the frozen target's logits, computed only where a loss reads
+them (drafters/parts/anchors.py counted(batch, 0): the next token is a real assistant token).
+
+The trainer (online or offline features), the step profiler and the engine matrix all build their
+micro-batches with `train_batch`, so they train on the same teacher.
+"""
+from __future__ import annotations
+
+import torch
+
+from specdistill.data.capture import target_logits
+from specdistill.drafters.base import TrainBatch
+from specdistill.drafters.parts.anchors import counted
+
+
+@torch.inference_mode()
+def teacher_logits(target, final_hidden: torch.Tensor, d2t: torch.Tensor | None,
+                   at: torch.Tensor) -> torch.Tensor:
+    """target_logits (B, T, V | Vd) computed only at the (B, T) bool anchors `at`, the ones a loss
+    reads (drafters/parts/anchors.py counted(batch, 0): the next token is a real assistant token), NaN
+    elsewhere, so a read of any other anchor shows up as a non-finite loss instead of a quiet
+    wrong teacher. A batch's prompts and padding cost no LM-head work."""
+    at = at.to(final_hidden.device)
+    rows = target_logits(target, final_hidden[at], d2t)  # (M, V | Vd)
+    out = rows.new_full((*at.shape, rows.shape[-1]), float("nan"))
+    out[at] = rows
+    return out
+
+
+def train_batch(raw: dict[str, torch.Tensor], feats: torch.Tensor | None, target,
+                final_hidden: torch.Tensor, d2t: torch.Tensor | None, device) -> TrainBatch:
+    """A training micro-batch on `device` from collated rows `raw` (input_ids, attention_mask,
+    loss_mask) and the target's outputs on them (features of the drafter's layers, final hidden
+    state): the teacher's logits only where a loss reads them (teacher_logits)."""
+    batch = TrainBatch(*(raw[k].to(device) for k in ("input_ids", "attention_mask", "loss_mask")),
+                       target_logits=torch.empty(0),
+                       features=None if feats is None else feats.to(device).clone())
+    at = counted(batch, 0).to(final_hidden.device)  # (B, T)
+    batch.target_logits = teacher_logits(target, final_hidden, d2t, at).to(device).clone()
+    return batch

@@ -112,6 +112,9 @@ class ChainProposal:
     probs: torch.Tensor | None = None
     # (k,) max_x q_i(x) per position, for verify budgets (decode/batched/planner.py); None: deterministic
     confidence: torch.Tensor | None = None
+    # (k,) a TRAINED estimate of P(draft i is accepted | drafts < i were), e.g. DSpark's confidence
+    # head; survival of draft i = prod_{j <= i} accept_prob[j]. None: the drafter has no such head
+    accept_prob: torch.Tensor | None = None
 
 
 @dataclass

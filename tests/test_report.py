@@ -66,3 +66,30 @@ def test_training_run_writes_the_report(tiny_run):
     assert "| 2 | " in report and "| 4 | " in report  # both periodic evals
     for name in ("acceptance_by_position", "accepted_length", "tau", "loss"):
         assert (tiny_run / "plots" / f"{name}.png").read_bytes()[:8] == PNG
+
+
+def test_the_report_leads_with_the_verdict_and_how_to_serve(tmp_path):
+    """Our decoder's and the serving engine's tau, speedup and losslessness first, then the export
+    command for the layout the engine served and that layout's serving command."""
+    (tmp_path / "run").mkdir()
+    run = fake_run(tmp_path / "run", final=False)
+    (run / "final_eval").mkdir()
+    summary = {"tau": 1.401, "speedup": 1.263, "k": 2, "eval": "mtbench", "generations": 20,
+               "target_dtype": "bfloat16", "lossless_check": "passed",
+               "outputs_identical_to_plain": True}
+    (run / "final_eval" / "result.json").write_text(json.dumps({"summary": summary, "prompts": []}))
+    (run / "final_eval" / "engine").mkdir()
+    engine = {"engine": "vllm", "format": "vllm", "k": 2, "tau_engine": 1.371, "tau_replay": 1.372,
+              "engine_speedup": 1.27, "spec_equals_plain": 19, "spec_differs_at_near_tie": 1,
+              "verdict": "pass"}
+    (run / "final_eval" / "engine" / "engine_check.json").write_text(
+        json.dumps({"summary": engine, "prompts": []}))
+    (run / "config.yaml").write_text("target:\n  path: packaged:smollm2\ndrafter:\n  name: eagle3\n")
+    report = write_report(run).read_text()
+    head = report.split("## Verdict", 1)[1].split("\n## ", 1)[0]
+    assert report.index("## Verdict") < report.index("## Simulated acceptance")
+    assert "| ours (bfloat16, k=2) | 1.401 | 1.26x | yes |" in head
+    assert "| vllm (vllm) | 1.371 (ours replayed 1.372) | 1.27x | 19 identical, 1 near-tie |" in head
+    assert "check: **pass**" in head
+    assert f"specdistill export run={run} format=vllm out=exports/run-vllm" in head
+    assert "vllm serve packaged:smollm2 --speculative-config" in head and '"method": "eagle3"' in head

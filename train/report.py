@@ -185,11 +185,81 @@ def write_report(run_dir: Path) -> Path:
     return out
 
 
+def read_engine(run_dir: Path) -> dict[str, Any] | None:
+    """The engine check's summary (final_eval/engine/engine_check.json), or None."""
+    path = Path(run_dir) / "final_eval" / "engine" / "engine_check.json"
+    try:
+        return json.loads(path.read_text())["summary"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _num(x, fmt: str = ".3f", suffix: str = "") -> str:
+    return f"{x:{fmt}}{suffix}" if isinstance(x, (int, float)) else "-"
+
+
+def serve_commands(run_dir: Path, engine: dict[str, Any] | None) -> list[str]:
+    """The export command for the layout the engine check served, and the layout's own serving
+    command (its model card's usage line), for the run's drafter and target."""
+    from omegaconf import OmegaConf
+
+    from specdistill.drafters.base import DRAFTERS
+
+    config = Path(run_dir) / "config.yaml"
+    if engine is None or not engine.get("format") or not config.is_file():
+        return []
+    cfg = OmegaConf.to_container(OmegaConf.load(config), resolve=False)
+    fmt, dcfg = engine["format"], cfg.get("drafter") or {}
+    out = f"exports/{Path(run_dir).name}-{fmt}"
+    lines = [f"specdistill export run={run_dir} format={fmt} out={out}"]
+    layout = getattr(DRAFTERS.get(dcfg.get("name")), "layouts", {}).get(fmt)
+    if layout is not None:
+        k = int(engine.get("k") or 2)
+        base = (cfg.get("target") or {}).get("path", "<target>")
+        try:
+            lines += layout.usage.format(path=out, base=base, k=k, k1=k + 1, drafter=dcfg).splitlines()
+        except (KeyError, IndexError, ValueError):  # a usage field this run's config lacks
+            pass
+    return lines
+
+
+def verdict(run_dir: Path, final: dict[str, Any] | None, engine: dict[str, Any] | None) -> list[str]:
+    """The report's first section: tau and speedup in our decoder and in the serving engine,
+    whether both were lossless, and how to serve the drafter."""
+    if final is None and engine is None:
+        return []
+    lines = ["## Verdict", "", "| decoder | tau | speedup | lossless | |", "|---|---:|---:|---|---|"]
+    if final is not None:
+        same = final.get("outputs_identical_to_plain")
+        loss = {"passed": "yes" if same else "yes (near-ties only)", "failed": "**NO**"}.get(
+            final.get("lossless_check"), "not checked")
+        lines.append(f"| ours ({final.get('target_dtype', '?')}, k={final.get('k')}) | "
+                     f"{_num(final.get('tau'))} | {_num(final.get('speedup'), '.2f', 'x')} | {loss} | "
+                     f"{final.get('generations', '?')} {final.get('eval', '')} generations |")
+    if engine is not None:
+        name = engine.get("engine", "engine")
+        if engine.get("verdict") in ("pass", "fail"):
+            n, same = engine.get("spec_equals_plain"), engine.get("spec_differs_at_near_tie") or 0
+            loss = "-" if n is None else f"{n} identical, {same} near-tie"
+            lines.append(f"| {name} ({engine.get('format')}) | {_num(engine.get('tau_engine'))} "
+                         f"(ours replayed {_num(engine.get('tau_replay'))}) | "
+                         f"{_num(engine.get('engine_speedup'), '.2f', 'x')} | {loss} | check: "
+                         f"**{engine['verdict']}** |")
+        else:
+            lines.append(f"| {name} | - | - | - | {engine.get('verdict')}: "
+                         f"{engine.get('error', '')[:200]} |")
+    serve = serve_commands(run_dir, engine)
+    if serve:
+        lines += ["", "Serve it:", "", "```bash", *serve, "```"]
+    return lines + [""]
+
+
 def _markdown(run_dir: Path, rows, evals, final_md: str | None, shown) -> str:
     last_step = max((int(r["step"]) for r in rows), default=0)
     lines = [f"# Training report: {run_dir.name}", "",
              f"Step {last_step}; written {time.strftime('%Y-%m-%d %H:%M:%S')}. Config: "
              f"[config.yaml](config.yaml); metrics: [metrics.jsonl](metrics.jsonl).", ""]
+    lines += verdict(run_dir, read_final(run_dir)[0], read_engine(run_dir))
     if final_md:
         lines += ["## Decoder evaluation (final_eval)", "", final_md, ""]
     if evals:

@@ -150,7 +150,7 @@ def test_complete_array_and_json_lines_in_json_file(tmp_path):
 @pytest.mark.parametrize("chunk_chars", [37, 1 << 20])
 def test_a_corrupt_record_mid_file_is_skipped_and_every_record_after_it_kept(tmp_path, caplog,
                                                                             chunk_chars):
-    """Issue 30: one corrupt record in a .json array used to drop every record after it (39 of
+    """One corrupt record in a .json array used to drop every record after it (39 of
     40, with one WARNING line). Now only that record goes, named with its byte offset."""
     recs = [sharegpt(f"r{i}", ("human", f"q {i} é"), ("gpt", f"a {i}")) for i in range(40)]
     text = json.dumps(recs, indent=1, ensure_ascii=False)

@@ -8,7 +8,7 @@ the replay follows (llama.cpp's drafts capped by the budget, plain steps not cou
 past an EOS counted) is checked on a toy target in tests/test_replay.py (past_eos) and here.
 
 No test builds the real llama.cpp: its build takes ~25+ min on 2 cores, too slow for CI. The real
-run is the benchmark `python -m decode.engine.bench_llamacpp` (BENCHMARKS.md).
+run is the benchmark `python -m benchmarks.llamacpp_matrix` (BENCHMARKS.md).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Fast decoding on CPUs (issue 13): target.dtype=auto picks bf16 only where the CPU has native
+"""Fast decoding on CPUs: target.dtype=auto picks bf16 only where the CPU has native
 bf16, training keeps float32, decoding at bf16 is still lossless (greedy: the tokens of plain
 decoding at bf16; sampling: the bf16 target's distribution), decode records the dtype, and the
 benchmark's verify-cost curve and first-difference margins measure what they say."""

@@ -1,4 +1,4 @@
-"""Captures and caches keyed on the target's identity (issue 31, issue 30's features): the same
+"""Captures and caches keyed on the target's identity (docs/training.md "Targets"): the same
 target is recognised however it was loaded and wherever the cache lives; another target's
 features are refused with the differing key named."""
 import json

@@ -297,7 +297,7 @@ def test_the_draft_length_is_k_in_our_names():
     assert names_of_k(ast.parse('c = {"speculative_tokens": k}')) == []  # a key others define: fine
     bad = {str(p.relative_to(ROOT)): n for p in PYTHON_FILES
            if (n := names_of_k(ast.parse(p.read_text())))}
-    assert not bad, f"name the draft length k (README 'Names'): {bad}"
+    assert not bad, f"name the draft length k (docs/drafters.md 'Names'): {bad}"
 
 
 def test_no_line_over_the_projects_line_length():

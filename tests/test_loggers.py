@@ -182,7 +182,7 @@ def test_other_ranks_write_nothing(tmp_path):
 
 
 def test_training_run_logs_every_metric_to_every_backend(tiny_run):
-    """The recipe's own calls: what the issue asks a dashboard to show is really there."""
+    """The recipe's own calls: what a dashboard should show is really there."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     rows = history(wandb_records(tiny_run, until="final/accepted_length_hist"))

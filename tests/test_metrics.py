@@ -26,7 +26,7 @@ def test_metrics_math():
     assert "| tau (tokens per target forward) | 2.500 |" in table and "0.667" in table
 
 def test_nothing_measured_is_never_a_number():
-    """Issue 30: zero drafted tokens, zero rounds (max_new_tokens=1) or zero prompts gave tau
+    """Zero drafted tokens, zero rounds (max_new_tokens=1) or zero prompts once gave tau
     1.000 or 0.000; now None, with the reason, and "not measured" in the table."""
     no_draft = RunMetrics.from_results([GenerationResult(tokens=torch.zeros(5), drafted=[0] * 4,
                                                          accepted=[0] * 4, target_forwards=5)])

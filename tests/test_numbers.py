@@ -1,4 +1,4 @@
-"""No number where nothing was measured (issue 30): max_new_tokens=1 reported tau 0.000 and a
+"""No number where nothing was measured: max_new_tokens=1 once reported tau 0.000 and a
 3.02x "speedup" without drafting once, and an empty prompt file ended with exit 0 and tau 0.000.
 Through the decoder (one sequence and batched), the loggers, the report and the command line."""
 import json

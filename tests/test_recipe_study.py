@@ -1,4 +1,4 @@
-"""`python -m benchmarks.recipe_study` (issue 14's study) on the tiny target: arms trained as real
+"""`python -m benchmarks.recipe_study` (BENCHMARKS.md "Recipe study") on the tiny target: arms trained as real
 `python -m train` processes on the study's settings, every checkpoint of a curve arm replayed on
 MT-bench and HumanEval answers, the table and the learning-curve plot."""
 from __future__ import annotations

@@ -148,7 +148,7 @@ def test_self_distilled_data_is_regenerated_once_then_read_from_the_cache(tmp_pa
 
 
 def test_regenerate_never_changes_a_file_it_did_not_start(tmp_path, tiny_target_cfg):
-    """Issue 30: a user's JSONL whose last line is a complete record without a newline was
+    """A user's JSONL whose last line is a complete record without a newline was
     treated as a crash leftover and cut. A file regenerate did not start is refused untouched."""
     target = load_target(tiny_target_cfg)
     mine = tmp_path / "mine.jsonl"

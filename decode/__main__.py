@@ -37,7 +37,7 @@ def main(cfg: DictConfig) -> None:
 
 
 def cli() -> None:
-    """The command line (also the `specdistill-*` console script): argument checks, then main."""
+    """The command line (also `specdistill <verb>`, cli/main.py): argument checks, then main."""
     import sys
 
     from specdistill.cli.errors import user_errors

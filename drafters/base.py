@@ -384,7 +384,7 @@ def _read_state_dict(files: Files, dcfg, vocab_size: int) -> dict[str, torch.Ten
 STATE_DICT_LAYOUT = ExportLayout(
     format="hf", summary="specdistill's own lossless format (every drafter, pruned vocab included).",
     usage="python -m decode ckpt={path} eval=mtbench      # or in Python:\n"
-          "from export.folder import load_export; drafter = load_export('{path}', target)",
+          "from specdistill.export.folder import load_export; drafter = load_export('{path}', target)",
     write=_write_state_dict, read=_read_state_dict)
 
 

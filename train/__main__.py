@@ -1,7 +1,7 @@
 """`python -m train ...`: distil a drafter from a frozen target (Hydra entry point).
 
 conf/ is found by absolute path (cli/errors.py CONF_DIR), so the job composes from any folder,
-under `python -m train` and the `specdistill-train` console script alike.
+under `python -m train`, `python -m specdistill.train` and `specdistill train` alike.
 """
 from specdistill.train.memory import large_tensors_in_huge_pages
 
@@ -39,7 +39,7 @@ def main(cfg: DictConfig) -> None:
 
 
 def cli() -> None:
-    """The command line (also the `specdistill-*` console script): argument checks, then main."""
+    """The command line (also `specdistill <verb>`, cli/main.py): argument checks, then main."""
     import sys
 
     from specdistill.cli.errors import user_errors

@@ -9,7 +9,7 @@ prompts take their place (continuous batching, admitted at round boundaries). Ea
   cost.py      the target's measured (B, Q) verify-cost grid, cached per target and machine
   planner.py   budgeted mode: the round planner (depth before drafting, width after)
   evaluate.py  `python -m decode batch_size=B ...`: an eval set decoded B sequences at a time
-  bench.py     `python -m benchmarks.decode_speed --batch`: throughput and latency per batch size x mode
+  (its benchmark: benchmarks/batch_speed.py, `python -m benchmarks.decode_speed --batch`)
 
 Modes: plain (no drafts), verify_all (every row verifies all its drafts), budgeted (planner.py:
 before drafting, the draft depth of the round from past acceptance, the measured drafting time and

@@ -44,7 +44,8 @@ from specdistill.drafters.ngram import NgramConfig
 from specdistill.drafters.parts.head import cast_drafter
 from specdistill.export.folder import load_resolved
 from specdistill.store.rundir import DrafterSource, resolve_drafter
-from specdistill.target.model import NATIVE_BF16_FLAGS, TargetConfig, cpu_flags, load_target
+from specdistill.target.model import TargetConfig, load_target
+from specdistill.target.precision import NATIVE_BF16_FLAGS, cpu_flags
 
 DEFAULTS = BenchConfig()  # the numeric options' defaults (and ranges: decode/config.py)
 CURVE_NS = tuple(DEFAULTS.curve_ns)

@@ -32,7 +32,8 @@ from specdistill.data import quiet
 from specdistill.data.dataset import DataConfig, RegenerateSettings, cache_root, cached_file_sha256, data_file
 from specdistill.data.sharegpt import Conversation, iter_conversations
 from specdistill.target.identity import differences
-from specdistill.target.model import DTYPES, TargetConfig, resolve_dtype
+from specdistill.target.model import TargetConfig
+from specdistill.target.precision import DTYPES, resolve_dtype
 from specdistill.target.precision import model_at
 
 # answers' format: 2 = a generation copy at another dtype keeps fp32 RoPE frequencies

@@ -94,7 +94,7 @@ def store_key(target, src_sha: str, settings: SelfGenSettings, layers: Sequence[
 
 def _generation_model(target, dtype: str):
     """The target's model in the generation dtype (a copy when it differs from the target's)."""
-    from specdistill.target.model import DTYPES, resolve_dtype
+    from specdistill.target.precision import DTYPES, resolve_dtype
     from specdistill.target.precision import model_at
 
     choice = resolve_dtype(dtype, target.device.type)  # auto: bf16 where native

@@ -25,13 +25,11 @@ from omegaconf import MISSING, OmegaConf
 from specdistill.cli.ranges import MAX_THREADS, SEED, rng
 from specdistill.target.attention import use_few_query_attention
 from specdistill.target.identity import architecture, folder_identity, parameters_sha256
-from specdistill.target.precision import (  # noqa: F401
+from specdistill.target.precision import (
     DTYPES,
-    NATIVE_BF16_FLAGS,
     DtypeChoice,
     available_cores,
     cast_floats,
-    cpu_flags,
     idle_cores,
     resolve_dtype,
     set_threads,

@@ -17,8 +17,8 @@ class ExportError(ValueError):
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    """An export dtype name -> the torch dtype (the one dtype map: target.model.DTYPES)."""
-    from specdistill.target.model import DTYPES
+    """An export dtype name -> the torch dtype (the one dtype map: target.precision.DTYPES)."""
+    from specdistill.target.precision import DTYPES
 
     if name not in EXPORT_DTYPES:
         raise ExportError(f"dtype must be one of {list(EXPORT_DTYPES)}, not {name!r}")

@@ -193,6 +193,9 @@ class Drafter(nn.Module):
     layouts: ClassVar[dict[str, "ExportLayout"]] = {}  # format -> the export layouts it supports
     tags: ClassVar[tuple[str, ...]] = ()  # extra model-card tags (e.g. "eagle1")
     feature_layers: tuple[int, ...] = ()  # target hidden states the drafter reads at decode time
+    # True: its ChainProposal.accept_prob comes from a trained confidence head (e.g. DSpark's), so
+    # the decoder may cut a chain by survival (decode/survival.py) and reports its calibration
+    accept_prob_head: ClassVar[bool] = False
 
     def __init__(self, vocab_size: int, cfg: DrafterConfig | None = None, target=None) -> None:
         super().__init__()

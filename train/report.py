@@ -223,6 +223,18 @@ def serve_commands(run_dir: Path, engine: dict[str, Any] | None) -> list[str]:
     return lines
 
 
+def calibration_line(final: dict[str, Any] | None) -> str:
+    """One line on the drafter's trained confidence head (decode/survival.py): its ECE and its
+    predicted vs observed acceptance per slot in the final eval; "" without a head's numbers."""
+    cal = (final or {}).get("spec_calibration")
+    if not cal or "head" not in str(cal.get("source", "")):
+        return ""
+    slots = ", ".join(f"{s['slot']}: {_num(s.get('predicted'), '.2f')} vs "
+                      f"{_num(s.get('observed'), '.2f')}" for s in cal.get("slots", []))
+    return (f"Confidence head calibration: ECE {_num(cal.get('ece'))} over {cal.get('pairs')} "
+            f"verified slots (predicted vs observed acceptance per slot: {slots}).")
+
+
 def verdict(run_dir: Path, final: dict[str, Any] | None, engine: dict[str, Any] | None) -> list[str]:
     """The report's first section: tau and speedup in our decoder and in the serving engine,
     whether both were lossless, and how to serve the drafter."""
@@ -248,6 +260,9 @@ def verdict(run_dir: Path, final: dict[str, Any] | None, engine: dict[str, Any] 
         else:
             lines.append(f"| {name} | - | - | - | {engine.get('verdict')}: "
                          f"{engine.get('error', '')[:200]} |")
+    cal = calibration_line(final)
+    if cal:
+        lines += ["", cal]
     serve = serve_commands(run_dir, engine)
     if serve:
         lines += ["", "Serve it:", "", "```bash", *serve, "```"]

@@ -19,6 +19,8 @@ the same ones, so a row commits what `generate` commits for that sequence alone.
   prefill(seq, prompt)       step 1: the prompt through the target; its first token
   commit(seq, new, ...)      step 2: append a round's tokens, cut at EOS / a stop string / the end
   draft_tree(seq, room)      step 3a: the drafter's tree, cut to the depth that can still commit
+  record_confidences(...)    step 3c: a chain cut by survival (decode/survival.py), its slot
+                             confidences recorded for the calibration
   accept_tree(seq, tree, l)  step 5 for a tree: the accepted branch and the bonus token
   DraftTree, StopChecker, timed(fn, sync): what the steps pass around and how they time calls.
 "room" throughout is the number of drafts a round can still commit: end - T - 1.

@@ -29,10 +29,13 @@ from specdistill.decode.evaluate import render
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 ONE_BY_ONE = "1by1"  # label suffix of a speculative mode whose rows draft one after another
 EXACT = "exact"  # label suffix of a mode run with exact_verify
+# the modes measured by default; adaptive (confidence-driven widths) has its own A/B,
+# benchmarks/verify_smart.py
+BENCH_MODES = tuple(m for m in MODES if m != "adaptive")
 
 
 def run_batch_bench(target: Any, drafter: Any, prompts: Sequence[torch.Tensor], *,
-                    batch_sizes: Sequence[int] = BATCH_SIZES, modes: Sequence[str] = MODES,
+                    batch_sizes: Sequence[int] = BATCH_SIZES, modes: Sequence[str] = BENCH_MODES,
                     k: int = 5, max_new_tokens: int = 128, repeats: int = 1,
                     cost: CostCurve | None = None, cache_dir: str | None = None,
                     tree: bool = False, one_by_one: bool = False, exact: bool = False,

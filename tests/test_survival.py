@@ -202,3 +202,19 @@ def test_cli_refuses_bad_survival_settings(tmp_path):
     err = [ln for ln in out.stderr.splitlines() if "error:" in ln]
     assert len(err) == 1 and "verify_survival=0.5" in err[0], out.stderr[-2000:]
     assert "survival_fallback=none" in err[0], out.stderr[-2000:]
+
+
+def test_batched_sampled_survival_cut_draws_as_alone():
+    """Sampling, verify_all with a survival cut: each row draws exactly what `generate` draws for
+    that prompt alone with the same generator seed (the same cut, the same rule)."""
+    Vs = 8
+    target = make_target(vocab=Vs, seed=3, init=0.2)
+    sp = SamplingParams(temperature=1.0, top_k=6)
+    prompts = [[1, 2, 3, 4], [5, 6, 7], [2, 2, 2, 2, 2]]
+    out = generate_batch(target, FixedQHead(Vs), prompts, max_new_tokens=12, batch_size=3, k=2,
+                         sampling=sp, seed=7, verify_survival=0.5)
+    for i, (p, res) in enumerate(zip(prompts, out.results)):
+        alone = generate(target, FixedQHead(Vs), p, max_new_tokens=12, k=2, sampling=sp,
+                         generator=torch.Generator().manual_seed(7 + i), verify_survival=0.5)
+        assert res.tokens.tolist() == alone.tokens.tolist() and res.drafted == alone.drafted
+    assert any(m == 1 for r in out.results for m in r.drafted)  # the cut happened

@@ -316,10 +316,8 @@ def setup_run(cfg: DictConfig) -> tuple[Path, Any, Drafter | None, SamplingParam
     from specdistill.target.model import load_target
 
     check_ranges(cfg, DecodeConfig)  # before any work
-    check_survival(None, cfg.verify_survival, cfg.survival_fallback)  # the drafter's head: below
-    if cfg.tree and cfg.verify_survival > 0:
-        raise ValueError(f"verify_survival={cfg.verify_survival} cuts chains; a tree verifies "
-                         f"every node: use tree=false or verify_survival=0")
+    # the values and tree=true now, the drafter's head once it is loaded
+    check_survival(None, cfg.verify_survival, cfg.survival_fallback, cfg.tree)
     source = cfg_source(cfg) if cfg.ckpt else None  # missing or damaged: refused before any work
     run_dir = Path(cfg.run_dir)
     clash = present(run_dir, ("config.yaml", "result.json", "result.md", "checkpoints"))

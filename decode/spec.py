@@ -398,7 +398,8 @@ def generate(
     masks = ("exact verification" if exact_verify else
              "tree verification" if tree and speculative else "")
     check_inputs(target, drafter, P, max_new_tokens, k, sampling, tree, masks)
-    check_survival(drafter if speculative else None, verify_survival, survival_fallback)
+    check_survival(drafter if speculative else None, verify_survival, survival_fallback,
+                   tree and speculative)
     rule = SurvivalRule(verify_survival, survival_fallback)
     seq = SequenceState.start(target, drafter if speculative else None, prompt, max_new_tokens,
                               sampling, generator,

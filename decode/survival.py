@@ -78,13 +78,16 @@ def cut_length(surv: torch.Tensor, threshold: float) -> int:
     return max(1, int(below[0, 0])) if len(below) else len(surv)
 
 
-def check_survival(drafter: Any, threshold: float, fallback: str) -> None:
+def check_survival(drafter: Any, threshold: float, fallback: str, tree: bool = False) -> None:
     """Refuse settings that cannot work, with the keys to change (ValueError: one line, exit 2)."""
     if fallback not in FALLBACKS:
         raise ValueError(f"survival_fallback={fallback!r} is unknown; use one of {', '.join(FALLBACKS)}")
     if not 0.0 <= threshold <= 1.0:
         raise ValueError(f"verify_survival={threshold} is outside [0, 1]; give a survival "
                          f"probability (0 = off)")
+    if threshold > 0 and tree:
+        raise ValueError(f"verify_survival={threshold} cuts chains; a tree verifies every node: "
+                         f"use tree=false or verify_survival=0")
     if threshold > 0 and drafter is not None and fallback == "none" and not getattr(
             drafter, "accept_prob_head", False):
         raise ValueError(f"verify_survival={threshold} needs slot confidences, but drafter "

@@ -116,6 +116,8 @@ def test_settings_are_checked():
         check_survival(no_head, 0.5, "x")
     with pytest.raises(ValueError, match="verify_survival=0.5.*survival_fallback=none"):
         generate(target, no_head, [1, 2, 3], max_new_tokens=4, verify_survival=0.5)
+    with pytest.raises(ValueError, match="verify_survival=0.5 cuts chains.*tree=false"):
+        check_survival(no_head, 0.5, "draft_prob", tree=True)
     check_survival(no_head, 0.5, "draft_prob")  # the fallback gives confidences
     check_survival(HeadOracle(target, [0.5]), 0.5, "none")  # a head gives them
     check_survival(no_head, 0.0, "none")  # off

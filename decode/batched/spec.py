@@ -393,7 +393,8 @@ def generate_batch(
     for p, n in zip(prompts, max_new):  # 0. guards, as spec's, before any work
         check_inputs(target, one if speculative else None, len(p), n, k, sampling, tree,
                      masks="batched decoding")
-    check_survival(one if speculative else None, verify_survival, survival_fallback)
+    check_survival(one if speculative else None, verify_survival, survival_fallback,
+                   tree and speculative)
     if speculative and mode in PLANNED:
         planner = batch_planner(target, one, k, tree, planner, cost, cache_dir, exact_verify)
     gens = list(generators) if generators is not None else [

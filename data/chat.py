@@ -229,6 +229,11 @@ def _regions(message: dict, text: str, start: int) -> dict[str, tuple[int, int]]
         if close >= 0 and not text[cursor:close].strip():
             cursor = close + len("</think>")
         regions["reasoning"] = (start, cursor)
+    elif "</think>" in text[start:]:  # an empty think block the template writes (Qwen3's newest turn)
+        close = text.find("</think>", start)
+        if not text[start:close].replace("<think>", "").strip():
+            cursor = close + len("</think>")
+            regions["reasoning"] = (start, cursor)
     names = _tool_names(message)
     if names:
         answer = answer_text(message).strip()
@@ -263,36 +268,35 @@ def _check_rendered(messages: Messages, full: str) -> None:
 
 
 def plan_rows(tokenizer, messages: Messages, template: Template, full: str,
-              stop: Optional[int] = None) -> list[tuple[str, list[Turn]]]:
-    """Rows of a conversation whose full rendering is `full`: each row is a text and the turns
-    trained in it; the first row is `full` (its turns may be none). Turns whose served prefix is a
-    prefix of `full` and starts at or after char `stop` are skipped (beyond the truncation point).
+              stop: Optional[int] = None) -> tuple[list[Turn], list[Turn]]:
+    """(turns trained in the full rendering `full`, turns that need a row of their own): a turn
+    shares the full rendering when it shows the turn and its served prefix as they are served.
+    Turns whose served prefix is a prefix of `full` and starts at or after char `stop` are skipped
+    (beyond the truncation point).
 
     Raises Refused for a conversation that cannot be trained as served, ChatTemplateError for a
     template that cannot give masks at all, jinja2.TemplateError when it refuses the conversation.
     """
     _check_rendered(messages, full)
-    rows: list[tuple[str, list[Turn]]] = [(full, [])]
-    for i in reversed([i for i, m in enumerate(messages) if trains(m)]):
+    shared: list[Turn] = []
+    own: list[Turn] = []
+    for i in [i for i, m in enumerate(messages) if trains(m)]:
         turn = served_turn(tokenizer, messages, i, template)
+        in_full = full.startswith(turn.text)
         if stop is not None and turn.start >= stop and full.startswith(turn.text[:turn.start]):
-            continue
-        row = next((r for r in rows if r[0].startswith(turn.text)), None)
-        if row is None:
-            row = (turn.text, [])
-            rows.append(row)
-        row[1].insert(0, turn)
-    return rows
+            break
+        (shared if in_full else own).append(turn)
+    return shared, own
 
 
 def render_chat(tokenizer, messages: Messages, template: Optional[Template] = None):
-    """(full rendering, [(text, [(start, end)] char spans of the turns trained in it)] per row)."""
+    """(full rendering, [(start, end)] char spans of the turns it trains, [own-context turns])."""
     _check_template(tokenizer)
     template = template or Template()
     check_parts(messages)
     full = render(tokenizer, messages, False, template)
-    rows = plan_rows(tokenizer, messages, template, full)
-    return full, [(text, [(t.start, len(t.text)) for t in turns]) for text, turns in rows]
+    shared, own = plan_rows(tokenizer, messages, template, full)
+    return full, [(t.start, len(t.text)) for t in shared], own
 
 
 # ---------------------------------------------------------------------------------------------
@@ -319,31 +323,115 @@ def _tokens(encoding: Any, b: int, start: int, end: int, limit: int) -> tuple[in
     return min(first, limit), min(last + 1, limit)
 
 
-def _mask_row(encoding: Any, b: int, turns: list[Turn], max_length: int,
-              stats: dict[str, int]) -> EncodedRow:
-    """Ids and mask of text b (cut at max_length); counts turns and trained tokens into `stats`."""
+def _count_kinds(encoding: Any, b: int, turn: Turn, first: int, stop: int, shift: int, limit: int,
+                 stats: dict[str, int]) -> None:
+    """Trained tokens [first, stop) of a turn by kind; `shift`: chars of `turn.text` before text b."""
+    rest = stop - first
+    for kind, (a, z) in turn.regions.items():
+        lo, hi = _tokens(encoding, b, max(a, turn.start) - shift, z - shift, limit)
+        n = max(0, min(hi, stop) - max(lo, first))
+        stats[kind] += n
+        rest -= n
+    stats["answer"] += max(rest, 0)
+    stats["turns"] += 1
+
+
+def _context_tail(encoding: Any, b: int, first: int, added: set[int]) -> int:
+    """Index of the first token after the last added token before token `first` of text b: from
+    there on, the served prefix is tokenised on its own (added tokens split the text)."""
     ids = encoding["input_ids"][b]
-    mask = [0] * min(len(ids), max_length)
-    for turn in turns:
-        first, stop = _tokens(encoding, b, turn.start, len(turn.text), max_length)
-        if stop <= first:
+    k = first
+    while k > 0 and ids[k - 1] not in added:
+        k -= 1
+    return k
+
+
+def _shared_turns(tokenizer, encoding: Any, texts: list[str], turns: dict[int, list[Turn]],
+                  max_length: int) -> dict[int, list[tuple[Turn, int, int]]]:
+    """Per text b, (turn, first, stop) of each turn the full rendering trains as served, token for
+    token: the tokens before the turn must be the served prefix's own tokens (a prefix ending in
+    whitespace can merge with the turn's first characters). A turn that fails moves to turns[-b-1]
+    (its own row)."""
+    added = {int(i) for i in tokenizer.get_added_vocab().values()}
+    checks: list[tuple[int, Turn, int, int, int]] = []  # (b, turn, first, stop, tail start token)
+    for b, shared in turns.items():
+        if b < 0:  # turns that already have rows of their own
             continue
-        mask[first:stop] = [1] * (stop - first)
-        stats["turns"] += 1
-        rest = stop - first
-        for kind, (a, z) in turn.regions.items():
-            lo, hi = _tokens(encoding, b, max(a, turn.start), z, max_length)
-            n = max(0, min(hi, stop) - max(lo, first))
-            stats[kind] += n
-            rest -= n
-        stats["answer"] += max(rest, 0)
-    return EncodedRow(list(ids[:max_length]), mask)
+        for turn in shared:
+            first, stop = _tokens(encoding, b, turn.start, len(turn.text), max_length)
+            if stop <= first:
+                continue
+            tail = _context_tail(encoding, b, first, added)
+            checks.append((b, turn, first, stop, tail))
+    tails = [texts[b][encoding.token_to_chars(b, tail).start if tail < first else turn.start:turn.start]
+             for b, turn, first, _, tail in checks]
+    served = tokenizer(tails, add_special_tokens=False, verbose=False)["input_ids"] if tails else []
+    out: dict[int, list[tuple[Turn, int, int]]] = {b: [] for b in turns if b >= 0}
+    for (b, turn, first, stop, tail), ids in zip(checks, served):
+        starts_clean = encoding.token_to_chars(b, first).start == turn.start
+        if starts_clean and encoding["input_ids"][b][tail:first] == ids:
+            out[b].append((turn, first, stop))
+        else:
+            turns.setdefault(-b - 1, []).append(turn)
+    return out
+
+
+def _own_rows(tokenizer, turns: list[Turn], max_length: int) -> list[tuple[EncodedRow, dict]]:
+    """A row per turn: the served prefix's tokens, then the turn's (both tokenised on their own, as
+    the target is given the one and writes the other), the turn's tokens trained."""
+    if not turns:
+        return []
+    heads = tokenizer([t.text[:t.start] for t in turns], add_special_tokens=False, verbose=False)
+    bodies = tokenizer([t.text[t.start:] for t in turns], add_special_tokens=False, verbose=False)
+    out = []
+    for b, turn in enumerate(turns):
+        head, body = heads["input_ids"][b], bodies["input_ids"][b]
+        ids = (head + body)[:max_length]
+        first, stop = min(len(head), max_length), len(ids)
+        stats = dict.fromkeys(("turns",) + KINDS, 0)
+        if stop > first:
+            shifted = Turn(turn.index, turn.text, turn.start, turn.regions)
+            _count_kinds(bodies, b, shifted, 0, stop - first, turn.start, max_length - first, stats)
+        out.append((EncodedRow(ids, [0] * first + [1] * (stop - first)), stats))
+    return out
 
 
 def _as_templates(templates, n: int) -> list[Template]:
     if templates is None or isinstance(templates, Template):
         return [templates or Template()] * n
     return list(templates)
+
+
+def _refuse(result: EncodedChat, e: Exception) -> None:
+    if isinstance(e, Refused):
+        result.drop_reason, result.detail = e.reason, e.detail
+    else:  # the template refuses this conversation (raise_exception, or a type it cannot add)
+        result.drop_reason, result.detail = "template_error", f"{type(e).__name__}: {e}"
+
+
+def _plan(tokenizer, conversations, templates, max_length, results):
+    """Steps 1-2 of encode_chats: full renderings tokenised in one batched call, and the turns."""
+    fulls: dict[int, str] = {}
+    for i, messages in enumerate(conversations):
+        try:
+            check_parts(messages)
+            fulls[i] = render(tokenizer, messages, False, templates[i])
+        except (Refused, jinja2.TemplateError, TypeError) as e:
+            _refuse(results[i], e)
+    order = list(fulls)
+    enc = tokenizer([fulls[i] for i in order], add_special_tokens=False, verbose=False) if order else None
+    shared: dict[int, list[Turn]] = {}
+    for b, i in enumerate(order):
+        long = len(enc["input_ids"][b]) > max_length
+        stop = enc.token_to_chars(b, max_length - 1).end if long else None
+        try:
+            shared[b], own = plan_rows(tokenizer, conversations[i], templates[i], fulls[i], stop)
+        except (Refused, jinja2.TemplateError, TypeError) as e:
+            _refuse(results[i], e)
+            continue
+        if own:
+            shared[-b - 1] = own
+    return order, fulls, enc, shared
 
 
 def encode_chats(tokenizer, conversations: Sequence[Messages], max_length: int,
@@ -357,51 +445,37 @@ def encode_chats(tokenizer, conversations: Sequence[Messages], max_length: int,
     templates = _as_templates(templates, len(conversations))
     results = [EncodedChat(stats=dict.fromkeys(
         ("turns", "turns_too_long", "own_context", "extra_tokens") + KINDS, 0)) for _ in conversations]
-    # 1. render every conversation whole; tokenise them in one batched call (Rust, every core)
-    fulls: dict[int, str] = {}
-    for i, messages in enumerate(conversations):
-        try:
-            check_parts(messages)
-            fulls[i] = render(tokenizer, messages, False, templates[i])
-        except Refused as e:
-            results[i].drop_reason, results[i].detail = e.reason, e.detail
-        except (jinja2.TemplateError, TypeError) as e:  # the template refuses this conversation
-            results[i].drop_reason, results[i].detail = "template_error", f"{type(e).__name__}: {e}"
-    if not fulls:
+    # 1-2. render and tokenise every conversation whole; its served turns
+    order, fulls, enc, turns = _plan(tokenizer, conversations, templates, max_length, results)
+    if not order:
         return results
-    order = list(fulls)
-    enc = tokenizer([fulls[i] for i in order], add_special_tokens=False, verbose=False)
-    # 2. the rows of each conversation: its served turns, skipping those past the truncation point
-    plans: dict[int, list[tuple[str, list[Turn]]]] = {}
+    # 3. the turns the full rendering trains as served, token for token; the others go to own rows
+    texts = [fulls[i] for i in order]
+    shared = _shared_turns(tokenizer, enc, texts, turns, max_length)
+    own_turns = [(order[-k - 1], t) for k, ts in turns.items() if k < 0 for t in ts]
+    own = _own_rows(tokenizer, [t for _, t in own_turns], max_length)
+    # 4. the rows: the full rendering first, then a row per turn in its own context
     for b, i in enumerate(order):
-        long = len(enc["input_ids"][b]) > max_length
-        stop = enc.token_to_chars(b, max_length - 1).end if long else None
-        try:
-            plans[i] = plan_rows(tokenizer, conversations[i], templates[i], fulls[i], stop)
-        except Refused as e:
-            results[i].drop_reason, results[i].detail = e.reason, e.detail
-        except (jinja2.TemplateError, TypeError) as e:
-            results[i].drop_reason, results[i].detail = "template_error", f"{type(e).__name__}: {e}"
-    # 3. tokenise the rows that need their own context, then mask every row
-    extra = [(i, r) for i in plans for r in range(1, len(plans[i]))]
-    enc_extra = tokenizer([plans[i][r][0] for i, r in extra], add_special_tokens=False,
-                          verbose=False) if extra else None
-    where = {(i, 0): (enc, b) for b, i in enumerate(order)}
-    where.update({key: (enc_extra, b) for b, key in enumerate(extra)})
-    for i, rows in plans.items():
-        stats = results[i].stats
-        for r, (_, turns) in enumerate(rows):
-            e, b = where[(i, r)]
-            row = _mask_row(e, b, turns, max_length, stats)
-            if r:
-                stats["own_context"] += len(turns)
-                stats["extra_tokens"] += len(row.input_ids)
-            if 1 in row.loss_mask:
-                results[i].rows.append(row)
-        stats["turns_too_long"] = sum(trains(m) for m in conversations[i]) - stats["turns"]
-        if not results[i].rows:
-            results[i].drop_reason = "too_long"
-            results[i].detail = f"no trained token within max_length={max_length}"
+        stats, mask = results[i].stats, [0] * min(len(enc["input_ids"][b]), max_length)
+        for turn, first, stop in shared.get(b, []):
+            mask[first:stop] = [1] * (stop - first)
+            _count_kinds(enc, b, turn, first, stop, 0, max_length, stats)
+        if 1 in mask:
+            results[i].rows.append(EncodedRow(list(enc["input_ids"][b][:max_length]), mask))
+    for (i, turn), (row, row_stats) in sorted(zip(own_turns, own), key=lambda x: x[0][1].index):
+        if 1 in row.loss_mask:
+            results[i].rows.append(row)
+            results[i].stats["own_context"] += 1
+            results[i].stats["extra_tokens"] += len(row.input_ids)
+            for k, v in row_stats.items():
+                results[i].stats[k] += v
+    for i in order:
+        if results[i].drop_reason is None:
+            stats = results[i].stats
+            stats["turns_too_long"] = sum(trains(m) for m in conversations[i]) - stats["turns"]
+            if not results[i].rows:
+                results[i].drop_reason = "too_long"
+                results[i].detail = f"no trained token within max_length={max_length}"
     return results
 
 

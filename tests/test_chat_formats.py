@@ -216,7 +216,8 @@ def test_reader_keeps_every_message_form(tmp_path):
          "function_call": {"name": "get_weather", "arguments": "{\"city\": \"Rome\"}"}}]}
     sg = {"id": "sg", "tools": json.dumps(TOOLS), "conversations": [
         {"from": "human", "value": "Weather in Paris?"},
-        {"from": "function_call", "value": json.dumps({"name": "get_weather", "arguments": {"city": "Paris"}})},
+        {"from": "function_call",
+         "value": json.dumps({"name": "get_weather", "arguments": {"city": "Paris"}})},
         {"from": "observation", "value": "sunny"},
         {"from": "ipython", "value": "21 C"},
         {"from": "gpt", "value": "Sunny.", "reasoning": "Easy."}]}

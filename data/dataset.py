@@ -131,7 +131,8 @@ class DataConfig:
     # features in one pass (data/selfgen.py; cached, resumable); None: the file's answers
     selfgen: Optional[SelfGenSettings] = None
     # extra arguments of every apply_chat_template call (training rows, regeneration, self-
-    # generation), e.g. {enable_thinking: false} for a Qwen3 target served without thinking
+    # generation), e.g. +data.template_kwargs.enable_thinking=false for a Qwen3 target served without
+    # thinking (the + adds a key to the mapping)
     template_kwargs: Dict[str, Any] = field(default_factory=dict)
     # the job stops when more than this share of the records is dropped for a reason other than
     # length (bad records, unknown roles, forms the template cannot render); 1 = never
@@ -208,7 +209,7 @@ def template_kwargs(cfg) -> dict[str, Any]:
         return {}
     if not hasattr(kwargs, "items"):
         raise ValueError(f"data.template_kwargs={kwargs!r}: give a mapping, e.g. "
-                         f"data.template_kwargs='{{enable_thinking: false}}'")
+                         f"+data.template_kwargs.enable_thinking=false")
     from omegaconf import OmegaConf
 
     return OmegaConf.to_container(kwargs) if OmegaConf.is_config(kwargs) else dict(kwargs)

@@ -430,7 +430,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     data = load_chat_dataset(cfg, tokenizer)
     seconds = time.perf_counter() - t0
     tokens = sum(data.train["length"]) + sum(data.eval["length"])
-    print(f"{data.counts}\ntrain {len(data.train)}, eval {len(data.eval)} conversations, "
+    print(f"{data.counts}\n{data.report.summary()}\ntrain {len(data.train)}, eval {len(data.eval)} rows, "
           f"{tokens} tokens, {seconds:.1f} s ({data.cache_path})")
     return 0
 

@@ -287,3 +287,15 @@ def test_data_report_by_kind_and_own_contexts(tmp_path, monkeypatch, qwen3):
     assert all(rep.tokens[k] > 0 for k in ("answer", "reasoning", "tool_call"))
     assert sum(rep.tokens.values()) == sum(sum(m) for m in data.train["loss_mask"])
     assert "## Training data" in rep.markdown()[0] and "own" in rep.summary()
+
+
+def test_selfgen_prompts_use_the_template_kwargs(tmp_path, qwen3):
+    """Self-generation prompts the target as served: with thinking off, after the empty think block."""
+    from specdistill.data.selfgen import first_turns
+
+    path = _write(tmp_path / "p.jsonl", _records(2, []))
+    on, _ = first_turns(path, qwen3, None, 64)
+    off, counts = first_turns(path, qwen3, None, 64, template_kwargs={"enable_thinking": False})
+    assert counts["kept"] == 2
+    assert qwen3.decode(on[0]["prompt_ids"]).endswith("<|im_start|>assistant\n")
+    assert qwen3.decode(off[0]["prompt_ids"]).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")

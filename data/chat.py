@@ -15,11 +15,14 @@ A turn whose rendering does not start with its served prefix (reasoning in the d
 template kwargs serve with thinking off) cannot be served as written: the record is refused
 (`not_as_served`), never trained in another context.
 
-Rows. Where turn_i[:end] is a prefix of the full rendering (ChatML without history rewriting:
-ShareGPT on SmolLM2), the turn is trained in the one row of its conversation, the full rendering;
-the default data encodes exactly as it always has. A turn that the full rendering shows differently
-(a rewritten history, a newest-turn-only think block) gets a row of its own, `turn_i[:end]`, or shares
-the row of a later turn that starts with it; `EncodedChat.stats` counts those turns and their tokens.
+Rows. Where the full rendering of the conversation shows turn i and its served prefix exactly as
+served -- turn_i[:end] is a prefix of it, and the tokens before the turn are the served prefix's own
+tokens -- the turn is trained in the one row of its conversation, the full rendering (ChatML without
+history rewriting: ShareGPT on SmolLM2, encoded exactly as before turns were checked). A
+turn the full rendering shows differently (a rewritten history, a think block only in the newest
+turn, a prompt ending in whitespace that the tokenizer merges differently inside the conversation)
+gets a row of its own: the served prefix's tokens, then the turn's, each tokenised on its own as the
+target is given the one and writes the other. `EncodedChat.stats` counts those turns and their tokens.
 
 Refused per record (never altered): content parts other than text, list content, tool calls or
 reasoning that the template does not render (a template without tool or thinking support), a
@@ -389,9 +392,8 @@ def _own_rows(tokenizer, turns: list[Turn], max_length: int) -> list[tuple[Encod
         ids = (head + body)[:max_length]
         first, stop = min(len(head), max_length), len(ids)
         stats = dict.fromkeys(("turns",) + KINDS, 0)
-        if stop > first:
-            shifted = Turn(turn.index, turn.text, turn.start, turn.regions)
-            _count_kinds(bodies, b, shifted, 0, stop - first, turn.start, max_length - first, stats)
+        if stop > first:  # regions are chars of turn.text: the body starts at turn.start
+            _count_kinds(bodies, b, turn, 0, stop - first, turn.start, max_length - first, stats)
         out.append((EncodedRow(ids, [0] * first + [1] * (stop - first)), stats))
     return out
 

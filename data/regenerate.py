@@ -167,12 +167,14 @@ def done_ids(out: Path) -> set[str]:
 
 @torch.inference_mode()
 def answer_batch(target, model, contexts: list[list[dict]], cfg,
-                 template_kwargs: Optional[dict] = None) -> list[str]:
+                 template_kwargs: Optional[dict] = None, tools: Optional[list] = None) -> list[str]:
     """The target's answers to a batch of conversation prefixes (left-padded, one generate call),
-    prompted as served: the chat template with data.template_kwargs (e.g. enable_thinking)."""
+    prompted as served: the chat template with each conversation's tools (`tools[i]`) and
+    data.template_kwargs (e.g. enable_thinking)."""
     tok = target.tokenizer
-    texts = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False,
-                                     **(template_kwargs or {})) for c in contexts]
+    tools = tools or [None] * len(contexts)
+    texts = [tok.apply_chat_template(c, tools=t or None, add_generation_prompt=True, tokenize=False,
+                                     **(template_kwargs or {})) for c, t in zip(contexts, tools)]
     tok.padding_side = "left"
     enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(target.device)
     kwargs = dict(do_sample=cfg.temperature > 0, max_new_tokens=cfg.max_new_tokens,
@@ -228,8 +230,8 @@ def regenerate(target, convs: list[Conversation], cfg, out: Path, progress: bool
                     contexts.append(list(s["new"]))
                 # a context without a user turn (assistant-first conversation) has nothing to answer
                 n_tok = [len(target.tokenizer.apply_chat_template(
-                    c, add_generation_prompt=True, **kwargs)["input_ids"])
-                    if any(m["role"] == "user" for m in c) else 0 for c in contexts]
+                    c, tools=s["conv"].tools, add_generation_prompt=True, **kwargs)["input_ids"])
+                    if any(m["role"] == "user" for m in c) else 0 for s, c in zip(active, contexts)]
                 ok = [s for s, n in zip(active, n_tok) if 0 < n <= cfg.max_prompt_tokens]
                 for s, n in zip(active, n_tok):
                     if s not in ok:  # nothing to answer (no user turn) or too long: finish it here
@@ -237,7 +239,8 @@ def regenerate(target, convs: list[Conversation], cfg, out: Path, progress: bool
                         if not s["answers"]:
                             counts["skipped_too_long" if n else "skipped_no_user_turn"] += 1
                 if ok:
-                    answers = answer_batch(target, model, [list(s["new"]) for s in ok], cfg, kwargs)
+                    answers = answer_batch(target, model, [list(s["new"]) for s in ok], cfg, kwargs,
+                                           [s["conv"].tools for s in ok])
                     for s, a in zip(ok, answers):
                         s["new"].append({"role": "assistant", "content": a})
                         s["answers"] += 1

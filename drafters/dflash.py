@@ -253,20 +253,21 @@ class DFlash(Drafter):
         L, V, H = target.num_layers, target.vocab_size, target.hidden_size
         aux = list(cfg.aux_layers) if cfg.aux_layers is not None else default_aux_layers(L)
         if not aux or not all(0 <= i <= L for i in aux):
-            raise ValueError(f"dflash: aux_layers must be hidden_states indices in [0, {L}] (0 = "
+            raise ValueError(f"{cfg.name}: aux_layers must be hidden_states indices in [0, {L}] (0 = "
                              f"embeddings, i = output of layer i), got {aux}; null takes "
                              f"{default_aux_layers(L)}")
         mask_id = V - 1 if cfg.mask_token_id is None else cfg.mask_token_id
         if not 0 <= mask_id < V:
-            raise ValueError(f"dflash: mask_token_id must be a target token id in [0, {V}), got "
+            raise ValueError(f"{cfg.name}: mask_token_id must be a target token id in [0, {V}), got "
                              f"{mask_id}; null takes {V - 1}")
         if cfg.num_layers < 1 or cfg.block_size < 2 or cfg.loss_gamma <= 0:
-            raise ValueError(f"dflash: num_layers >= 1, block_size >= 2 and loss_gamma > 0 "
+            raise ValueError(f"{cfg.name}: num_layers >= 1, block_size >= 2 and loss_gamma > 0 "
                              f"needed, got {cfg.num_layers}, {cfg.block_size}, {cfg.loss_gamma}")
-        if cfg.loss_weights is not None and len(cfg.loss_weights) != cfg.block_size - 1:
-            raise ValueError(f"dflash: loss_weights needs one weight per draft (block_size - 1 = "
-                             f"{cfg.block_size - 1}), got {list(cfg.loss_weights)}")
-        check_anchor_share("dflash", "anchors", cfg.anchors)
+        n = self.trained_positions(cfg)
+        if cfg.loss_weights is not None and len(cfg.loss_weights) != n:
+            raise ValueError(f"{cfg.name}: loss_weights needs one weight per draft ({n}), got "
+                             f"{list(cfg.loss_weights)}")
+        check_anchor_share(cfg.name, "anchors", cfg.anchors)
         self.feature_layers, self.mask_token_id = tuple(aux), mask_id
         self.llama_config = lc = drafter_llama_config(target, cfg.num_layers)
         self.fc = nn.Linear(len(aux) * H, H, bias=False)
@@ -316,7 +317,7 @@ class DFlash(Drafter):
         B, T = ids.shape
         b, dev = self.cfg.block_size, ids.device
         m = self.cfg.anchors
-        drawn = None if m is None or m == 1 else draw_anchors(batch, 1, b - 1, m)  # (B, A)
+        drawn = None if m is None or m == 1 else draw_anchors(batch, 1, self.trained_positions(), m)
         at = torch.arange(T, device=dev).expand(B, T) if drawn is None else drawn  # (B, A)
         A = at.shape[1]
         pos = torch.arange(T, device=dev)
@@ -399,8 +400,9 @@ class DFlash(Drafter):
         """The first k draft distributions (k, Vd) of ONE forward over the block after state.tokens."""
         return self.head(self.decode_states(state)[:, 1:1 + k]).float()[0]  # (k, Vd)
 
-    def trained_positions(self) -> int:
-        return self.cfg.block_size - 1
+    def trained_positions(self, cfg: Optional[DFlashConfig] = None) -> int:
+        """Drafts per block: slot 0 holds the last committed token, the others draft."""
+        return (cfg or self.cfg).block_size - 1
 
     def propose(self, state: DecodeState, k: int, sampling: SamplingParams,
                 generator: torch.Generator | None = None,

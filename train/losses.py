@@ -353,11 +353,11 @@ def slot_loss(predictions: list[DraftPrediction], batch: TrainBatch, objective: 
 
 def drafter_loss(drafter, predictions: list[DraftPrediction], batch: TrainBatch, divergence: str,
                  temperature: float = 1.0, feature_weight: float = 0.0,
-                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                 d2t: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss the recipe trains `drafter` on: its own objective (Drafter.objective) when it
-    declares one, else distill_loss with the trainer's divergence."""
+    declares one, else distill_loss with the trainer's divergence (d2t: as distill_loss's)."""
     objective = getattr(drafter, "objective", None)
     if objective is not None:
-        return slot_loss(predictions, batch, objective, temperature)
+        return slot_loss(predictions, batch, objective, temperature, d2t)
     return distill_loss(predictions, batch, divergence=divergence, temperature=temperature,
-                        feature_weight=feature_weight)
+                        feature_weight=feature_weight, d2t=d2t)

@@ -13,7 +13,14 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import specdistill.drafters  # noqa: F401  (registers every drafter)
-from specdistill.drafters.base import CONFIGS, DRAFTERS, DecodeState, TrainBatch, build_drafter, trainable_drafters
+from specdistill.drafters.base import (
+    CONFIGS,
+    DRAFTERS,
+    DecodeState,
+    TrainBatch,
+    build_drafter,
+    trainable_drafters,
+)
 from specdistill.drafters.parts.anchors import counted, dense_logits
 from specdistill.drafters.parts.head import fit_draft_vocab
 from specdistill.drafters.parts.sampling import SamplingParams

@@ -12,16 +12,15 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from eagle3_engines import TOY_V, feature_batch, perturbed_drafter, recipe_cfg, tiny8_target, train_rows
 from safetensors.torch import load_file, save_file
 
 from specdistill.drafters.base import DecodeState, DraftPrediction, SlotObjective, TrainBatch, build_drafter
 from specdistill.drafters.dspark import DSpark
 from specdistill.drafters.parts.anchors import dense_logits
+from specdistill.drafters.parts.layouts import ExportError
 from specdistill.drafters.parts.sampling import SamplingParams
 from specdistill.export.folder import export_drafter, load_export, validate_export
-from specdistill.drafters.parts.layouts import ExportError
 from specdistill.target.model import Target
 from specdistill.train.losses import slot_loss
 
@@ -155,7 +154,8 @@ def test_the_objective_equals_a_hand_computation(conf_target):
     assert [int(parts[f"positions/s{j}"]) for j in range(n)] == kept == [5, 3, 1]
     # anchor 1: slot 0 (token 2) scored, slot 1 (token 3) not: slot 2 (token 4, scored) dropped;
     # slot 2 is kept at anchor 3 only (counted alone, it would be kept at anchors 1, 2 and 3)
-    assert float(parts["ce"]) * 0.1 + float(parts["l1"]) * 0.9 + float(parts["bce"]) == pytest.approx(want, rel=1e-5)
+    whole = 0.1 * float(parts["ce"]) + 0.9 * float(parts["l1"]) + float(parts["bce"])
+    assert whole == pytest.approx(want, rel=1e-5)
 
 
 def test_the_confidence_learns_the_acceptance(target):

@@ -102,7 +102,9 @@ class SlotObjective:
     each a weighted mean over every kept (row, anchor, slot): slot j of a block weighs its
     DraftPrediction.weight (exp(-j / gamma)), and the slots after a block's first unsupervised one
     (a token outside the assistant turns, or past the row's end) are dropped. p' is the target's
-    distribution over the draft vocabulary, c the drafter's confidence logit (DraftPrediction.confidence)."""
+    distribution over the draft vocabulary, c the drafter's confidence logit (DraftPrediction.confidence).
+    DeepSpec's CE reads the data's next token; here it reads the target's argmax (the batch holds the
+    target's logits, and with regenerated data the two agree), defined in any draft vocabulary."""
 
     ce: float = 0.1  # weight of the cross-entropy on the target's argmax
     l1: float = 0.9  # weight of the L1 distance between draft and target probabilities (= 2 TV)

@@ -292,3 +292,24 @@ def test_vllm_cpu_serves_dspark_losslessly_or_refuses_it_in_its_own_words(vllm, 
         assert s["verdict"] == "pass" and s["spec_equals_plain"] == 1, s
     else:
         assert ENGINE_REFUSAL in s["error"], s["error"]
+
+
+def test_its_confidence_head_drives_a_lossless_survival_cut(target):
+    """The decoder's survival cut (decode/survival.py) reads DSpark's trained confidences: the
+    source is the head, the chain is cut where the product of confidences falls below the
+    threshold (never below one draft), and greedy output equals plain decoding."""
+    from specdistill.decode.spec import generate
+
+    drafter = make(target, seed=3).eval()
+    prompt = torch.randint(0, V, (7,), generator=torch.Generator().manual_seed(5))
+    plain = generate(target, None, prompt, max_new_tokens=24)
+    for threshold in (0.0, 0.3, 0.9, 1.0):
+        spec = generate(target, drafter, prompt, max_new_tokens=24, k=3, verify_survival=threshold)
+        assert spec.tokens.tolist() == plain.tokens.tolist()
+        if threshold == 0.0:
+            continue
+        assert spec.confidence_source == "head" and spec.slot_confidence
+        for (conf, n), drafted in zip(spec.slot_confidence, [m for m in spec.drafted if m > 0]):
+            survival = torch.tensor(conf).cumprod(0)
+            want = max(1, int((survival >= threshold).long().cumprod(0).sum()))
+            assert drafted == min(want, 3), (threshold, conf, drafted)

@@ -284,9 +284,11 @@ def main() -> None:
 
     from specdistill.cli.errors import user_errors
     from specdistill.cli.paths import CONF_DIR, check_out_dir_arg
+    from specdistill.cli.start import check_start
 
     check_out_dir_arg("python -m specdistill.data.regenerate", sys.argv[1:], key="out", file=True)
     store_schema()
+    check_start("python -m specdistill.data.regenerate", "regenerate", sys.argv[1:])
 
     @hydra.main(config_path=CONF_DIR, config_name="regenerate", version_base="1.3")
     def _run(cfg) -> None:

@@ -3,9 +3,11 @@
 A rule names the setting that decides (`key`), the one it makes void (`void`), when, and why. Two
 levels:
 
-- REFUSE: the user asked for it on the command line, and the job would run and do something other than what was asked (an on-policy phase that
-  never starts, a features folder nobody reads, a regeneration that self-generation replaces): the
-  start check (cli/start.py) ends the command with one line naming both keys and the fix;
+- REFUSE: the job would run and do something other than what the command line asked (an on-policy
+  phase that never starts, a features folder nobody reads, a regeneration that self-generation
+  replaces): the start check (cli/start.py) ends the command with one line naming both keys and the
+  fix. When neither key was typed (a shipped YAML's value: a budget's phase start under a short
+  max_steps) it is warned instead;
 - WARN: a setting the user typed on the command line is void under the other (a sampling seed of
   greedy decoding, the limit of a final eval that is off): one WARNING line naming both keys.
 

@@ -290,8 +290,10 @@ def load_chat_dataset(cfg: DataConfig, tokenizer) -> ChatData:
     if (dest / "counts.json").is_file():
         ds = datasets.Dataset.load_from_disk(str(dest))
         counts = Counts.from_dict(json.loads((dest / "counts.json").read_text()))
-        log.info("loaded from cache %s (%d conversations) in %.2f s", dest, len(ds),
-                 time.perf_counter() - t0)
+        from specdistill.data.reuse import reuse_line
+        log.info(reuse_line("the tokenised data", dest, dest / "counts.json", {
+            "path": path, "max_length": cfg.max_length, "max_conversations": cfg.max_conversations},
+            "data.cache_dir=<another folder> tokenises afresh") + f"; {len(ds)} conversations")
     else:
         log.info("tokenising %s into %s (first use of this data + tokenizer)", path, dest)
         dest.parent.mkdir(parents=True, exist_ok=True)

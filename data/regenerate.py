@@ -31,6 +31,7 @@ from omegaconf import MISSING
 from specdistill.data import quiet
 from specdistill.data.dataset import DataConfig, RegenerateSettings, cache_root, cached_file_sha256, data_file
 from specdistill.data.sharegpt import Conversation, iter_conversations
+from specdistill.data.reuse import reuse_line
 from specdistill.target.identity import differences
 from specdistill.target.model import TargetConfig
 from specdistill.target.precision import DTYPES, resolve_dtype
@@ -72,7 +73,9 @@ def self_distilled(target, data_cfg, progress: bool = True):
     out = root / "regen" / f"{key}.jsonl"
     done = out.with_suffix(".done")
     if done.is_file():
-        log.info("self-distillation data from cache %s: %s", out, done.read_text().strip())
+        log.info(reuse_line("the regenerated data", out, done, settings,
+                            "a change of any data.regenerate setting (or data.cache_dir=<another "
+                            "folder>) regenerates") + f"; its counts: {done.read_text().strip()}")
     else:
         log.info("self-distillation: the target answers %s conversations of %s into %s "
                  "(first use; resumable)", settings["limit"], src, out)

@@ -31,7 +31,8 @@ def main(cfg: DictConfig) -> None:
     from specdistill.train.rundir import interrupt_hint
 
     choices = HydraConfig.get().runtime.choices
-    if choices.get("budget") and (Path(CONF_DIR) / "budget" / f"{choices['budget']}.yaml").is_file():  # conf/train.yaml's `optional budget: ${trainer}_${drafter}`
+    # conf/train.yaml's `optional budget: ${trainer}_${drafter}`: said when its file exists
+    if choices.get("budget") and (Path(CONF_DIR) / "budget" / f"{choices['budget']}.yaml").is_file():
         logging.getLogger(__name__).info(
             "recipe of drafter=%s at trainer=%s: conf/budget/%s.yaml (`~budget` drops it)",
             cfg.drafter.name, choices.get("trainer"), choices["budget"])

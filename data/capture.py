@@ -177,6 +177,9 @@ def capture_split(target, rows, cfg, out: Path, progress: bool = True,
     from tqdm import tqdm
 
     n = len(rows)
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"{setting}={out} is a file, not a folder: give a folder for the "
+                                 f"capture (a new one, or one a capture wrote)")
     manifest = _manifest(cfg, target, n)
     old = read_manifest(out)
     if old is not None:

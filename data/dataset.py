@@ -281,6 +281,8 @@ def load_chat_dataset(cfg: DataConfig, tokenizer) -> ChatData:
     if cfg.max_conversations is not None and cfg.max_conversations < 1:
         raise ValueError(f"data.max_conversations={cfg.max_conversations}: must be >= 1 or null.")
     path = data_file(cfg)
+    if path.is_dir():
+        raise IsADirectoryError(f"data.path={cfg.path} is a folder: give one .json/.jsonl/.parquet file")
     if not path.is_file():
         raise FileNotFoundError(f"data file {path} does not exist (data.path={cfg.path!r}).")
     root = cache_root(cfg)

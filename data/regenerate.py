@@ -64,6 +64,9 @@ def self_distilled(target, data_cfg, progress: bool = True):
 
     settings = data_cfg.regenerate
     src = data_file(data_cfg)
+    if src.is_dir():
+        raise IsADirectoryError(f"data.path={data_cfg.path} is a folder: give one "
+                                f".json/.jsonl/.parquet file")
     if not src.is_file():
         raise FileNotFoundError(f"data file {src} does not exist (data.path={data_cfg.path!r}).")
     root = cache_root(data_cfg)

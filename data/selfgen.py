@@ -149,6 +149,9 @@ def build_selfgen(target, data_cfg, layers: Sequence[int], progress: bool = True
     settings = SelfGenSettings(**dict(data_cfg.selfgen))
     check_dtypes(settings)
     src = data_file(data_cfg)
+    if src.is_dir():
+        raise IsADirectoryError(f"data.path={data_cfg.path} is a folder: give one "
+                                f".json/.jsonl/.parquet file")
     if not src.is_file():
         raise FileNotFoundError(f"data file {src} does not exist (data.path={data_cfg.path!r}).")
     if settings.max_prompt_tokens + settings.max_new_tokens > target.max_length:

@@ -163,6 +163,10 @@ def measure_parity(folder: Path, target, info: RunInfo, limit: int | None = None
     if ref is None:
         raise ExportError(f"parity needs the run's final_eval/result.json (the tau at training end); "
                           f"{info.run_dir or info.drafter_dir} has none. Export without parity=true.")
+    if not info.is_reference and info.facts.fallback:  # best/ damaged: rerunning cannot help
+        raise ExportError(f"parity compares with the drafter the final eval measured, and "
+                          f"{info.facts.fallback}: restore that drafter's files (a backup, or "
+                          f"retrain) for parity, or export without parity=true")
     if not info.is_reference:
         raise ExportError(f"parity compares with the drafter the final eval measured (the run's "
                           f"best/, else its latest checkpoint), not {info.drafter_dir}: export "

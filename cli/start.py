@@ -96,9 +96,14 @@ def compose(config_name: str, argv_overrides: list[str], conf_dir: str = CONF_DI
         with initialize_config_dir(config_dir=conf_dir, version_base="1.3"):
             return hydra_compose(config_name, overrides=mine)
     except Exception as e:  # noqa: BLE001 - every composition error is the user's config
-        if not _is_config_error(e):
-            raise
-        raise UserError(hydra_message(e)) from e
+        if _is_config_error(e):
+            raise UserError(hydra_message(e)) from e
+        if isinstance(e, (AssertionError, AttributeError)):  # OmegaConf on a key under a null node
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UserError(f"the settings could not be composed ({first}): a key under a setting "
+                            f"that is null (off) cannot be set alone; pick the group choice that "
+                            f"turns it on (e.g. data=sharegpt_regen, data=sharegpt_selfgen)") from e
+        raise
 
 
 def _is_config_error(e: BaseException) -> bool:
@@ -154,9 +159,12 @@ def check_added_keys(cfg: Any, argv_overrides: list[str]) -> None:
                             f"spelling (`--cfg job` prints every setting)")
 
 
-def start_check(command: str, config_name: str, argv: list[str], conf_dir: str = CONF_DIR) -> Any:
-    """Steps 1-4 of the module docstring; returns the composed config (None: left to Hydra:
+def start_check(command: str, config_name: str, argv: list[str], schema: Optional[type] = None,
+                conf_dir: str = CONF_DIR) -> Any:
+    """Steps 1-4 of the module docstring, and every numeric setting inside its range (`schema`:
+    the command's dataclass, cli/ranges.py); returns the composed config (None: left to Hydra:
     another config, help, or a sweep, whose choices are still checked)."""
+    from specdistill.cli.ranges import check_ranges
     from specdistill.cli.settings import check_void
 
     args = overrides(argv)
@@ -168,12 +176,14 @@ def start_check(command: str, config_name: str, argv: list[str], conf_dir: str =
         return None
     cfg = compose(config_name, args, conf_dir)
     check_added_keys(cfg, args)
+    if schema is not None:
+        check_ranges(cfg, schema)
     for line in check_void(cfg, args):
         print(f"{prog(command)}: warning: {line}", file=sys.stderr, flush=True)
     return cfg
 
 
-def check_start(command: str, config_name: str, argv: list[str]) -> None:
+def check_start(command: str, config_name: str, argv: list[str], schema: Optional[type] = None) -> None:
     """start_check under the one-line error path: exit 2 with one line on a refusal."""
     with user_errors(command):
-        start_check(command, config_name, argv)
+        start_check(command, config_name, argv, schema)

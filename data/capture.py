@@ -415,7 +415,7 @@ def main() -> None:
 
     check_out_dir_arg("python -m specdistill.data.capture", sys.argv[1:], key="out")
     store_schema()
-    check_start("python -m specdistill.data.capture", "capture", sys.argv[1:])
+    check_start("python -m specdistill.data.capture", "capture", sys.argv[1:], CLISchema)
 
     @hydra.main(config_path=CONF_DIR, config_name="capture", version_base="1.3")
     def _run(cfg) -> None:

@@ -294,7 +294,7 @@ def main() -> None:
 
     check_out_dir_arg("python -m specdistill.data.regenerate", sys.argv[1:], key="out", file=True)
     store_schema()
-    check_start("python -m specdistill.data.regenerate", "regenerate", sys.argv[1:])
+    check_start("python -m specdistill.data.regenerate", "regenerate", sys.argv[1:], CLISchema)
 
     @hydra.main(config_path=CONF_DIR, config_name="regenerate", version_base="1.3")
     def _run(cfg) -> None:

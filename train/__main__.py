@@ -50,7 +50,7 @@ def cli() -> None:
     from specdistill.train.rundir import check_run_dir_arg
 
     check_out_dir_arg("python -m train", sys.argv[1:])
-    check_start("python -m train", "train", sys.argv[1:])  # every choice and key, before any work
+    check_start("python -m train", "train", sys.argv[1:], TrainConfig)  # every key, before work
     with user_errors("python -m train"):  # before Hydra writes into the run dir: locked, not ours
         check_run_dir_arg(sys.argv[1:])
     main()

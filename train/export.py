@@ -287,7 +287,7 @@ def main() -> None:
     from specdistill.cli.start import check_start
 
     store_schema()
-    check_start("python -m train.export", "export", sys.argv[1:])  # every key, before any work
+    check_start("python -m train.export", "export", sys.argv[1:], ExportConfig)  # every key, before any work
 
     @hydra.main(config_path=CONF_DIR, config_name="export", version_base="1.3")
     def _run(cfg) -> None:

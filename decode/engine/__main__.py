@@ -78,7 +78,7 @@ def cli() -> None:
     from specdistill.cli.start import check_start
 
     check_out_dir_arg("python -m decode.engine", sys.argv[1:], key="out")
-    check_start("python -m decode.engine", "engine", sys.argv[1:])
+    check_start("python -m decode.engine", "engine", sys.argv[1:], EngineCheckConfig)
     main()
 
 

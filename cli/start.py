@@ -8,7 +8,8 @@ schemas are in Hydra's ConfigStore and before `@hydra.main` runs:
    choices holds the schemas' internal names; the error lists the files;
 2. the config is composed as Hydra will compose it, and Hydra's and OmegaConf's errors (a key that is
    no setting, a wrong type, an unknown group, a parse error) become one line naming the key;
-3. a `+key=` that adds a key to a schema (a key nothing reads) is refused;
+3. a `+key=` that adds a key to a schema (a key nothing reads) and a required setting left unset
+   (`???`) are refused;
 4. the settings that another setting makes void (cli/settings.py) are refused or warned.
 
 Every refusal is a UserError: `<command>: error: <line>` and exit 2 (cli/errors.py).
@@ -159,6 +160,17 @@ def check_added_keys(cfg: Any, argv_overrides: list[str]) -> None:
                             f"spelling (`--cfg job` prints every setting)")
 
 
+def check_required(cfg: Any) -> None:
+    """Refuse a config with required settings left unset (`???`), naming each."""
+    from omegaconf import OmegaConf
+
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise UserError(f"required setting{'s' if len(missing) > 1 else ''} not given: "
+                        f"{', '.join(k + '=' for k in missing)}: give {'each' if len(missing) > 1 else 'it'} "
+                        f"on the command line")
+
+
 def start_check(command: str, config_name: str, argv: list[str], schema: Optional[type] = None,
                 conf_dir: str = CONF_DIR) -> Any:
     """Steps 1-4 of the module docstring, and every numeric setting inside its range (`schema`:
@@ -176,6 +188,7 @@ def start_check(command: str, config_name: str, argv: list[str], schema: Optiona
         return None
     cfg = compose(config_name, args, conf_dir)
     check_added_keys(cfg, args)
+    check_required(cfg)
     if schema is not None:
         check_ranges(cfg, schema)
     for line in check_void(cfg, args):

@@ -59,6 +59,12 @@ COMMANDS = {
 }
 
 
+# the settings each command requires (its `???`), given so that the other checks are reached
+REQUIRED = {"python -m decode.engine": ["export=e"], "python -m train.export": ["run=r", "out=o"],
+            "python -m specdistill.data.capture": ["out=o"],
+            "python -m specdistill.data.regenerate": ["out=o.jsonl"]}
+
+
 def _one_line(capsys, fn) -> str:
     """fn() must end the command: exit 2 and exactly one line on stderr, which is returned."""
     with pytest.raises(SystemExit) as e:
@@ -71,7 +77,8 @@ def _one_line(capsys, fn) -> str:
 
 def _start(capsys, command: str, *args: str) -> str:
     config, schema = COMMANDS[command]
-    return _one_line(capsys, lambda: check_start(command, config, list(args), schema))
+    args = [*REQUIRED.get(command, []), *args]
+    return _one_line(capsys, lambda: check_start(command, config, args, schema))
 
 
 def _groups_of(config: str) -> list[str]:
@@ -115,7 +122,7 @@ def _ranged(command: str) -> list[tuple[str, str]]:
     from omegaconf import OmegaConf
 
     config, schema = COMMANDS[command]
-    cfg = start_check(command, config, [], schema)
+    cfg = start_check(command, config, REQUIRED.get(command, []), schema)
     out = []
     for key, field, kind, tp in schema_fields(schema):
         parent = key.rpartition(".")[0]
@@ -204,7 +211,7 @@ def test_a_setting_another_makes_void_is_refused_naming_both(capsys, args, says)
 ])
 def test_a_void_setting_the_user_typed_is_warned_naming_both(capsys, command, args, says):
     config, schema = COMMANDS[command]
-    start_check(command, config, args, schema)
+    start_check(command, config, [*REQUIRED.get(command, []), *args], schema)
     err = capsys.readouterr().err
     assert f"{command}: warning: {says}" in err, err
 
@@ -231,8 +238,16 @@ def test_self_generation_and_regeneration_together_are_refused():
 
 def test_defaults_say_nothing(capsys):
     for command, (config, schema) in COMMANDS.items():
-        start_check(command, config, [], schema)
+        start_check(command, config, REQUIRED.get(command, []), schema)
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("command", list(REQUIRED))
+def test_a_required_setting_left_out_is_one_line_naming_it(capsys, command):
+    config, schema = COMMANDS[command]
+    err = _one_line(capsys, lambda: check_start(command, config, [], schema))
+    for arg in REQUIRED[command]:
+        assert arg.split("=")[0] + "=" in err and "not given" in err, err
 
 
 # -- value domains named as themselves ---------------------------------------------------------------

@@ -44,7 +44,7 @@ from specdistill.drafters.ngram import NgramConfig
 from specdistill.drafters.parts.head import cast_drafter
 from specdistill.export.folder import load_resolved
 from specdistill.store.rundir import DrafterSource, resolve_drafter
-from specdistill.target.model import TargetConfig, load_target
+from specdistill.target.model import TargetConfig, TargetLoadError, load_target
 from specdistill.target.precision import NATIVE_BF16_FLAGS, cpu_flags
 
 DEFAULTS = BenchConfig()  # the numeric options' defaults (and ranges: decode/config.py)
@@ -332,8 +332,11 @@ def load_targets(args) -> dict:
     for dn in args.dtypes:
         for attn in args.attn:
             for pack in args.prepack:
-                t = load_target(target_config(args.target, dtype=dn, threads=args.threads,
-                                              prepack=pack == "on"))
+                try:
+                    t = load_target(target_config(args.target, dtype=dn, threads=args.threads,
+                                                  prepack=pack == "on"))
+                except TargetLoadError as e:  # its fix names the setting as the bench takes it
+                    raise TargetLoadError(str(e).replace("target.path", "--target")) from e
                 if attn == "sdpa":
                     t.model.set_attn_implementation("sdpa")
                 name = (f"{t.dtype_choice.dtype}" + (" (auto)" if dn == "auto" else "")

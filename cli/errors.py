@@ -68,6 +68,7 @@ def _user_os_error(e: OSError) -> bool:
 
 
 def _report(command: str, msg: str, e: BaseException) -> None:
+    msg = " ".join(line.strip() for line in msg.splitlines() if line.strip())  # one line, always
     print(f"{command}: error: {msg} ({type(e).__name__}; set {DEBUG_ENV}=1 for the traceback)",
           file=sys.stderr, flush=True)
     sys.exit(USAGE_EXIT)

@@ -162,7 +162,7 @@ def void_settings(cfg: Any, argv_overrides: list[str]) -> list[tuple[str, str]]:
             continue
         shown = f"{rule.key}={_show(get(cfg, rule.key))}"
         void = f"{rule.void}={_show(get(cfg, rule.void))}"
-        say = f"{shown} with {void}" if level == REFUSE else f"{void} does nothing with {shown}"
+        say = f"{shown} with {void}" if rule.level == REFUSE else f"{void} does nothing with {shown}"
         out.append((level, f"{say}: {rule.why}"))
     return out
 

@@ -221,7 +221,8 @@ def test_a_shipped_recipe_under_a_short_run_is_warned_not_refused(capsys):
     user's short run still runs (the budget came from a YAML, not the command line)."""
     start_check("python -m train", "train", ["trainer.max_steps=5"], TrainConfig)
     err = capsys.readouterr().err
-    assert "trainer.on_policy_heads_start=0.9" in err and "no on-policy step runs" in err
+    assert ("python -m train: warning: trainer.on_policy_heads_start=0.9 with trainer.max_steps=5: "
+            "the on-policy heads phase starts at or after the last step") in err
 
 
 def test_self_generation_and_regeneration_together_are_refused():

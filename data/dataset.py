@@ -293,7 +293,7 @@ def load_chat_dataset(cfg: DataConfig, tokenizer) -> ChatData:
         ds = datasets.Dataset.load_from_disk(str(dest))
         counts = Counts.from_dict(json.loads((dest / "counts.json").read_text()))
         from specdistill.data.reuse import reuse_line
-        log.info(reuse_line("the tokenised data", dest, dest / "counts.json", {
+        log.info(reuse_line("tokenised data: loaded from cache", dest, dest / "counts.json", {
             "path": path, "max_length": cfg.max_length, "max_conversations": cfg.max_conversations},
             "data.cache_dir=<another folder> tokenises afresh") + f"; {len(ds)} conversations")
     else:

@@ -467,7 +467,7 @@ def test_a_reused_regeneration_and_tokenisation_are_said(tiny, tmp_path, caplog,
     text = caplog.text
     assert "reusing the regenerated data" in text and "made 20" in text and "limit=2" in text
     assert "a change of any data.regenerate setting (or data.cache_dir=<another folder>) regenerates" in text
-    assert "reusing the tokenised data" in text and "data.cache_dir=<another folder> tokenises afresh" in text
+    assert "reusing tokenised data: loaded from cache" in text and "data.cache_dir=<another folder> tokenises afresh" in text
 
 
 # -- the bench downloads nothing for the tiny target -------------------------------------------------
@@ -477,3 +477,10 @@ def test_the_bench_takes_a_conf_target_by_name(monkeypatch):
     cfg = target_config("tiny", dtype="float32", threads=0)
     assert cfg.path == "tiny" and cfg.random_init and cfg.model_config["num_hidden_layers"] == 2
     assert target_config("some/hf-id", dtype="auto").path == "some/hf-id"
+
+
+def test_a_data_path_that_is_a_folder_is_said_as_such(tmp_path):
+    from specdistill.data.dataset import DataConfig, load_chat_dataset
+
+    with pytest.raises(IsADirectoryError, match=rf"data.path={tmp_path} is a folder: give one "):
+        load_chat_dataset(DataConfig(kind="file", path=str(tmp_path)), tokenizer=None)

@@ -64,6 +64,9 @@ def test_training_run_writes_the_report(tiny_run):
     final = (tiny_run / "final_eval" / "result.md").read_text().strip()
     assert final in report  # rewritten after final_eval()
     assert "| 2 | " in report and "| 4 | " in report  # both periodic evals
+    # what was trained on: the data report written at the job's start
+    assert "## Training data" in report and "| turns trained |" in report
+    assert (tiny_run / "data_report.json").is_file()
     for name in ("acceptance_by_position", "accepted_length", "tau", "loss"):
         assert (tiny_run / "plots" / f"{name}.png").read_bytes()[:8] == PNG
 

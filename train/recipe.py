@@ -32,6 +32,7 @@ from specdistill.data.capture import (
     offline_features,
 )
 from specdistill.data.mix import MixedFeatures
+from specdistill.data.report import REPORT_FILE
 from specdistill.data.sources import training_data
 from specdistill.decode.simulate import simulate_acceptance
 from specdistill.drafters.base import TrainBatch, build_drafter
@@ -142,7 +143,9 @@ class DistillRecipe:
             layers = lambda: build_drafter(cfg.drafter, target).feature_layers  # noqa: E731
             self.sources = training_data(target, cfg.data, layers, progress=not quiet())
         data = self.sources.data
-        log.info("data: %d train / %d eval conversations", len(data.train), len(data.eval))
+        log.info("data: %d train / %d eval rows", len(data.train), len(data.eval))
+        if data.report is not None and self.backend.is_main:  # the run report's "Training data"
+            data.report.save(self.run_dir / REPORT_FILE)
         return target, data
 
     @property

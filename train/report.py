@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from specdistill.data.report import REPORT_FILE, DataReport
+
 PLOTS = "plots"
 ACC_KEY = re.compile(r"^eval/acc_(\d+)$")
 LOSS_PART = re.compile(r"^(div|feat)/s\d+$")  # per-component losses from train/losses.py
@@ -262,6 +264,8 @@ def _markdown(run_dir: Path, rows, evals, final_md: str | None, shown) -> str:
     lines += verdict(run_dir, read_final(run_dir)[0], read_engine(run_dir))
     if final_md:
         lines += ["## Decoder evaluation (final_eval)", "", final_md, ""]
+    if (run_dir / REPORT_FILE).is_file():  # what was trained on (written at the job's start)
+        lines += DataReport.load(run_dir / REPORT_FILE).markdown()
     if evals:
         k = max(len(a) for _, _, a in evals)
         lines += ["## Simulated acceptance on held-out conversations", "",

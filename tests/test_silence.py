@@ -412,8 +412,9 @@ def test_a_damaged_vllm_install_says_where_and_the_command_that_redoes_it(tmp_pa
     venv = vllm_venv(tmp_path)  # marked complete, its interpreter gone
     venv.mkdir(parents=True)
     (venv / "COMPLETE").write_text("vllm 0.0\n")
-    with pytest.raises(EngineUnavailable, match=rf"vLLM install in {venv} is damaged"):
-        vllm_python(tmp_path)
+    with pytest.raises(EngineUnavailable, match=rf"vLLM install in {venv} is damaged \(.* is missing"):
+        ve.run_vllm(vllm_python(tmp_path), tmp_path, export, 2, [[1, 2]], [4], [0], "float32", 64,
+                    tmp_path / "logs", plain=False)
 
 
 # -- every reuse said --------------------------------------------------------------------------------

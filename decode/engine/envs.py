@@ -131,8 +131,6 @@ def vllm_python(cache_root: Path, timeout: float = 1800, reinstall: bool = False
     python = venv / "bin" / "python"
     wait_background(cache_root)
     if (venv / COMPLETE).is_file() and not reinstall:
-        if not python.is_file():  # a venv whose interpreter is gone: marked complete, yet unusable
-            raise EngineUnavailable(damaged_install(python, f"{python} is missing"))
         return python
     with install_lock(venv):
         if reinstall:

@@ -167,6 +167,8 @@ def run_vllm(python: Path, target_dir: Path, export_dir: Path, k: int, prompts: 
     workers: dict[str, Worker] = {}
     try:
         for name in ("plain", "spec") if plain else ("spec",):  # both load at once
+            if not Path(python).is_file():  # an install marked complete whose interpreter is gone
+                raise EngineUnavailable(damaged_install(python, f"{python} is missing"))
             workers[name] = Worker(python, settings[name], logs / f"vllm-{name}.log", env)
         for name, w in workers.items():
             r = w.reply(timeout)

@@ -44,7 +44,7 @@ from specdistill.drafters.ngram import NgramConfig
 from specdistill.drafters.parts.head import cast_drafter
 from specdistill.export.folder import load_resolved
 from specdistill.store.rundir import DrafterSource, resolve_drafter
-from specdistill.target.model import TargetConfig, load_target
+from specdistill.target.model import TargetConfig, TargetLoadError, load_target
 from specdistill.target.precision import NATIVE_BF16_FLAGS, cpu_flags
 
 DEFAULTS = BenchConfig()  # the numeric options' defaults (and ranges: decode/config.py)
@@ -244,7 +244,9 @@ def diffs_markdown(diffs: dict) -> list[str]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--target", default="packaged:smollm2", help="target.path")
+    ap.add_argument("--target", default="packaged:smollm2",
+                    help="a target of conf/target/ by name (tiny, smollm2, ...: its YAML, nothing "
+                         "downloaded for tiny), or a target.path (folder, HF id, .gguf)")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "auto"],
                     help="target dtypes to compare (auto = target.dtype's default resolution)")
     ap.add_argument("--attn", nargs="+", default=["few_q"], choices=["few_q", "sdpa"],
@@ -309,6 +311,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def target_config(target: str, **settings) -> TargetConfig:
+    """--target as a TargetConfig: a name of conf/target/ is its YAML (tiny: random weights, no
+    download), anything else a target.path; `settings` (dtype, threads, ...) set on top."""
+    from omegaconf import OmegaConf
+
+    from specdistill.cli.paths import CONF_DIR
+
+    yaml = Path(CONF_DIR) / "target" / f"{target}.yaml"
+    base = OmegaConf.load(yaml) if yaml.is_file() and not Path(target).exists() else {"path": target}
+    cfg = OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(TargetConfig), base))
+    return dataclasses.replace(TargetConfig(**cfg), **settings)
+
+
 def load_targets(args) -> dict:
     """One target per (dtype, attention, prepack) asked, the same weights: name -> Target. The
     attention A/B (--attn few_q sdpa) switches the target's attention only; drafters keep theirs;
@@ -317,8 +332,11 @@ def load_targets(args) -> dict:
     for dn in args.dtypes:
         for attn in args.attn:
             for pack in args.prepack:
-                t = load_target(TargetConfig(path=args.target, dtype=dn, threads=args.threads,
-                                             prepack=pack == "on"))
+                try:
+                    t = load_target(target_config(args.target, dtype=dn, threads=args.threads,
+                                                  prepack=pack == "on"))
+                except TargetLoadError as e:  # its fix names the setting as the bench takes it
+                    raise TargetLoadError(str(e).replace("target.path", "--target")) from e
                 if attn == "sdpa":
                     t.model.set_attn_implementation("sdpa")
                 name = (f"{t.dtype_choice.dtype}" + (" (auto)" if dn == "auto" else "")

@@ -29,6 +29,7 @@ from specdistill.cli.ranges import MAX_BATCH, MAX_COUNT, MAX_LAYERS, rng
 from specdistill.data import quiet
 from specdistill.data.dataset import DataConfig, pad_batch
 from specdistill.target.identity import differences
+from specdistill.data.reuse import reuse_line
 from specdistill.target.model import TargetConfig
 
 log = logging.getLogger(__name__)
@@ -160,19 +161,39 @@ def length_batches(chunk: list[dict], batch_size: int) -> list[list[int]]:
     return [order[b:b + batch_size] for b in range(0, len(order), batch_size)]
 
 
-def capture_split(target, rows, cfg, out: Path, progress: bool = True) -> Path:
+# the setting that names a capture folder -> how the user selects another capture (or makes one)
+OTHER_CAPTURE = {
+    "out": "give another out= for these settings (or capture with the settings it holds)",
+    "trainer.features_dir": "set trainer.features_dir= to a capture made with these settings, or "
+                            "drop it (a capture keyed by these settings is made in the cache)",
+}
+
+
+def capture_split(target, rows, cfg, out: Path, progress: bool = True,
+                  setting: str = "trainer.features_dir") -> Path:
     """Capture `rows` (input_ids, loss_mask) in shards under `out`; completed shards are skipped,
-    so an interrupted capture resumes where it stopped."""
+    so an interrupted capture resumes where it stopped. `setting`: the key that named `out` (a
+    capture made with other settings is kept as it is, and the message says how to pick another)."""
     from tqdm import tqdm
 
     n = len(rows)
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"{setting}={out} is a file, not a folder: give a folder for the "
+                                 f"capture (a new one, or one a capture wrote)")
     manifest = _manifest(cfg, target, n)
     old = read_manifest(out)
     if old is not None:
         diffs = differences(old, manifest)
         if diffs:
-            raise ValueError(f"{out} holds a capture made with other settings: " + "; ".join(diffs)
-                             + ". Use another `out` folder or delete it")
+            raise ValueError(f"{setting}={out} holds a capture made with other settings ("
+                             + "; ".join(diffs) + f"); it is kept as it is: "
+                             + OTHER_CAPTURE.get(setting, OTHER_CAPTURE["out"]))
+        if all((out / f"shard-{s // cfg.shard_size:05d}.safetensors").is_file()
+               for s in range(0, n, cfg.shard_size)):
+            log.info(reuse_line("the capture", out, out / MANIFEST,
+                                {k: v for k, v in old.items() if k not in ("version", "target")},
+                                f"{setting}=<another folder> (or other capture settings) makes a "
+                                f"fresh one"))
     else:  # never into a folder of someone else's files (Hydra's .hydra-run/ log is ours)
         foreign = sorted(p.name for p in out.iterdir() if p.name != ".hydra-run") if out.is_dir() else []
         if foreign:
@@ -317,6 +338,11 @@ def offline_features(target, rows, folder: Path, cfg: CaptureConfig, *, is_main:
     reuse = captured not in (None, list(cfg.layers)) and serves(captured, cfg.layers)
     if is_main and not reuse:
         capture_split(target, rows, cfg, folder, progress=progress)
+    elif is_main:
+        log.info(reuse_line(f"the capture of layers {captured} (serves {list(cfg.layers)})", folder,
+                            folder / MANIFEST, {k: v for k, v in man.items() if k not in ("version",
+                                                                                          "target")},
+                            "trainer.features_dir=<another folder> makes a fresh one"))
     barrier()
     features = OfflineFeatures(folder, cfg.layers, target, autocast=cfg.autocast)
     if len(features) != len(rows):
@@ -364,7 +390,7 @@ def run(cfg) -> Path:
     rows = data.train if cfg.split == "train" else data.eval
     if cfg.limit is not None:
         rows = rows.select(range(min(cfg.limit, len(rows))))
-    out = capture_split(target, rows, cfg, Path(cfg.out), progress=not quiet())
+    out = capture_split(target, rows, cfg, Path(cfg.out), progress=not quiet(), setting="out")
     print(f"captured {len(rows)} conversations of the {cfg.split} split into {out}")
     return out
 
@@ -385,9 +411,11 @@ def main() -> None:
 
     from specdistill.cli.errors import user_errors
     from specdistill.cli.paths import CONF_DIR, check_out_dir_arg
+    from specdistill.cli.start import check_start
 
     check_out_dir_arg("python -m specdistill.data.capture", sys.argv[1:], key="out")
     store_schema()
+    check_start("python -m specdistill.data.capture", "capture", sys.argv[1:], CLISchema)
 
     @hydra.main(config_path=CONF_DIR, config_name="capture", version_base="1.3")
     def _run(cfg) -> None:

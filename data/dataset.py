@@ -367,6 +367,8 @@ def load_chat_dataset(cfg: DataConfig, tokenizer) -> ChatData:
     if cfg.max_conversations is not None and cfg.max_conversations < 1:
         raise ValueError(f"data.max_conversations={cfg.max_conversations}: must be >= 1 or null.")
     path = data_file(cfg)
+    if path.is_dir():
+        raise IsADirectoryError(f"data.path={cfg.path} is a folder: give one .json/.jsonl/.parquet file")
     if not path.is_file():
         raise FileNotFoundError(f"data file {path} does not exist (data.path={cfg.path!r}).")
     root = cache_root(cfg)
@@ -376,8 +378,10 @@ def load_chat_dataset(cfg: DataConfig, tokenizer) -> ChatData:
     if (dest / "counts.json").is_file():
         ds = datasets.Dataset.load_from_disk(str(dest))
         counts = Counts.from_dict(json.loads((dest / "counts.json").read_text()))
-        log.info("loaded from cache %s (%d rows) in %.2f s", dest, len(ds),
-                 time.perf_counter() - t0)
+        from specdistill.data.reuse import reuse_line
+        log.info(reuse_line("tokenised data: loaded from cache", dest, dest / "counts.json", {
+            "path": path, "max_length": cfg.max_length, "max_conversations": cfg.max_conversations},
+            "data.cache_dir=<another folder> tokenises afresh") + f"; {len(ds)} rows")
     else:
         log.info("tokenising %s into %s (first use of this data + tokenizer)", path, dest)
         dest.parent.mkdir(parents=True, exist_ok=True)

@@ -33,6 +33,7 @@ from specdistill.data.chat import content_text
 from specdistill.data.dataset import (DataConfig, RegenerateSettings, cache_root, cached_file_sha256,
                                       data_file, template_kwargs)
 from specdistill.data.sharegpt import Conversation, iter_conversations
+from specdistill.data.reuse import reuse_line
 from specdistill.target.identity import differences
 from specdistill.target.model import TargetConfig
 from specdistill.target.precision import DTYPES, resolve_dtype
@@ -65,6 +66,9 @@ def self_distilled(target, data_cfg, progress: bool = True):
 
     settings = data_cfg.regenerate
     src = data_file(data_cfg)
+    if src.is_dir():
+        raise IsADirectoryError(f"data.path={data_cfg.path} is a folder: give one "
+                                f".json/.jsonl/.parquet file")
     if not src.is_file():
         raise FileNotFoundError(f"data file {src} does not exist (data.path={data_cfg.path!r}).")
     root = cache_root(data_cfg)
@@ -77,7 +81,9 @@ def self_distilled(target, data_cfg, progress: bool = True):
     out = root / "regen" / f"{key}.jsonl"
     done = out.with_suffix(".done")
     if done.is_file():
-        log.info("self-distillation data from cache %s: %s", out, done.read_text().strip())
+        log.info(reuse_line("the regenerated data", out, done, settings,
+                            "a change of any data.regenerate setting (or data.cache_dir=<another "
+                            "folder>) regenerates") + f"; its counts: {done.read_text().strip()}")
     else:
         log.info("self-distillation: the target answers %s conversations of %s into %s "
                  "(first use; resumable)", settings["limit"], src, out)
@@ -309,9 +315,11 @@ def main() -> None:
 
     from specdistill.cli.errors import user_errors
     from specdistill.cli.paths import CONF_DIR, check_out_dir_arg
+    from specdistill.cli.start import check_start
 
     check_out_dir_arg("python -m specdistill.data.regenerate", sys.argv[1:], key="out", file=True)
     store_schema()
+    check_start("python -m specdistill.data.regenerate", "regenerate", sys.argv[1:], CLISchema)
 
     @hydra.main(config_path=CONF_DIR, config_name="regenerate", version_base="1.3")
     def _run(cfg) -> None:

@@ -41,6 +41,7 @@ from safetensors.torch import save_file
 from specdistill.data.capture import pad_features
 from specdistill.data.dataset import FEATURES, ChatData, SelfGenSettings, split_by_id
 from specdistill.data.sharegpt import Counts, iter_conversations
+from specdistill.data.reuse import reuse_line
 from specdistill.target.identity import differences
 from specdistill.target.prepack import prepacked
 
@@ -93,12 +94,23 @@ def store_key(target, src_sha: str, settings: SelfGenSettings, layers: Sequence[
             "settings": {**kept, **({"skip": skip} if skip else {})}, "layers": list(layers)}
 
 
+def check_dtypes(settings: SelfGenSettings) -> None:
+    """Refuse a generation or storage dtype that is none, naming its own key, before the store's
+    folder is made."""
+    from specdistill.target.precision import resolve_dtype
+
+    if settings.features_dtype not in STORE_DTYPES:
+        raise ValueError(f"data.selfgen.features_dtype={settings.features_dtype!r} is not a storage "
+                         f"dtype: use one of {', '.join(sorted(STORE_DTYPES))}")
+    resolve_dtype(settings.dtype, "cpu", setting="data.selfgen.dtype")
+
+
 def _generation_model(target, dtype: str):
     """The target's model in the generation dtype (a copy when it differs from the target's)."""
     from specdistill.target.precision import DTYPES, resolve_dtype
     from specdistill.target.precision import model_at
 
-    choice = resolve_dtype(dtype, target.device.type)  # auto: bf16 where native
+    choice = resolve_dtype(dtype, target.device.type, setting="data.selfgen.dtype")  # auto: bf16 where native
     want = DTYPES[choice.dtype]
     log.info("self-generation at %s (%s)", choice.dtype, choice.check)
     return model_at(target.model, want)
@@ -136,7 +148,11 @@ def build_selfgen(target, data_cfg, layers: Sequence[int], progress: bool = True
     from specdistill.data.generate import generate_with_features
 
     settings = SelfGenSettings(**dict(data_cfg.selfgen))
+    check_dtypes(settings)
     src = data_file(data_cfg)
+    if src.is_dir():
+        raise IsADirectoryError(f"data.path={data_cfg.path} is a folder: give one "
+                                f".json/.jsonl/.parquet file")
     if not src.is_file():
         raise FileNotFoundError(f"data file {src} does not exist (data.path={data_cfg.path!r}).")
     if settings.max_prompt_tokens + settings.max_new_tokens > target.max_length:
@@ -154,7 +170,10 @@ def build_selfgen(target, data_cfg, layers: Sequence[int], progress: bool = True
     store = SelfGenStore(folder)
     if (folder / COMPLETE).is_file():
         store.check(key)
-        log.info("self-generated data from cache %s: %s", folder, (folder / COMPLETE).read_text())
+        log.info(reuse_line("the self-generated data", folder, folder / COMPLETE,
+                            {**key["settings"], "layers": key["layers"]},
+                            "a change of any data.selfgen setting (or data.cache_dir=<another "
+                            "folder>) makes a fresh one"))
         return store
     folder.mkdir(parents=True, exist_ok=True)
     if (folder / MANIFEST).is_file():

@@ -43,8 +43,10 @@ def cli() -> None:
 
     from specdistill.cli.errors import user_errors
     from specdistill.cli.paths import check_out_dir_arg, override, refuse_nonempty
+    from specdistill.cli.start import check_start
 
     check_out_dir_arg("python -m decode", sys.argv[1:])
+    check_start("python -m decode", "decode", sys.argv[1:], DecodeConfig)  # every key, before work
     run_dir = override(sys.argv[1:], "run_dir")
     if run_dir is not None:  # before Hydra writes .hydra/ and its log there (a training run dir...)
         with user_errors("python -m decode"):

@@ -61,7 +61,7 @@ from specdistill.drafters.parts import parallel
 from specdistill.drafters.parts.anchors import check_anchor_share, draw_anchors
 from specdistill.drafters.parts.attention import block_attention
 from specdistill.drafters.parts.cache import DraftCache, RowsKV, additive_mask
-from specdistill.drafters.parts.fused_layouts import state_from_engine
+from specdistill.drafters.parts.fused_layouts import aux_fix, state_from_engine
 from specdistill.drafters.parts.head import head_logits, init_draft_head
 from specdistill.drafters.parts.layers import default_aux_layers, drafter_llama_config
 from specdistill.drafters.parts.layouts import (
@@ -187,7 +187,7 @@ def dflash_config(drafter, engine: str, verifier: Optional[str] = None, dtype: s
     lo = 1 if engine == "vllm" else 0
     if not all(lo <= i <= L - 1 for i in ids):
         raise ExportError(f"dflash: {engine} captures hidden_states in [{lo}, {L - 1}]; this "
-                          f"drafter reads {ids}: train with aux_layers inside that range")
+                          f"drafter reads {ids}: " + aux_fix(ids, L))
     layer = llama_layer_config(drafter.llama_config, drafter.target, dtype)
     layer.update(model_type="qwen3", layer_types=["full_attention"] * drafter.cfg.num_layers,
                  use_sliding_window=False)

@@ -22,6 +22,7 @@ from typing import Any, Optional, Sequence
 import torch
 from omegaconf import MISSING, OmegaConf
 
+from specdistill.cli.errors import UserError
 from specdistill.cli.ranges import MAX_THREADS, SEED, rng
 from specdistill.target.attention import use_few_query_attention
 from specdistill.target.identity import architecture, folder_identity, parameters_sha256
@@ -67,8 +68,9 @@ class TargetConfig:
     cache_dir: str = "~/.cache/specdistill"  # de-quantised GGUF cache (env SPECDISTILL_CACHE wins)
 
 
-class TargetLoadError(RuntimeError):
-    """The target could not be loaded; the message says what was tried and how to fix it."""
+class TargetLoadError(UserError):
+    """The target could not be loaded; the message says what was tried and how to fix it (a user
+    error: one line, exit 2, cli/errors.py)."""
 
 
 @dataclass

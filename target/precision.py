@@ -50,16 +50,18 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def resolve_dtype(requested: str, device: str, training: bool = False) -> DtypeChoice:
+def resolve_dtype(requested: str, device: str, training: bool = False,
+                  setting: str = "target.dtype") -> DtypeChoice:
     """The dtype a target runs at: `requested` itself, or for "auto" the fastest lossless one.
 
     auto -> bfloat16 on a CPU with native bf16 matmuls (NATIVE_BF16_FLAGS) or a CUDA device that
     supports bf16, float32 elsewhere. Training resolves auto to float32: the trainer reads the
     target's features and logits at its dtype and speeds them up with autocast
     (trainer.capture_autocast), so its numerics stay what they were before "auto" existed.
+    `setting`: the key the user set it with, named in the error (data.selfgen.dtype, ...).
     """
     if requested != "auto" and requested not in DTYPES:
-        raise ValueError(f"unknown target.dtype {requested!r}; use auto or one of "
+        raise ValueError(f"unknown {setting} {requested!r}; use auto or one of "
                          f"{sorted(DTYPES)}")
     if requested != "auto":
         name = str(DTYPES[requested]).removeprefix("torch.")

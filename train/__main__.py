@@ -22,6 +22,7 @@ ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 @hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     import logging
+    from pathlib import Path
 
     from hydra.core.hydra_config import HydraConfig
 
@@ -30,7 +31,8 @@ def main(cfg: DictConfig) -> None:
     from specdistill.train.rundir import interrupt_hint
 
     choices = HydraConfig.get().runtime.choices
-    if choices.get("budget"):  # conf/train.yaml's `optional budget: ${trainer}_${drafter}`
+    # conf/train.yaml's `optional budget: ${trainer}_${drafter}`: said when its file exists
+    if choices.get("budget") and (Path(CONF_DIR) / "budget" / f"{choices['budget']}.yaml").is_file():
         logging.getLogger(__name__).info(
             "recipe of drafter=%s at trainer=%s: conf/budget/%s.yaml (`~budget` drops it)",
             cfg.drafter.name, choices.get("trainer"), choices["budget"])
@@ -44,9 +46,11 @@ def cli() -> None:
 
     from specdistill.cli.errors import user_errors
     from specdistill.cli.paths import check_out_dir_arg
+    from specdistill.cli.start import check_start
     from specdistill.train.rundir import check_run_dir_arg
 
     check_out_dir_arg("python -m train", sys.argv[1:])
+    check_start("python -m train", "train", sys.argv[1:], TrainConfig)  # every key, before work
     with user_errors("python -m train"):  # before Hydra writes into the run dir: locked, not ours
         check_run_dir_arg(sys.argv[1:])
     main()

@@ -163,6 +163,10 @@ def measure_parity(folder: Path, target, info: RunInfo, limit: int | None = None
     if ref is None:
         raise ExportError(f"parity needs the run's final_eval/result.json (the tau at training end); "
                           f"{info.run_dir or info.drafter_dir} has none. Export without parity=true.")
+    if not info.is_reference and info.facts.fallback:  # best/ damaged: rerunning cannot help
+        raise ExportError(f"parity compares with the drafter the final eval measured, and "
+                          f"{info.facts.fallback}: restore that drafter's files (a backup, or "
+                          f"retrain) for parity, or export without parity=true")
     if not info.is_reference:
         raise ExportError(f"parity compares with the drafter the final eval measured (the run's "
                           f"best/, else its latest checkpoint), not {info.drafter_dir}: export "
@@ -275,11 +279,15 @@ def store_schema() -> None:
 
 
 def main() -> None:
+    import sys
+
     import hydra
 
     from specdistill.cli.paths import CONF_DIR
+    from specdistill.cli.start import check_start
 
     store_schema()
+    check_start("python -m train.export", "export", sys.argv[1:], ExportConfig)  # every key, before any work
 
     @hydra.main(config_path=CONF_DIR, config_name="export", version_base="1.3")
     def _run(cfg) -> None:

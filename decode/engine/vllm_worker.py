@@ -63,11 +63,15 @@ def main() -> None:
 
     settings = json.loads(open(args.settings).read())
     t0 = time.perf_counter()
-    try:
+    try:  # vLLM's own modules not importable: its install is damaged (not the export's fault)
         import vllm
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
-
+    except ImportError as e:
+        reply({"error": f"{type(e).__name__}: {e}", "damaged": True,
+               "traceback": traceback.format_exc()[-4000:]})
+        return
+    try:
         llm = LLM(model=settings["model"], tokenizer=settings["model"], dtype=settings["dtype"],
                   max_model_len=settings["max_model_len"], max_num_seqs=1, enforce_eager=True,
                   seed=settings.get("seed", 0), disable_log_stats=False,

@@ -38,6 +38,15 @@ def engine_refusal(dcfg: dict, engine: str) -> Optional[str]:
     return None
 
 
+def aux_fix(ids: list[int], num_layers: int) -> str:
+    """The fix of feature layers an engine cannot capture: a layer past the target's last means
+    the drafter meets another target than its own (more layers) before its aux_layers are wrong."""
+    if max(ids) > num_layers:
+        return (f"the target given has {num_layers} layers, fewer than this drafter reads: give the "
+                f"target it was trained on (target=...), or train with aux_layers inside that range")
+    return "train with aux_layers inside that range"
+
+
 def engine_layer_ids(drafter: FusedDrafter, engine: str) -> list[int]:
     """The aux-layer ids `engine` must be given to capture our feature_layers: vLLM / speculators
     capture the input of layer id (= hidden_states[id]), SGLang the output (= hidden_states[id+1]).
@@ -47,7 +56,7 @@ def engine_layer_ids(drafter: FusedDrafter, engine: str) -> list[int]:
     lo = 1 if engine == "sglang" else 0  # SGLang cannot name the embeddings, neither the last state
     if not why and (len(set(ids)) != 3 or not all(lo <= i <= L - 1 for i in ids)):
         why = (f"eagle3: {engine} captures 3 distinct hidden_states in [{lo}, {L - 1}]; this "
-               f"drafter reads {ids}: train with aux_layers inside that range")
+               f"drafter reads {ids}: " + aux_fix(ids, L))
     if why:
         raise ExportError(why)
     return [i - 1 for i in ids] if engine == "sglang" else ids

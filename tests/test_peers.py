@@ -79,10 +79,10 @@ def test_speculators_files_hold_aux_layers_and_the_prenorm_state(convs, rows, tm
 def test_specforge_files_hold_aux_layers_and_the_postnorm_state(convs, rows, target, tmp_path):
     assert F.write_specforge(convs, tmp_path) == len(rows)
     for i, (c, row) in enumerate(zip(convs, rows)):
-        d = torch.load(tmp_path / f"data_{i}.ckpt")
+        d = torch.load(tmp_path / f"data_{i:05d}.ckpt")
         T, H = len(row["input_ids"]), target.hidden_size
-        assert d["input_ids"].tolist() == [row["input_ids"]]
-        assert d["loss_mask"].tolist() == [row["loss_mask"]]
+        assert d["input_ids"].tolist() == row["input_ids"]  # (T,): its reader adds the batch axis
+        assert d["loss_mask"].tolist() == row["loss_mask"]
         assert d["aux_hidden_state"].shape == (1, T, 3 * H)
         assert torch.equal(d["hidden_state"][0], c["post"])  # POST-norm: what its LM head reads
         assert torch.allclose(F.final_norm(target)(c["pre"]), d["hidden_state"][0], atol=1e-5)

@@ -39,12 +39,12 @@ def speculators_args(data: Path, target_dir: Path, save: Path, close: bool) -> l
     base = ["--speculator-type", "eagle3", "--verifier-name-or-path", str(target_dir),
             "--data-path", str(data), "--save-path", str(save), "--target-layer-ids", "2", "15",
             "27", "--loss-implementation", "eager", "--draft-attn-impl", "sdpa", "--num-workers",
-            "0", "--on-missing", "raise", "--epochs", "1000"]
+            "0", "--on-missing", "raise", "--epochs", "1000", "--scheduler-total-steps", "600"]
     if not close:
         return base
     return base + ["--ttt-steps", "1", "--optimizer", "adamw", "--lr", "1e-3",
                    "--scheduler-type", "cosine", "--scheduler-warmup-steps", "30",
-                   "--scheduler-total-steps", "600", "--draft-vocab-size", "8192",
+                   "--draft-vocab-size", "8192",
                    "--no-norm-before-residual", "--no-norm-before-fc", "--no-norm-output",
                    "--total-seq-len", "4096"]
 

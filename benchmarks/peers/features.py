@@ -86,13 +86,14 @@ def write_speculators(convs, out: Path) -> int:
 
 
 def write_specforge(convs, out: Path) -> int:
-    """SpecForge's offline data: `data_{i}.ckpt` with input_ids (1, T), loss_mask (1, T),
-    aux_hidden_state (1, T, 3H) and the POST-norm hidden_state (1, T, H)."""
+    """SpecForge's offline data: `data_{i:05d}.ckpt` (it lists them sorted) with input_ids (T,),
+    loss_mask (T,), aux_hidden_state (1, T, 3H) and the POST-norm hidden_state (1, T, H), the
+    shapes its reader takes (specforge/algorithms/eagle3/data.py normalize_offline_sample)."""
     out.mkdir(parents=True, exist_ok=True)
     n = 0
     for i, c in enumerate(convs):
-        torch.save({"input_ids": c["input_ids"].long()[None], "loss_mask": c["loss_mask"].long()[None],
+        torch.save({"input_ids": c["input_ids"].long(), "loss_mask": c["loss_mask"].long(),
                     "aux_hidden_state": c["aux"][None].contiguous(),
-                    "hidden_state": c["post"][None].contiguous()}, out / f"data_{i}.ckpt")
+                    "hidden_state": c["post"][None].contiguous()}, out / f"data_{i:05d}.ckpt")
         n += 1
     return n

@@ -34,8 +34,9 @@ class Arm:
 def speculators_args(data: Path, target_dir: Path, save: Path, close: bool) -> list[str]:
     """`speculators train` flags: its defaults (3 TTT steps, muon at lr 1e-3, full vocabulary,
     8192 packed tokens, its EAGLE-3 norms) or as close to our default recipe as it allows (1 TTT
-    step, AdamW 1e-3 with 30 warm-up steps and a cosine over 600 steps, 8192-token draft
-    vocabulary, our architecture: no extra norms; 4 conversations' worth of packed tokens)."""
+    step, AdamW 1e-3 with 30 warm-up steps and a cosine, 8192-token draft vocabulary, our
+    architecture: no extra norms; 4 conversations' worth of packed tokens). Both: the schedule
+    over 600 steps (our default job's length), the features from files only."""
     base = ["--speculator-type", "eagle3", "--verifier-name-or-path", str(target_dir),
             "--data-path", str(data), "--save-path", str(save), "--target-layer-ids", "2", "15",
             "27", "--loss-implementation", "eager", "--draft-attn-impl", "sdpa", "--num-workers",

@@ -85,15 +85,17 @@ def write_speculators(convs, out: Path) -> int:
     return n
 
 
-def write_specforge(convs, out: Path) -> int:
+def write_specforge(convs, out: Path, dtype: torch.dtype = torch.bfloat16) -> int:
     """SpecForge's offline data: `data_{i:05d}.ckpt` (it lists them sorted) with input_ids (T,),
     loss_mask (T,), aux_hidden_state (1, T, 3H) and the POST-norm hidden_state (1, T, H), the
-    shapes its reader takes (specforge/algorithms/eagle3/data.py normalize_offline_sample)."""
+    shapes its reader takes (specforge/algorithms/eagle3/data.py normalize_offline_sample), in
+    bf16 as its own captures store them (its target head runs at model.torch_dtype, bf16 by
+    default, and refuses fp32 states; our capture's aux features are bf16 already)."""
     out.mkdir(parents=True, exist_ok=True)
     n = 0
     for i, c in enumerate(convs):
         torch.save({"input_ids": c["input_ids"].long(), "loss_mask": c["loss_mask"].long(),
-                    "aux_hidden_state": c["aux"][None].contiguous(),
-                    "hidden_state": c["post"][None].contiguous()}, out / f"data_{i:05d}.ckpt")
+                    "aux_hidden_state": c["aux"][None].to(dtype).contiguous(),
+                    "hidden_state": c["post"][None].to(dtype).contiguous()}, out / f"data_{i:05d}.ckpt")
         n += 1
     return n

@@ -16,6 +16,10 @@ The shims, each small and named; none changes what the peer computes:
   after the optimizer step that crosses the budget its controller's max_steps is set to that
   step, so fit() returns and its trainer saves the final checkpoint as at any max_steps.
 - `count_tokens`: counts each training batch's tokens (attention mask) for tokens/s.
+- `eager_kernels`: its draft model wraps RMSNorm, the rotary embedding and parts of its loss in
+  `torch.compile` (modeling/draft/llama3_eagle.py); on a CPU that means inductor building C++
+  for each at the first step (minutes on a loaded 2-core machine, inside the timed minutes).
+  TORCHDYNAMO_DISABLE=1 runs the same functions eagerly.
 The run config sets training.fsdp_sharding=NO_SHARD (DDP: its FSDP refuses a CPU) and sdpa
 attention, and model.lm_head_key=model.embed_tokens.weight (SmolLM2 ties its head) on a folder of
 links to the target's files with the index file its head loader looks for.
@@ -99,6 +103,7 @@ def main() -> int:
     ap.add_argument("--export", required=True)
     args = ap.parse_args()
     stats: dict = {"peer": "specforge"}
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"  # eager_kernels: read when torch is first imported
     eager_loss()
     single_process()
     wall_clock_budget(args.minutes, stats)

@@ -110,8 +110,7 @@ def main() -> int:
     from specforge.cli import main as cli
 
     try:
-        rc = cli(["train", "-c", args.config])
-        stats["rc"] = rc
+        stats["rc"] = cli(["train", "-c", args.config])
         stats["export"] = export(args)
     finally:
         stats["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -127,14 +126,13 @@ def export(args) -> str | None:
 
     cfg = yaml.safe_load(open(args.config))
     out = Path(cfg["output_dir"])
-    ckpts = sorted((p for p in out.rglob("*") if p.is_dir() and p.name.startswith(
-        ("step", "epoch", "checkpoint"))), key=lambda p: p.stat().st_mtime)
-    maps = sorted(out.rglob("*vocab*mapping*.pt")) + sorted(Path(cfg["data"]["cache_dir"]).rglob(
-        "*vocab*mapping*.pt"))
+    ckpts = sorted(out.glob(f"{cfg['run_id']}-step*"), key=lambda p: int(p.name.rsplit("step", 1)[1]))
+    maps = sorted((Path(cfg["data"]["cache_dir"]) / "vocab_mapping").glob("*.pt"))
     if not ckpts:
         return None
     cli(["export", "--to", "hf", "--checkpoint", str(ckpts[-1]), "--draft-config",
          args.draft_config, "--output-dir", args.export,
+         "--embedding-source", cfg["model"]["target_model_path"],  # its checkpoints omit it
          *(["--vocab-mapping", str(maps[-1])] if maps else [])])
     return args.export
 

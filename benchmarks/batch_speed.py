@@ -23,16 +23,19 @@ import torch
 
 from specdistill.decode.batched.cost import CostCurve, cost_curve
 from specdistill.decode.batched.planner import new_planner
-from specdistill.decode.batched.spec import MODES, BatchResult, generate_batch
+from specdistill.decode.batched.spec import MODES, PLANNED, BatchResult, generate_batch
 from specdistill.decode.evaluate import render
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 ONE_BY_ONE = "1by1"  # label suffix of a speculative mode whose rows draft one after another
 EXACT = "exact"  # label suffix of a mode run with exact_verify
+# the modes measured by default; adaptive (confidence-driven widths) has its own A/B,
+# benchmarks/verify_smart.py
+BENCH_MODES = tuple(m for m in MODES if m != "adaptive")
 
 
 def run_batch_bench(target: Any, drafter: Any, prompts: Sequence[torch.Tensor], *,
-                    batch_sizes: Sequence[int] = BATCH_SIZES, modes: Sequence[str] = MODES,
+                    batch_sizes: Sequence[int] = BATCH_SIZES, modes: Sequence[str] = BENCH_MODES,
                     k: int = 5, max_new_tokens: int = 128, repeats: int = 1,
                     cost: CostCurve | None = None, cache_dir: str | None = None,
                     tree: bool = False, one_by_one: bool = False, exact: bool = False,
@@ -51,10 +54,10 @@ def run_batch_bench(target: Any, drafter: Any, prompts: Sequence[torch.Tensor], 
     # starts from the acceptance and drafting seconds the earlier ones measured); one per way of
     # drafting and of verifying (exact or not), whose seconds differ
     planners = {}
-    if "budgeted" in modes and drafter is not None:
-        planners = {(t, ex): new_planner(cost if cost is not None else cost_curve(
+    if drafter is not None:  # budgeted and adaptive: one planner per mode and way
+        planners = {(m, t, ex): new_planner(cost if cost is not None else cost_curve(
             target, cache_dir, exact=ex), k, drafter, tree)
-            for t, ex in {(t, ex) for _, m, t, ex in cells if m == "budgeted"}}
+            for m, t, ex in {(m, t, ex) for _, m, t, ex in cells if m in PLANNED}}
     runs: dict[tuple[int, str], list[BatchResult]] = {(b, c[0]): [] for b in batch_sizes
                                                       for c in cells}
     for r in range(repeats):
@@ -64,7 +67,7 @@ def run_batch_bench(target: Any, drafter: Any, prompts: Sequence[torch.Tensor], 
                     target, drafter if m != "plain" else None, work, max_new_tokens=max_new_tokens,
                     batch_size=b, k=k, mode=m, cache_dir=cache_dir, tree=tree,
                     batch_drafts=together, exact_verify=ex,
-                    **({"planner": planners[(together, ex)]} if m == "budgeted"
+                    **({"planner": planners[(m, together, ex)]} if m in PLANNED
                        else {"cost": cost})))
                 last = runs[(b, label)][-1]
                 log(f"repeat {r + 1}/{repeats} B={b} {label}: {last.tokens_per_s:.1f} tokens/s")

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from benchmarks.batch_speed import batch_main
+from benchmarks.batch_speed import BENCH_MODES, batch_main
 from specdistill.cli.paths import present
 from specdistill.cli.ranges import check_ranges, range_problems
 from specdistill.data.prompts import load_prompts
@@ -287,7 +287,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch", action="store_true", help="the batched benchmark instead: "
                     "throughput and latency per batch size x mode (first dtype, first --ckpt or ngram)")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=d.batch_sizes)
-    ap.add_argument("--batch-modes", nargs="+", default=list(MODES))
+    ap.add_argument("--batch-modes", nargs="+", choices=MODES, default=list(BENCH_MODES))
     ap.add_argument("--batch-repeats", type=int, default=d.batch_repeats,
                     help="interleaved repeats (medians)")
     ap.add_argument("--batch-tree", action="store_true",

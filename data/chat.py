@@ -1,28 +1,38 @@
-"""Render a conversation with the target's chat template and mask the loss to assistant text.
+"""Render a conversation with the target's chat template and mask the loss to what the target writes,
+each assistant turn in the context the target sees when it serves that turn.
 
-The drafter learns to predict what the target writes, so the loss mask is 1 exactly on the tokens
-of each assistant turn's content plus the turn's end-of-turn token (`<|im_end|>` for ChatML /
-SmolLM2 / Qwen, `<|eot_id|>` for Llama-3) -- the drafter must also learn when a turn ends -- and 0
-on everything the template or the user wrote: system and user turns, the assistant header
-(`<|im_start|>assistant\n`) and the newline after the end-of-turn token.
+At serving time the target is given `render(messages[:i], add_generation_prompt=True)` -- the
+served prefix, with whatever the template does to the history (Qwen3 strips earlier reasoning) and
+to the generation prompt (`enable_thinking=False` adds an empty think block) -- and writes turn i as
+the template renders the newest turn:
+    head_i = render(messages[:i], add_generation_prompt=True)   # the served prefix
+    turn_i = render(messages[:i+1])                             # head_i + turn i as written, newest
+turn_i must start with head_i; the trained span is turn_i[len(head_i):] up to and including the
+turn's end-of-turn token (the tokenizer's EOS string, else a special token after the content): the
+reasoning, the answer and the tool calls exactly as the template lays them out, never the header
+(`<|im_start|>assistant\n`), the newline after the end-of-turn token, a user turn or a tool result.
+A turn whose rendering does not start with its served prefix (reasoning in the data while the
+template kwargs serve with thinking off) cannot be served as written: the record is refused
+(`not_as_served`), never trained in another context.
 
-Templates of most chat models have no `{% generation %}` block, so the assistant spans are found by
-rendering prefixes and diffing the strings (steps in `assistant_spans`):
-    head_i = render(messages[:i], add_generation_prompt=True)   # ends where turn i's content starts
-head_i must be a prefix of the full rendering. When the full rendering continues with the content
-(verbatim, or trimmed as Llama-3's template does) and an end-of-turn token (the tokenizer's EOS
-string, else a special token), that token ends the span: one render per assistant turn. Otherwise
-    turn_i = render(messages[:i+1])                              # ends after turn i's trailer
-must also be a prefix, and the span ends after the last EOS in turn_i[len(head_i):]. A template
-that breaks these prefixes (e.g. one that rewrites earlier turns) raises ChatTemplateError rather
-than produce wrong masks. A conversation that starts with assistant has no messages[:0] to render:
-head_0 is read off the rendering of a stand-in assistant turn.
+Rows. Where the full rendering of the conversation shows turn i and its served prefix exactly as
+served -- turn_i[:end] is a prefix of it, and the tokens before the turn are the served prefix's own
+tokens -- the turn is trained in the one row of its conversation, the full rendering (ChatML without
+history rewriting: ShareGPT on SmolLM2, encoded exactly as before turns were checked). A
+turn the full rendering shows differently (a rewritten history, a think block only in the newest
+turn, a prompt ending in whitespace that the tokenizer merges differently inside the conversation)
+gets a row of its own: the served prefix's tokens, then the turn's, each tokenised on its own as the
+target is given the one and writes the other. `EncodedChat.stats` counts those turns and their tokens.
 
-The full text is tokenised once, without added special tokens (the template already put BOS where
-it wants it); a token is masked when its characters overlap a span (so a rare token that merges the
-header's newline with content starting with a newline is masked too), then ids and mask are cut at
-max_length. A conversation with no masked token left is dropped as "too_long". Assistant turns with
-empty content stay in the text as context but are not masked: there is nothing to learn from them.
+Refused per record (never altered): content parts other than text, list content, tool calls or
+reasoning that the template does not render (a template without tool or thinking support), a
+template that raises on the conversation. A turn cut off by max_length counts as a dropped turn;
+a conversation with no trained token left is dropped as "too_long".
+
+The texts are tokenised in one batched call, without added special tokens (the template puts BOS
+where it wants it); a token is masked when its characters overlap a span, then ids and mask are cut
+at max_length. A conversation that starts with assistant has no messages[:0] to render: head_0 is
+read off the rendering of a stand-in assistant turn.
 """
 from __future__ import annotations
 
@@ -31,9 +41,10 @@ from typing import Any, Optional, Sequence
 
 import jinja2
 
-Messages = Sequence[dict[str, str]]  # [{"role": "system"|"user"|"assistant", "content": str}]
+Messages = Sequence[dict[str, Any]]  # OpenAI chat-completions messages (data/sharegpt.py)
 # Stand-in content used to find the assistant header when a conversation starts with assistant.
 _PLACEHOLDER = "\x01SPECDISTILL_PLACEHOLDER\x01"
+KINDS = ("answer", "reasoning", "tool_call")  # what a trained token is, for the data report
 
 
 class ChatTemplateError(ValueError):
@@ -41,22 +52,100 @@ class ChatTemplateError(ValueError):
     conversation, so it stops the run)."""
 
 
+class Refused(Exception):
+    """This conversation cannot be trained as the target serves it: `reason` (counted), `detail`."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason, self.detail = reason, detail
+
+
 @dataclass
-class RenderedChat:
-    text: str  # the full rendered conversation
-    spans: list[tuple[int, int]]  # [start, end) char spans: assistant content + end-of-turn token
+class Template:
+    """What every apply_chat_template call gets besides the messages."""
+
+    tools: Optional[list] = None  # OpenAI tool definitions (the record's, else none)
+    kwargs: dict = field(default_factory=dict)  # data.template_kwargs, e.g. {enable_thinking: false}
+
+
+@dataclass
+class EncodedRow:
+    input_ids: list[int] = field(default_factory=list)  # (T,) T <= max_length
+    loss_mask: list[int] = field(default_factory=list)  # (T,) 1 on what the target writes
 
 
 @dataclass
 class EncodedChat:
-    input_ids: list[int] = field(default_factory=list)  # (T,) T <= max_length
-    loss_mask: list[int] = field(default_factory=list)  # (T,) 1 on assistant content + end-of-turn
-    drop_reason: Optional[str] = None  # "too_long" | "template_error" when unusable (ids empty)
+    rows: list[EncodedRow] = field(default_factory=list)  # the full rendering first, then own contexts
+    drop_reason: Optional[str] = None  # "too_long" | "template_error" | a refusal (rows empty)
+    detail: str = ""  # why it was dropped, in words
+    # turns (trained / cut by max_length / in their own context), tokens of the extra rows,
+    # trained tokens by kind (KINDS)
+    stats: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def input_ids(self) -> list[int]:  # the first row's (the whole conversation's)
+        return self.rows[0].input_ids if self.rows else []
+
+    @property
+    def loss_mask(self) -> list[int]:
+        return self.rows[0].loss_mask if self.rows else []
 
 
-def _render(tokenizer, messages: Messages, generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(list(messages), tokenize=False,
-                                         add_generation_prompt=generation_prompt)
+# ---------------------------------------------------------------------------------------------
+# Messages
+# ---------------------------------------------------------------------------------------------
+def content_text(message: dict) -> str:
+    """The text of a message's content: a string, or the text parts of a list; "" for None."""
+    content = message.get("content")
+    if isinstance(content, list):
+        return "".join(p.get("text") or "" for p in content if isinstance(p, dict))
+    return content or ""
+
+
+def reasoning_text(message: dict) -> str:
+    """The reasoning of an assistant message: `reasoning_content`, else a `<think>` block."""
+    if message.get("reasoning_content"):
+        return message["reasoning_content"]
+    text = content_text(message)
+    if "</think>" in text:
+        return text.split("</think>")[0].split("<think>")[-1]
+    return ""
+
+
+def answer_text(message: dict) -> str:
+    """The answer of an assistant message: its content after any `</think>`."""
+    return content_text(message).split("</think>")[-1]
+
+
+def trains(message: dict) -> bool:
+    """An assistant turn with something the target writes (answer, reasoning or tool calls)."""
+    return message.get("role") == "assistant" and bool(
+        content_text(message).strip() or message.get("tool_calls") or reasoning_text(message).strip())
+
+
+def _tool_names(message: dict) -> list[str]:
+    calls = message.get("tool_calls") or []
+    return [str((c.get("function") or c).get("name", "")) for c in calls if isinstance(c, dict)]
+
+
+def check_parts(messages: Messages) -> None:
+    """Refuse content parts the text renderer cannot use (images, audio, files)."""
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if isinstance(content, list):
+            kinds = {p.get("type") for p in content if isinstance(p, dict)}
+            if kinds - {"text"}:
+                raise Refused("non_text_content", f"message {i} ({m.get('role')}) has content parts "
+                              f"of type {sorted(str(k) for k in kinds - {'text'})}; only text is trained")
+
+
+# ---------------------------------------------------------------------------------------------
+# Rendering
+# ---------------------------------------------------------------------------------------------
+def render(tokenizer, messages: Messages, generation_prompt: bool, template: Template) -> str:
+    return tokenizer.apply_chat_template(list(messages), tools=template.tools or None, tokenize=False,
+                                         add_generation_prompt=generation_prompt, **template.kwargs)
 
 
 def _check_template(tokenizer) -> None:
@@ -73,12 +162,12 @@ def _special_strings(tokenizer) -> list[str]:
     return sorted((s for s in specials if s), key=len, reverse=True)
 
 
-def _assistant_head(tokenizer, before: Messages) -> str:
-    """Rendered text up to where an assistant turn's content starts, after `before`."""
+def served_prefix(tokenizer, before: Messages, template: Template) -> str:
+    """What the target is given before it writes the next assistant turn after `before`."""
     if before:
-        return _render(tokenizer, before, generation_prompt=True)
+        return render(tokenizer, before, True, template)
     # Nothing before (the conversation starts with assistant): render a stand-in turn.
-    text = _render(tokenizer, [{"role": "assistant", "content": _PLACEHOLDER}], False)
+    text = render(tokenizer, [{"role": "assistant", "content": _PLACEHOLDER}], False, template)
     at = text.find(_PLACEHOLDER)
     if at < 0:
         raise ChatTemplateError("the chat template drops or rewrites assistant content "
@@ -97,81 +186,125 @@ def _end_of_turn_at(tokenizer, text: str, pos: int) -> Optional[int]:
     return None
 
 
-def _content_end(tokenizer, text: str, start: int, content: str) -> Optional[int]:
-    """End of the end-of-turn token when text[start:] is `content` (verbatim or trimmed by the
-    template) followed by an end-of-turn token; None otherwise."""
-    for shown in (content, content.strip()):
-        if text.startswith(shown, start):
-            end = _end_of_turn_at(tokenizer, text, start + len(shown))
-            if end is not None:
-                return end
-    return None
-
-
-def _turn_end(tokenizer, turn: str, start: int, content: str) -> int:
-    """End of the end-of-turn token of the assistant turn rendered at turn[start:], where `turn`
-    renders the conversation up to and including this turn."""
+def _turn_end(tokenizer, turn: str, start: int, message: dict) -> int:
+    """End of the end-of-turn token of the assistant turn rendered at turn[start:] (the turn is the
+    last thing `turn` renders before any trailer)."""
     eos = tokenizer.eos_token
     k = turn.rfind(eos, start) if eos else -1  # the last EOS: content may quote the EOS string
     if k >= 0:
         return k + len(eos)
-    end = _content_end(tokenizer, turn, start, content)
-    if end is None:
+    answer = answer_text(message)
+    for shown in (answer, answer.strip()):  # a template that trims (Llama-3)
+        at = turn.rfind(shown, start) if shown else -1
+        end = _end_of_turn_at(tokenizer, turn, at + len(shown)) if at >= 0 else None
+        if end is not None:
+            return end
+    ends = [turn.rfind(s, start) + len(s) for s in _special_strings(tokenizer) if turn.rfind(s, start) >= 0]
+    if not ends:
         raise ChatTemplateError(
             f"cannot find the end-of-turn token of an assistant turn: EOS {eos!r} is not in the "
-            f"rendered turn {turn[start:][-80:]!r} and no special token follows the content.")
-    return end
+            f"rendered turn {turn[start:][-80:]!r} and no special token follows it.")
+    return max(ends)
 
 
-def _inconsistent(i: int) -> ChatTemplateError:
-    return ChatTemplateError(
-        f"the chat template renders a conversation prefix inconsistently (turn {i}: the rendering "
-        f"of messages[:{i}] with add_generation_prompt=True, or of messages[:{i + 1}], is not a "
-        f"prefix of the full rendering), so assistant spans cannot be found by diffing. Templates "
-        f"that rewrite earlier turns (e.g. strip reasoning) are not supported.")
+@dataclass
+class Turn:
+    """One assistant turn as the target serves it."""
+
+    index: int  # position in the messages
+    text: str  # served prefix + the turn up to its end-of-turn token
+    start: int  # where the turn starts in `text` (len of the served prefix)
+    regions: dict[str, tuple[int, int]]  # kind -> [start, end) chars in `text` (answer: the rest)
 
 
-def assistant_spans(tokenizer, messages: Messages, full: str,
-                    stop: Optional[int] = None) -> list[tuple[int, int]]:
-    """[start, end) char spans in `full` (the rendering of `messages`) of each non-empty assistant
-    turn's content + end-of-turn token. Turns that start at or after char `stop` are skipped (they
-    fall beyond the truncation point).
+def _regions(message: dict, text: str, start: int) -> dict[str, tuple[int, int]]:
+    """Where reasoning and tool calls lie in the turn text[start:]; refuses what is not rendered."""
+    regions: dict[str, tuple[int, int]] = {}
+    cursor = start
+    reasoning = reasoning_text(message).strip()
+    if reasoning:
+        at = text.find(reasoning, start)
+        if at < 0:
+            raise Refused("reasoning_not_rendered", "an assistant turn has reasoning that the chat "
+                          "template does not render; use a thinking template or drop the reasoning")
+        cursor = at + len(reasoning)
+        close = text.find("</think>", cursor)
+        if close >= 0 and not text[cursor:close].strip():
+            cursor = close + len("</think>")
+        regions["reasoning"] = (start, cursor)
+    elif "</think>" in text[start:]:  # an empty think block the template writes (Qwen3's newest turn)
+        close = text.find("</think>", start)
+        if not text[start:close].replace("<think>", "").strip():
+            cursor = close + len("</think>")
+            regions["reasoning"] = (start, cursor)
+    names = _tool_names(message)
+    if names:
+        answer = answer_text(message).strip()
+        at = text.find(answer, cursor) if answer else -1
+        tool_start = at + len(answer) if at >= 0 else cursor
+        if any(text.find(n, tool_start) < 0 for n in names):
+            raise Refused("tool_call_not_rendered", f"an assistant turn calls {names} but the chat "
+                          "template does not render tool calls; use the target's tool template")
+        regions["tool_call"] = (tool_start, len(text))
+    return regions
 
-    Raises ChatTemplateError when the template does not render consistent prefixes.
+
+def served_turn(tokenizer, messages: Messages, i: int, template: Template) -> Turn:
+    """Assistant turn i in the context the target serves it in."""
+    head = served_prefix(tokenizer, messages[:i], template)
+    turn = render(tokenizer, messages[: i + 1], False, template)
+    if not turn.startswith(head):
+        raise Refused("not_as_served", f"assistant turn {i} as the template renders it does not follow "
+                      f"the served prefix (e.g. reasoning in the data while the template kwargs serve "
+                      f"without thinking): {head[-40:]!r} vs {turn[len(head) - 40:len(head)]!r}")
+    end = _turn_end(tokenizer, turn, len(head), messages[i])
+    text = turn[:end]
+    return Turn(i, text, len(head), _regions(messages[i], text, len(head)))
+
+
+def _check_rendered(messages: Messages, full: str) -> None:
+    """List content is the reader's intact form: refuse it when the template dropped its text."""
+    for i, m in enumerate(messages):
+        if isinstance(m.get("content"), list) and content_text(m).strip() not in full:
+            raise Refused("content_not_rendered", f"message {i} ({m.get('role')}) has list content "
+                          f"that the chat template does not render; give the content as a string")
+
+
+def plan_rows(tokenizer, messages: Messages, template: Template, full: str,
+              stop: Optional[int] = None) -> tuple[list[Turn], list[Turn]]:
+    """(turns trained in the full rendering `full`, turns that need a row of their own): a turn
+    shares the full rendering when it shows the turn and its served prefix as they are served.
+    Turns whose served prefix is a prefix of `full` and starts at or after char `stop` are skipped
+    (beyond the truncation point).
+
+    Raises Refused for a conversation that cannot be trained as served, ChatTemplateError for a
+    template that cannot give masks at all, jinja2.TemplateError when it refuses the conversation.
     """
-    spans: list[tuple[int, int]] = []
-    for i, msg in enumerate(messages):
-        if msg["role"] != "assistant" or not msg["content"].strip():
-            continue  # empty assistant turns stay as context: nothing to learn from them
-        # 1. where the content starts: the generation prompt after the turns before it
-        head = _assistant_head(tokenizer, messages[:i])
-        if not full.startswith(head):
-            raise _inconsistent(i)
-        if stop is not None and len(head) >= stop:
+    _check_rendered(messages, full)
+    shared: list[Turn] = []
+    own: list[Turn] = []
+    for i in [i for i, m in enumerate(messages) if trains(m)]:
+        turn = served_turn(tokenizer, messages, i, template)
+        in_full = full.startswith(turn.text)
+        if stop is not None and turn.start >= stop and full.startswith(turn.text[:turn.start]):
             break
-        # 2. usually the content follows verbatim, then an end-of-turn token: one render per turn
-        end = _content_end(tokenizer, full, len(head), msg["content"])
-        if end is None:
-            # 3. else diff against the rendering of the conversation up to this turn
-            turn = _render(tokenizer, messages[: i + 1], generation_prompt=False)
-            if not turn.startswith(head) or not full.startswith(turn):
-                raise _inconsistent(i)
-            end = _turn_end(tokenizer, turn, len(head), msg["content"])
-        spans.append((len(head), end))
-    return spans
+        (shared if in_full else own).append(turn)
+    return shared, own
 
 
-def render_chat(tokenizer, messages: Messages) -> RenderedChat:
-    """Render `messages` with the tokenizer's chat template and find the assistant spans.
-
-    Raises ChatTemplateError when the template cannot give consistent prefixes, and lets
-    jinja2.TemplateError through when the template refuses this conversation.
-    """
+def render_chat(tokenizer, messages: Messages, template: Optional[Template] = None):
+    """(full rendering, [(start, end)] char spans of the turns it trains, [own-context turns])."""
     _check_template(tokenizer)
-    full = _render(tokenizer, messages, generation_prompt=False)
-    return RenderedChat(full, assistant_spans(tokenizer, messages, full))
+    template = template or Template()
+    check_parts(messages)
+    full = render(tokenizer, messages, False, template)
+    shared, own = plan_rows(tokenizer, messages, template, full)
+    return full, [(t.start, len(t.text)) for t in shared], own
 
 
+# ---------------------------------------------------------------------------------------------
+# Tokenising and masking
+# ---------------------------------------------------------------------------------------------
 def _char_token(encoding: Any, index: int, char: int, step: int, stop: int) -> Optional[int]:
     """Token holding `char`; chars without a token (dropped by a normaliser) move by `step`."""
     while char != stop:
@@ -182,49 +315,173 @@ def _char_token(encoding: Any, index: int, char: int, step: int, stop: int) -> O
     return None
 
 
-def encode_chats(tokenizer, conversations: Sequence[Messages], max_length: int) -> list[EncodedChat]:
-    """Render, tokenise (one batched call) and mask many conversations. Needs a fast tokenizer."""
+def _tokens(encoding: Any, b: int, start: int, end: int, limit: int) -> tuple[int, int]:
+    """[first, last + 1) of the tokens overlapping chars [start, end) of text b, cut at `limit`."""
+    if end <= start:
+        return 0, 0
+    first = _char_token(encoding, b, start, +1, end)
+    last = _char_token(encoding, b, end - 1, -1, start - 1)
+    if first is None or last is None:
+        return 0, 0
+    return min(first, limit), min(last + 1, limit)
+
+
+def _count_kinds(encoding: Any, b: int, turn: Turn, first: int, stop: int, shift: int, limit: int,
+                 stats: dict[str, int]) -> None:
+    """Trained tokens [first, stop) of a turn by kind; `shift`: chars of `turn.text` before text b."""
+    rest = stop - first
+    for kind, (a, z) in turn.regions.items():
+        lo, hi = _tokens(encoding, b, max(a, turn.start) - shift, z - shift, limit)
+        n = max(0, min(hi, stop) - max(lo, first))
+        stats[kind] += n
+        rest -= n
+    stats["answer"] += max(rest, 0)
+    stats["turns"] += 1
+
+
+def _context_tail(encoding: Any, b: int, first: int, added: set[int]) -> int:
+    """Index of the first token after the last added token before token `first` of text b: from
+    there on, the served prefix is tokenised on its own (added tokens split the text)."""
+    ids = encoding["input_ids"][b]
+    k = first
+    while k > 0 and ids[k - 1] not in added:
+        k -= 1
+    return k
+
+
+def _shared_turns(tokenizer, encoding: Any, texts: list[str], turns: dict[int, list[Turn]],
+                  max_length: int) -> dict[int, list[tuple[Turn, int, int]]]:
+    """Per text b, (turn, first, stop) of each turn the full rendering trains as served, token for
+    token: the tokens before the turn must be the served prefix's own tokens (a prefix ending in
+    whitespace can merge with the turn's first characters). A turn that fails moves to turns[-b-1]
+    (its own row)."""
+    added = {int(i) for i in tokenizer.get_added_vocab().values()}
+    checks: list[tuple[int, Turn, int, int, int]] = []  # (b, turn, first, stop, tail start token)
+    for b, shared in turns.items():
+        if b < 0:  # turns that already have rows of their own
+            continue
+        for turn in shared:
+            first, stop = _tokens(encoding, b, turn.start, len(turn.text), max_length)
+            if stop <= first:
+                continue
+            tail = _context_tail(encoding, b, first, added)
+            checks.append((b, turn, first, stop, tail))
+    tails = [texts[b][encoding.token_to_chars(b, tail).start if tail < first else turn.start:turn.start]
+             for b, turn, first, _, tail in checks]
+    served = tokenizer(tails, add_special_tokens=False, verbose=False)["input_ids"] if tails else []
+    out: dict[int, list[tuple[Turn, int, int]]] = {b: [] for b in turns if b >= 0}
+    for (b, turn, first, stop, tail), ids in zip(checks, served):
+        starts_clean = encoding.token_to_chars(b, first).start == turn.start
+        if starts_clean and encoding["input_ids"][b][tail:first] == ids:
+            out[b].append((turn, first, stop))
+        else:
+            turns.setdefault(-b - 1, []).append(turn)
+    return out
+
+
+def _own_rows(tokenizer, turns: list[Turn], max_length: int) -> list[tuple[EncodedRow, dict]]:
+    """A row per turn: the served prefix's tokens, then the turn's (both tokenised on their own, as
+    the target is given the one and writes the other), the turn's tokens trained."""
+    if not turns:
+        return []
+    heads = tokenizer([t.text[:t.start] for t in turns], add_special_tokens=False, verbose=False)
+    bodies = tokenizer([t.text[t.start:] for t in turns], add_special_tokens=False, verbose=False)
+    out = []
+    for b, turn in enumerate(turns):
+        head, body = heads["input_ids"][b], bodies["input_ids"][b]
+        ids = (head + body)[:max_length]
+        first, stop = min(len(head), max_length), len(ids)
+        stats = dict.fromkeys(("turns",) + KINDS, 0)
+        if stop > first:  # regions are chars of turn.text: the body starts at turn.start
+            _count_kinds(bodies, b, turn, 0, stop - first, turn.start, max_length - first, stats)
+        out.append((EncodedRow(ids, [0] * first + [1] * (stop - first)), stats))
+    return out
+
+
+def _as_templates(templates, n: int) -> list[Template]:
+    if templates is None or isinstance(templates, Template):
+        return [templates or Template()] * n
+    return list(templates)
+
+
+def _refuse(result: EncodedChat, e: Exception) -> None:
+    if isinstance(e, Refused):
+        result.drop_reason, result.detail = e.reason, e.detail
+    else:  # the template refuses this conversation (raise_exception, or a type it cannot add)
+        result.drop_reason, result.detail = "template_error", f"{type(e).__name__}: {e}"
+
+
+def _plan(tokenizer, conversations, templates, max_length, results):
+    """Steps 1-2 of encode_chats: full renderings tokenised in one batched call, and the turns."""
+    fulls: dict[int, str] = {}
+    for i, messages in enumerate(conversations):
+        try:
+            check_parts(messages)
+            fulls[i] = render(tokenizer, messages, False, templates[i])
+        except (Refused, jinja2.TemplateError, TypeError) as e:
+            _refuse(results[i], e)
+    order = list(fulls)
+    enc = tokenizer([fulls[i] for i in order], add_special_tokens=False, verbose=False) if order else None
+    shared: dict[int, list[Turn]] = {}
+    for b, i in enumerate(order):
+        long = len(enc["input_ids"][b]) > max_length
+        stop = enc.token_to_chars(b, max_length - 1).end if long else None
+        try:
+            shared[b], own = plan_rows(tokenizer, conversations[i], templates[i], fulls[i], stop)
+        except (Refused, jinja2.TemplateError, TypeError) as e:
+            _refuse(results[i], e)
+            continue
+        if own:
+            shared[-b - 1] = own
+    return order, fulls, enc, shared
+
+
+def encode_chats(tokenizer, conversations: Sequence[Messages], max_length: int,
+                 templates: Optional[Template | Sequence[Template]] = None) -> list[EncodedChat]:
+    """Render, tokenise (batched calls) and mask many conversations; `templates`: one for all, or
+    one per conversation (its tools + the template kwargs). Needs a fast tokenizer."""
     _check_template(tokenizer)
     if not getattr(tokenizer, "is_fast", False):
         raise ChatTemplateError("building loss masks needs a fast (Rust) tokenizer for char-to-token "
                                 f"offsets; got {type(tokenizer).__name__}.")
-    results = [EncodedChat() for _ in conversations]
-    # 1. render every conversation whole
-    texts, rows = [], []  # rendered texts and the conversation each belongs to
-    for i, messages in enumerate(conversations):
-        try:
-            texts.append(_render(tokenizer, messages, generation_prompt=False))
-            rows.append(i)
-        except jinja2.TemplateError:  # the template refuses this conversation (raise_exception)
-            results[i].drop_reason = "template_error"
-    if not texts:
+    templates = _as_templates(templates, len(conversations))
+    results = [EncodedChat(stats=dict.fromkeys(
+        ("turns", "turns_too_long", "own_context", "extra_tokens") + KINDS, 0)) for _ in conversations]
+    # 1-2. render and tokenise every conversation whole; its served turns
+    order, fulls, enc, turns = _plan(tokenizer, conversations, templates, max_length, results)
+    if not order:
         return results
-    # 2. tokenise them in one batched call (the Rust tokenizer runs it on every core)
-    enc = tokenizer(texts, add_special_tokens=False, verbose=False)
-    for b, (i, text) in enumerate(zip(rows, texts)):
-        ids = enc["input_ids"][b][:max_length]
-        # 3. find the assistant spans that start before the truncation point
-        cut = enc.token_to_chars(b, max_length - 1) if len(enc["input_ids"][b]) > max_length else None
-        try:
-            spans = assistant_spans(tokenizer, conversations[i], text, cut.end if cut else None)
-        except jinja2.TemplateError:
-            results[i].drop_reason = "template_error"
-            continue
-        # 4. mask every token that overlaps a span, then cut at max_length
-        mask = [0] * len(enc["input_ids"][b])
-        for start, end in spans:
-            first = _char_token(enc, b, start, +1, end)
-            last = _char_token(enc, b, end - 1, -1, start - 1)
-            if first is not None and last is not None:
-                mask[first: last + 1] = [1] * (last + 1 - first)
-        mask = mask[:max_length]
-        if 1 not in mask:
-            results[i].drop_reason = "too_long"
-        else:
-            results[i].input_ids, results[i].loss_mask = ids, mask
+    # 3. the turns the full rendering trains as served, token for token; the others go to own rows
+    texts = [fulls[i] for i in order]
+    shared = _shared_turns(tokenizer, enc, texts, turns, max_length)
+    own_turns = [(order[-k - 1], t) for k, ts in turns.items() if k < 0 for t in ts]
+    own = _own_rows(tokenizer, [t for _, t in own_turns], max_length)
+    # 4. the rows: the full rendering first, then a row per turn in its own context
+    for b, i in enumerate(order):
+        stats, mask = results[i].stats, [0] * min(len(enc["input_ids"][b]), max_length)
+        for turn, first, stop in shared.get(b, []):
+            mask[first:stop] = [1] * (stop - first)
+            _count_kinds(enc, b, turn, first, stop, 0, max_length, stats)
+        if 1 in mask:
+            results[i].rows.append(EncodedRow(list(enc["input_ids"][b][:max_length]), mask))
+    for (i, turn), (row, row_stats) in sorted(zip(own_turns, own), key=lambda x: x[0][1].index):
+        if 1 in row.loss_mask:
+            results[i].rows.append(row)
+            results[i].stats["own_context"] += 1
+            results[i].stats["extra_tokens"] += len(row.input_ids)
+            for k, v in row_stats.items():
+                results[i].stats[k] += v
+    for i in order:
+        if results[i].drop_reason is None:
+            stats = results[i].stats
+            stats["turns_too_long"] = sum(trains(m) for m in conversations[i]) - stats["turns"]
+            if not results[i].rows:
+                results[i].drop_reason = "too_long"
+                results[i].detail = f"no trained token within max_length={max_length}"
     return results
 
 
-def encode_chat(tokenizer, messages: Messages, max_length: int) -> EncodedChat:
+def encode_chat(tokenizer, messages: Messages, max_length: int,
+                template: Optional[Template] = None) -> EncodedChat:
     """One conversation (see encode_chats)."""
-    return encode_chats(tokenizer, [messages], max_length)[0]
+    return encode_chats(tokenizer, [messages], max_length, template)[0]

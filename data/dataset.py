@@ -30,9 +30,9 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Dict, Optional
 
 import datasets
 import torch
@@ -40,16 +40,20 @@ import torch
 from specdistill.cli.ranges import MAX_BATCH, MAX_COUNT, MAX_TEMPERATURE, MAX_THREADS, MAX_TOKENS, SEED, rng
 from specdistill.data import quiet
 from specdistill.data.assets import asset_path
-from specdistill.data.chat import encode_chats
+from specdistill.data.chat import Template, encode_chats, trains
+from specdistill.data.report import REPORT_FILE, DataReport
 from specdistill.data.sharegpt import Counts, DataFormatError, iter_conversations
 from specdistill.target.model import cache_root, file_sha256
 
 log = logging.getLogger(__name__)
 
-LOADER_VERSION = 1  # bump when a change to data/ changes the rows; old caches are then ignored
+# bump when a change to data/ changes the rows or what the cache holds; old caches are then ignored
+# (2: rows as served, several per conversation; messages in every OpenAI form; the data report)
+LOADER_VERSION = 2
 SPLIT_BUCKETS = 10_000  # eval_fraction resolution of the id-hash split
-_MESSAGES = datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")})
-RAW_FEATURES = datasets.Features({"id": datasets.Value("string"), "messages": _MESSAGES})
+# messages and tools travel as JSON: every OpenAI message form (parts, tool_calls, ...) intact
+RAW_FEATURES = datasets.Features({"id": datasets.Value("string"), "messages": datasets.Value("string"),
+                                  "tools": datasets.Value("string")})
 FEATURES = datasets.Features({
     "id": datasets.Value("string"),
     "input_ids": datasets.List(datasets.Value("int32")),
@@ -126,6 +130,13 @@ class DataConfig:
     # set: train on the target's own answers to the first user turns, generated with their
     # features in one pass (data/selfgen.py; cached, resumable); None: the file's answers
     selfgen: Optional[SelfGenSettings] = None
+    # extra arguments of every apply_chat_template call (training rows, regeneration, self-
+    # generation), e.g. +data.template_kwargs.enable_thinking=false for a Qwen3 target served without
+    # thinking (the + adds a key to the mapping)
+    template_kwargs: Dict[str, Any] = field(default_factory=dict)
+    # the job stops when more than this share of the records is dropped for a reason other than
+    # length (bad records, unknown roles, forms the template cannot render); 1 = never
+    max_drop_fraction: float = rng(0.25, 0, 1)
 
 
 @dataclass
@@ -134,6 +145,7 @@ class ChatData:
     eval: datasets.Dataset  # same columns; disjoint from train
     counts: Counts  # read / kept / dropped by reason / truncated tail of the source
     cache_path: Path  # the saved tokenised dataset (train + eval, before the split)
+    report: Optional[DataReport] = None  # turns and trained tokens by kind (data/report.py)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,29 +195,55 @@ def tokenizer_fingerprint(tokenizer) -> str:
 def cache_key(cfg: DataConfig, tokenizer, file_sha256: str) -> str:
     parts = {"version": LOADER_VERSION, "tokenizer": tokenizer_fingerprint(tokenizer),
              "max_length": cfg.max_length, "max_conversations": cfg.max_conversations,
-             "data": file_sha256}
+             "data": file_sha256, "template_kwargs": template_kwargs(cfg)}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
 
 
 # ---------------------------------------------------------------------------------------------
 # Building the cache
 # ---------------------------------------------------------------------------------------------
+def template_kwargs(cfg) -> dict[str, Any]:
+    """data.template_kwargs as a plain dict (a DictConfig or a dataclass field; {} when unset)."""
+    kwargs = getattr(cfg, "template_kwargs", None)
+    if kwargs is None:
+        return {}
+    if not hasattr(kwargs, "items"):
+        raise ValueError(f"data.template_kwargs={kwargs!r}: give a mapping, e.g. "
+                         f"+data.template_kwargs.enable_thinking=false")
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(kwargs) if OmegaConf.is_config(kwargs) else dict(kwargs)
+
+
 def _conversation_rows(path: str, limit: Optional[int], counts_file: str):
     """Generator for pass 1: normalised conversations; writes the reader's Counts at the end."""
     counts = Counts()
     for conv in iter_conversations(path, counts, limit=limit):
-        yield {"id": conv.id, "messages": conv.messages}
+        yield {"id": conv.id, "messages": json.dumps(conv.messages, ensure_ascii=False),
+               "tools": json.dumps(conv.tools, ensure_ascii=False) if conv.tools else ""}
     Path(counts_file).write_text(json.dumps(counts.to_dict()))
 
 
-def _encode_batch(batch: dict[str, list], tokenizer, max_length: int) -> dict[str, list]:
-    """Pass 2 (batched map): render, tokenise and mask a batch of conversations."""
-    encoded = encode_chats(tokenizer, batch["messages"], max_length)
-    return {"id": batch["id"],
-            "input_ids": [e.input_ids for e in encoded],
-            "loss_mask": [e.loss_mask for e in encoded],
-            "length": [len(e.input_ids) for e in encoded],
-            "drop_reason": [e.drop_reason or "" for e in encoded]}
+def _encode_batch(batch: dict[str, list], tokenizer, max_length: int, kwargs: dict) -> dict[str, list]:
+    """Pass 2 (batched map): render, tokenise and mask a batch of conversations. A conversation
+    gives one row per context (data/chat.py), or one empty row carrying its drop reason; its first
+    row carries its stats (JSON) for the data report."""
+    conversations = [json.loads(m) for m in batch["messages"]]
+    templates = [Template(json.loads(t) if t else None, kwargs) for t in batch["tools"]]
+    encoded = encode_chats(tokenizer, conversations, max_length, templates)
+    out: dict[str, list] = {k: [] for k in ("id", "input_ids", "loss_mask", "length", "drop_reason",
+                                            "stats")}
+    for cid, conv, e in zip(batch["id"], conversations, encoded):
+        stats = {**e.stats, "rows": len(e.rows), "detail": e.detail,
+                 "trainable": sum(trains(m) for m in conv)}
+        for r, row in enumerate(e.rows or [None]):
+            out["id"].append(cid)
+            out["input_ids"].append(row.input_ids if row else [])
+            out["loss_mask"].append(row.loss_mask if row else [])
+            out["length"].append(len(row.input_ids) if row else 0)
+            out["drop_reason"].append(e.drop_reason or "")
+            out["stats"].append(json.dumps(stats) if r == 0 else "")
+    return out
 
 
 @contextlib.contextmanager
@@ -222,44 +260,92 @@ def _progress_bars():
         (datasets.enable_progress_bars if was_on else datasets.disable_progress_bars)()
 
 
-def _build(path: Path, tokenizer, cfg: DataConfig, key: str, out: Path, work: Path) -> Counts:
-    """Tokenise `path` into the dataset folder `out` (+ counts.json), using `work` for scratch."""
+def _read(path: Path, cfg: DataConfig, key: str, work: Path) -> tuple[datasets.Dataset, Counts]:
+    """Pass 1: stream normalised conversations to an Arrow file; the reader's counts."""
     counts_file = work / "reader_counts.json"
-    with _progress_bars():
-        # 1. stream normalised conversations to an Arrow file
-        try:
-            raw = datasets.Dataset.from_generator(
-                _conversation_rows, features=RAW_FEATURES, cache_dir=str(work / "gen"),
-                fingerprint=f"{key}-raw",
-                gen_kwargs={"path": str(path), "limit": cfg.max_conversations,
-                            "counts_file": str(counts_file)})
-        except datasets.exceptions.DatasetGenerationError as e:
-            if isinstance(e.__cause__, DataFormatError):  # say what is wrong with the file
-                raise e.__cause__ from None
+    try:
+        raw = datasets.Dataset.from_generator(
+            _conversation_rows, features=RAW_FEATURES, cache_dir=str(work / "gen"),
+            fingerprint=f"{key}-raw",
+            gen_kwargs={"path": str(path), "limit": cfg.max_conversations,
+                        "counts_file": str(counts_file)})
+    except Exception as e:  # datasets wraps the generator's errors, and fails on zero rows
+        cause = e.__cause__ if isinstance(e, datasets.exceptions.DatasetGenerationError) else None
+        if isinstance(cause, DataFormatError):  # say what is wrong with the file
+            raise cause from None
+        if not counts_file.is_file():
             raise
-        counts = Counts.from_dict(json.loads(counts_file.read_text()))
-        if counts.kept == 0:
-            raise ValueError(f"{path}: no usable conversation ({counts}).")
+        raw = None
+    counts = Counts.from_dict(json.loads(counts_file.read_text()))
+    if raw is None or counts.kept == 0:
+        raise ValueError(f"{path}: no usable conversation ({counts.describe()}); fix the records "
+                         f"or point data.path at a chat file (see docs/data.md)")
+    return raw, counts
+
+
+def _tally(encoded: datasets.Dataset, counts: Counts) -> tuple[list[int], DataReport]:
+    """The rows kept, and the data report; moves conversations dropped when encoding into counts."""
+    keep: list[int] = []
+    drops: list[tuple[str, str, dict]] = []
+    stats_all = []
+    for i, (cid, reason, stats) in enumerate(zip(encoded["id"], encoded["drop_reason"],
+                                                 encoded["stats"])):
+        if reason:
+            drops.append((cid, reason, json.loads(stats)))
+            continue
+        keep.append(i)
+        if stats:
+            stats_all.append(json.loads(stats))
+    for cid, reason, stats in drops:
+        counts.drop(reason, was_kept=True, where=f"id {cid}: {stats['detail']}")
+    report = DataReport.from_counts(counts)
+    for stats in stats_all:
+        report.add(stats, stats["rows"])
+    for _, reason, stats in drops:
+        report.drop_turns(reason, stats["trainable"])
+    return keep, report
+
+
+def _build(path: Path, tokenizer, cfg: DataConfig, key: str, out: Path, work: Path) -> Counts:
+    """Tokenise `path` into the dataset folder `out` (+ counts.json, data_report.json), using `work`
+    for scratch."""
+    with _progress_bars():
+        raw, counts = _read(path, cfg, key, work)  # 1. normalised conversations, streamed
         # 2. render + tokenise + mask, in num_proc workers, order kept
-        enc_features = datasets.Features({**FEATURES, "drop_reason": datasets.Value("string")})
+        enc_features = datasets.Features({**FEATURES, "drop_reason": datasets.Value("string"),
+                                          "stats": datasets.Value("string")})
         encoded = raw.map(
-            _encode_batch, batched=True, batch_size=256, remove_columns=["messages"],
-            fn_kwargs={"tokenizer": tokenizer, "max_length": cfg.max_length},
+            _encode_batch, batched=True, batch_size=256, remove_columns=["messages", "tools"],
+            fn_kwargs={"tokenizer": tokenizer, "max_length": cfg.max_length,
+                       "kwargs": template_kwargs(cfg)},
             features=enc_features, num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
             cache_file_name=str(work / "encoded.arrow"), load_from_cache_file=False,
             new_fingerprint=f"{key}-enc", desc="tokenising chats")
         # 3. count the drops, keep the rest, save
-        keep = []
-        for i, reason in enumerate(encoded["drop_reason"]):
-            if reason:
-                counts.drop(reason, was_kept=True)
-            else:
-                keep.append(i)
+        keep, report = _tally(encoded, counts)
         if not keep:
-            raise ValueError(f"{path}: every conversation was dropped after tokenisation ({counts}).")
-        encoded.select(keep).remove_columns("drop_reason").save_to_disk(str(out))
+            raise ValueError(f"{path}: every conversation was dropped after tokenisation "
+                             f"({counts.describe()}); see docs/data.md")
+        encoded.select(keep).remove_columns(["drop_reason", "stats"]).save_to_disk(str(out))
     (out / "counts.json").write_text(json.dumps(counts.to_dict(), indent=1))
+    report.save(out / REPORT_FILE)
     return counts
+
+
+def check_drops(path: Path, counts: Counts, max_drop_fraction: float) -> None:
+    """Say every drop (WARNING: reasons, counts, first record of each); stop when more than
+    `max_drop_fraction` of the records went for a reason other than length."""
+    if not counts.dropped and not counts.truncated_tail_bytes:
+        return
+    log.warning("data %s: %s", path, counts.describe())
+    other = {r: n for r, n in counts.dropped.items() if r != "too_long"}
+    share = sum(other.values()) / max(counts.read, 1)
+    if share > max_drop_fraction:
+        reasons = ", ".join(f"{r} {n} (first: {counts.first.get(r, '?')})" for r, n in sorted(other.items()))
+        raise ValueError(f"{path}: {sum(other.values())} of {counts.read} records ({100 * share:.0f}%) "
+                         f"were dropped for reasons other than length, more than "
+                         f"data.max_drop_fraction={max_drop_fraction}: {reasons}; fix the records "
+                         f"(docs/data.md) or allow it with data.max_drop_fraction=1")
 
 
 def split_by_id(ds: datasets.Dataset, eval_fraction: float, seed: int):
@@ -290,7 +376,7 @@ def load_chat_dataset(cfg: DataConfig, tokenizer) -> ChatData:
     if (dest / "counts.json").is_file():
         ds = datasets.Dataset.load_from_disk(str(dest))
         counts = Counts.from_dict(json.loads((dest / "counts.json").read_text()))
-        log.info("loaded from cache %s (%d conversations) in %.2f s", dest, len(ds),
+        log.info("loaded from cache %s (%d rows) in %.2f s", dest, len(ds),
                  time.perf_counter() - t0)
     else:
         log.info("tokenising %s into %s (first use of this data + tokenizer)", path, dest)
@@ -306,15 +392,20 @@ def load_chat_dataset(cfg: DataConfig, tokenizer) -> ChatData:
         finally:
             shutil.rmtree(work, ignore_errors=True)
         ds = datasets.Dataset.load_from_disk(str(dest))
-        log.info("tokenised %d conversations in %.1f s", len(ds), time.perf_counter() - t0)
-    log.info("data %s: %s", path, counts)
+        log.info("tokenised %d conversations into %d rows in %.1f s", counts.kept, len(ds),
+                 time.perf_counter() - t0)
+    if not counts.dropped:
+        log.info("data %s: %s", path, counts)
     corrupt = counts.dropped.get("corrupt_json", 0)
     if corrupt or counts.truncated_tail_bytes:  # said on every run, not only the first
         log.warning("data %s: %d corrupt record(s) skipped and %d bytes of a cut-off tail unread; "
                     "training uses the %d conversations kept", path, corrupt,
                     counts.truncated_tail_bytes, counts.kept)
+    check_drops(path, counts, getattr(cfg, "max_drop_fraction", 0.25))
+    report = DataReport.load(dest / REPORT_FILE)
+    log.info("data report: %s", report.summary())
     train, eval_ = split_by_id(ds, cfg.eval_fraction, cfg.seed)
-    return ChatData(train=train, eval=eval_, counts=counts, cache_path=dest)
+    return ChatData(train=train, eval=eval_, counts=counts, cache_path=dest, report=report)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -339,7 +430,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     data = load_chat_dataset(cfg, tokenizer)
     seconds = time.perf_counter() - t0
     tokens = sum(data.train["length"]) + sum(data.eval["length"])
-    print(f"{data.counts}\ntrain {len(data.train)}, eval {len(data.eval)} conversations, "
+    print(f"{data.counts}\n{data.report.summary()}\ntrain {len(data.train)}, eval {len(data.eval)} rows, "
           f"{tokens} tokens, {seconds:.1f} s ({data.cache_path})")
     return 0
 

@@ -23,13 +23,15 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from omegaconf import MISSING
 
 from specdistill.data import quiet
-from specdistill.data.dataset import DataConfig, RegenerateSettings, cache_root, cached_file_sha256, data_file
+from specdistill.data.chat import content_text
+from specdistill.data.dataset import (DataConfig, RegenerateSettings, cache_root, cached_file_sha256,
+                                      data_file, template_kwargs)
 from specdistill.data.sharegpt import Conversation, iter_conversations
 from specdistill.target.identity import differences
 from specdistill.target.model import TargetConfig
@@ -67,8 +69,11 @@ def self_distilled(target, data_cfg, progress: bool = True):
         raise FileNotFoundError(f"data file {src} does not exist (data.path={data_cfg.path!r}).")
     root = cache_root(data_cfg)
     settings = OmegaConf.to_container(OmegaConf.create(settings))  # a plain dict
-    key = hashlib.sha1(json.dumps([target.identity, cached_file_sha256(src, root), settings, FORMAT],
-                                  sort_keys=True).encode()).hexdigest()[:20]
+    kwargs = template_kwargs(data_cfg)
+    parts = [target.identity, cached_file_sha256(src, root), settings, FORMAT]
+    if kwargs:  # the template kwargs change the answers (stores made without them keep their keys)
+        parts.append(kwargs)
+    key = hashlib.sha1(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
     out = root / "regen" / f"{key}.jsonl"
     done = out.with_suffix(".done")
     if done.is_file():
@@ -78,7 +83,7 @@ def self_distilled(target, data_cfg, progress: bool = True):
                  "(first use; resumable)", settings["limit"], src, out)
         cfg = OmegaConf.merge(OmegaConf.structured(RegenerateConfig), settings)
         convs = list(iter_conversations(src, limit=settings["limit"]))
-        counts = regenerate(target, convs, cfg, out, progress=progress)
+        counts = regenerate(target, convs, cfg, out, progress=progress, template_kwargs=kwargs)
         if counts["written"] == 0:
             raise ValueError(f"self-distillation wrote no conversation from {src}: {counts}; raise "
                              f"data.regenerate.max_prompt_tokens or check the data")
@@ -89,6 +94,17 @@ def self_distilled(target, data_cfg, progress: bool = True):
     new = OmegaConf.merge(OmegaConf.structured(DataConfig), data_cfg)
     new.kind, new.path, new.regenerate = "file", str(out), None
     return new
+
+
+def _record(conv: Conversation, messages: list[dict]) -> dict:
+    """A regenerated conversation as a record: ShareGPT form where it is plain chat (the form files
+    written before tool and reasoning fields existed have), else OpenAI messages with every field."""
+    plain = all(m["role"] in FROM and set(m) == {"role", "content"} and isinstance(m["content"], str)
+                for m in messages)
+    if plain and not conv.tools:
+        return {"id": conv.id, "conversations": [{"from": FROM[m["role"]], "value": m["content"]}
+                                                 for m in messages]}
+    return {"id": conv.id, "messages": messages, **({"tools": conv.tools} if conv.tools else {})}
 
 
 # what decides the answers: resuming into one file with other values would mix two kinds
@@ -150,10 +166,15 @@ def done_ids(out: Path) -> set[str]:
 
 
 @torch.inference_mode()
-def answer_batch(target, model, contexts: list[list[dict]], cfg) -> list[str]:
-    """The target's answers to a batch of conversation prefixes (left-padded, one generate call)."""
+def answer_batch(target, model, contexts: list[list[dict]], cfg,
+                 template_kwargs: Optional[dict] = None, tools: Optional[list] = None) -> list[str]:
+    """The target's answers to a batch of conversation prefixes (left-padded, one generate call),
+    prompted as served: the chat template with each conversation's tools (`tools[i]`) and
+    data.template_kwargs (e.g. enable_thinking)."""
     tok = target.tokenizer
-    texts = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in contexts]
+    tools = tools or [None] * len(contexts)
+    texts = [tok.apply_chat_template(c, tools=t or None, add_generation_prompt=True, tokenize=False,
+                                     **(template_kwargs or {})) for c, t in zip(contexts, tools)]
     tok.padding_side = "left"
     enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(target.device)
     kwargs = dict(do_sample=cfg.temperature > 0, max_new_tokens=cfg.max_new_tokens,
@@ -165,9 +186,12 @@ def answer_batch(target, model, contexts: list[list[dict]], cfg) -> list[str]:
             for row in out]
 
 
-def regenerate(target, convs: list[Conversation], cfg, out: Path, progress: bool = True) -> dict:
+def regenerate(target, convs: list[Conversation], cfg, out: Path, progress: bool = True,
+               template_kwargs: Optional[dict] = None) -> dict:
     """Regenerate `convs` into `out`; return counts {written, skipped_done, skipped_too_long,
-    skipped_no_user_turn}: every conversation read lands in exactly one of them."""
+    skipped_no_user_turn}: every conversation read lands in exactly one of them. The prompts are
+    rendered with `template_kwargs` (data.template_kwargs: a thinking mode regenerated on purpose)."""
+    kwargs = template_kwargs or {}
     from tqdm import tqdm
 
     torch.manual_seed(cfg.seed)
@@ -185,7 +209,7 @@ def regenerate(target, convs: list[Conversation], cfg, out: Path, progress: bool
     seen = done_ids(out)
     # shortest first: a batch pads to its longest prompt, and prefill dominates on CPUs
     todo = sorted((c for c in convs if c.id not in seen),
-                  key=lambda c: sum(len(m["content"]) for m in c.messages[:2]))
+                  key=lambda c: sum(len(content_text(m)) for m in c.messages[:2]))
     counts = {"written": 0, "skipped_done": len(convs) - len(todo), "skipped_too_long": 0,
               "skipped_no_user_turn": 0}
     # state per conversation: the prefix rebuilt so far and where we are in the original
@@ -206,8 +230,8 @@ def regenerate(target, convs: list[Conversation], cfg, out: Path, progress: bool
                     contexts.append(list(s["new"]))
                 # a context without a user turn (assistant-first conversation) has nothing to answer
                 n_tok = [len(target.tokenizer.apply_chat_template(
-                    c, add_generation_prompt=True)["input_ids"])
-                    if any(m["role"] == "user" for m in c) else 0 for c in contexts]
+                    c, tools=s["conv"].tools, add_generation_prompt=True, **kwargs)["input_ids"])
+                    if any(m["role"] == "user" for m in c) else 0 for s, c in zip(active, contexts)]
                 ok = [s for s, n in zip(active, n_tok) if 0 < n <= cfg.max_prompt_tokens]
                 for s, n in zip(active, n_tok):
                     if s not in ok:  # nothing to answer (no user turn) or too long: finish it here
@@ -215,7 +239,8 @@ def regenerate(target, convs: list[Conversation], cfg, out: Path, progress: bool
                         if not s["answers"]:
                             counts["skipped_too_long" if n else "skipped_no_user_turn"] += 1
                 if ok:
-                    answers = answer_batch(target, model, [list(s["new"]) for s in ok], cfg)
+                    answers = answer_batch(target, model, [list(s["new"]) for s in ok], cfg, kwargs,
+                                           [s["conv"].tools for s in ok])
                     for s, a in zip(ok, answers):
                         s["new"].append({"role": "assistant", "content": a})
                         s["answers"] += 1
@@ -226,8 +251,7 @@ def regenerate(target, convs: list[Conversation], cfg, out: Path, progress: bool
                     if not finished:
                         still.append(s)
                     elif s["answers"]:
-                        rec = {"id": s["conv"].id, "conversations": [
-                            {"from": FROM[m["role"]], "value": m["content"]} for m in s["new"]]}
+                        rec = _record(s["conv"], s["new"])
                         f.write(json.dumps(rec, ensure_ascii=False) + "\n")
                         f.flush()
                         counts["written"] += 1
@@ -263,7 +287,8 @@ def run(cfg) -> dict:
         raise FileNotFoundError(f"data file {src} does not exist (data.path={cfg.data.path!r})")
     convs = list(iter_conversations(src, limit=cfg.limit))
     target = load_target(cfg.target)
-    counts = regenerate(target, convs, cfg, Path(cfg.out), progress=not quiet())
+    counts = regenerate(target, convs, cfg, Path(cfg.out), progress=not quiet(),
+                        template_kwargs=template_kwargs(cfg.data))
     print(f"regenerated into {cfg.out}: {counts}")
     return counts
 

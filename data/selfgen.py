@@ -53,7 +53,8 @@ MANIFEST, COMPLETE, ANSWERS = "manifest.json", "COMPLETE", "answers.jsonl"
 STORE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def first_turns(path: Path, tokenizer, limit: Optional[int], max_prompt_tokens: int, skip: int = 0
+def first_turns(path: Path, tokenizer, limit: Optional[int], max_prompt_tokens: int, skip: int = 0,
+                template_kwargs: Optional[dict] = None
                 ) -> tuple[list[dict], dict[str, int]]:
     """The first `limit` conversations' prompts after the file's first `skip` records, up to their
     first user turn (system and leading assistant turns kept as context), rendered with the chat
@@ -72,8 +73,8 @@ def first_turns(path: Path, tokenizer, limit: Optional[int], max_prompt_tokens: 
             counts["no_user_turn"] += 1
             continue
         messages = conv.messages[:first + 1]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                            return_dict=True)["input_ids"]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True,
+                                            **(template_kwargs or {}))["input_ids"]
         if len(ids) > max_prompt_tokens:
             counts["prompt_too_long"] += 1
             continue
@@ -131,7 +132,7 @@ def build_selfgen(target, data_cfg, layers: Sequence[int], progress: bool = True
     answers are trained on too (a mix): skipped unless data.selfgen.skip says otherwise."""
     from tqdm import tqdm
 
-    from specdistill.data.dataset import cache_root, cached_file_sha256, data_file
+    from specdistill.data.dataset import cache_root, cached_file_sha256, data_file, template_kwargs
     from specdistill.data.generate import generate_with_features
 
     settings = SelfGenSettings(**dict(data_cfg.selfgen))
@@ -145,7 +146,10 @@ def build_selfgen(target, data_cfg, layers: Sequence[int], progress: bool = True
     gen_layers = [] if list(layers) in ([-1], []) else list(layers)  # the final state: always
     root = cache_root(data_cfg)
     skip = settings.skip if settings.skip is not None else after
+    kwargs = template_kwargs(data_cfg)
     key = store_key(target, cached_file_sha256(src, root), settings, layers, skip)
+    if kwargs:  # prompts rendered with other template kwargs are other prompts (old keys kept)
+        key["template_kwargs"] = kwargs
     folder = root / "selfgen" / hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     store = SelfGenStore(folder)
     if (folder / COMPLETE).is_file():
@@ -158,7 +162,7 @@ def build_selfgen(target, data_cfg, layers: Sequence[int], progress: bool = True
     else:
         (folder / MANIFEST).write_text(json.dumps(key, indent=1))
     prompts, counts = first_turns(src, target.tokenizer, settings.prompts, settings.max_prompt_tokens,
-                                  skip)
+                                  skip, kwargs)
     if not prompts:
         raise ValueError(f"data.selfgen: none of the conversations of {src} after its first {skip} "
                          f"records has a user turn within {settings.max_prompt_tokens} tokens "

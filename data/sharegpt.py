@@ -1,24 +1,36 @@
 """Streaming reader of chat records: the packaged ShareGPT file and local .json/.jsonl/.parquet files.
 
-Records come in ShareGPT form `{"id", "conversations": [{"from", "value"}]}` or OpenAI form
-`{"id", "messages": [{"role", "content"}]}`; both become a `Conversation` whose messages are
-`{"role": "system" | "user" | "assistant", "content": str}`, the form `apply_chat_template` takes.
+Records come in ShareGPT form `{"id", "conversations": [{"from", "value"}], "tools"?}` or OpenAI
+chat-completions form `{"id", "messages": [{"role", "content", ...}], "tools"?}`; both become a
+`Conversation` of OpenAI messages, the form `apply_chat_template` takes, with every field of a
+message kept as written: `content` (a string, a list of parts, or None), `name`, `tool_calls`,
+`tool_call_id`, `reasoning_content`. Only names change, to the ones chat templates know:
+  roles   human/user -> user; gpt/chatgpt/bing/bard/assistant -> assistant; system/developer ->
+          system; tool/function/ipython/observation -> tool (a tool result); function_call ->
+          assistant with that one call in `tool_calls` (ShareGPT writes the call as the value)
+  fields  `from`/`value` -> `role`/`content`; a legacy `function_call` -> `tool_calls`; `reasoning`
+          -> `reasoning_content`; a tool call `{"name", "arguments"}` -> `{"type": "function",
+          "function": {...}}`; JSON strings (ShareGPT's `tools` and calls) are parsed.
+How each form is rendered and trained is the chat template's business (data/chat.py), which refuses
+per record what it cannot render (content parts other than text, tool calls or reasoning in a
+template without them), never turns it into something else.
 
 Why streaming: the packaged ShareGPT JSON array is 125 MB and cut off mid-record, so `json.load`
 fails. `iter_json` reads it in 1 M-character chunks and decodes one array element at a time with
 `json.JSONDecoder.raw_decode` on a sliding buffer; only the current record is held as Python
 objects. The undecodable tail is reported in `Counts.truncated_tail_bytes` and logged.
 
-Rules (each dropped conversation counts under exactly one reason, checked in this order):
+Rules (each dropped conversation counts under exactly one reason, checked in this order; the
+counts and the first record of each reason are logged as a WARNING):
   * bad_record   -- wrong types: record not a dict, no `conversations`/`messages` list, a turn not a
-                    dict, role or text not a string; in JSONL also a line that is not valid JSON.
-  * empty        -- no turns, or every turn's text is empty/whitespace.
-  * unknown_role -- a role outside the table below (the whole conversation goes: a conversation
+                    dict, role not a string, content not a string / list of parts / None; in JSONL
+                    also a line that is not valid JSON.
+  * unknown_role -- a role outside the table above (the whole conversation goes: a conversation
                     with a turn removed would no longer be what was said).
-  * no_assistant -- no assistant turn with non-empty text: nothing to learn.
-  * too_long / template_error -- counted later, by data.dataset, after rendering and truncation.
-Roles: human/user -> user; gpt/chatgpt/bing/bard/assistant -> assistant; system -> system
-(case-insensitive).
+  * bad_tool_call -- a tool call (or `tools`) that is not JSON or names no function.
+  * empty        -- no turns, or no turn has text, reasoning or a tool call.
+  * no_assistant -- no assistant turn with text, reasoning or tool calls: nothing to learn.
+  * too_long, template_error and the renderer's refusals -- counted later, by data.dataset.
 
 A conversation that starts with assistant turns (ShareGPT split long chats into pieces; 6,358 do)
 is kept: those assistant turns are training targets with whatever context precedes them -- none,
@@ -42,10 +54,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator, Optional
 
+from specdistill.data.chat import content_text, reasoning_text, trains
+
 log = logging.getLogger(__name__)
 
+# role names (case-insensitive) -> the OpenAI role a chat template is given
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
-         "bing": "assistant", "bard": "assistant", "assistant": "assistant", "system": "system"}
+         "bing": "assistant", "bard": "assistant", "assistant": "assistant", "system": "system",
+         "developer": "system",  # OpenAI's system role for reasoning models
+         "function_call": "assistant",  # ShareGPT: an assistant turn that is one tool call
+         "tool": "tool", "function": "tool", "ipython": "tool", "observation": "tool"}  # results
 CHUNK_CHARS = 1 << 20  # characters read per chunk of a .json file
 _WS = re.compile(r"[ \t\n\r]*")
 _NEXT_RECORD = re.compile(r",[ \t\n\r]*\{")  # where the next element of an array may start
@@ -63,12 +81,21 @@ class Counts:
     kept: int = 0  # conversations passed on (data.dataset moves too_long ones back to dropped)
     dropped: dict[str, int] = field(default_factory=dict)  # reason -> count
     truncated_tail_bytes: int = 0  # bytes after the last complete record that did not decode
+    first: dict[str, str] = field(default_factory=dict)  # reason -> the first such record and why
 
-    def drop(self, reason: str, was_kept: bool = False) -> None:
-        """Count one dropped conversation; `was_kept` when it had been counted as kept."""
+    def drop(self, reason: str, was_kept: bool = False, where: str = "") -> None:
+        """Count one dropped conversation; `was_kept` when it had been counted as kept; `where`
+        names the record (kept for the first of each reason)."""
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
+        if where:
+            self.first.setdefault(reason, where)
         if was_kept:
             self.kept -= 1
+
+    def describe(self) -> str:
+        """The counts and, for each drop reason, the first record dropped for it."""
+        firsts = "; ".join(f"first {r}: {w}" for r, w in sorted(self.first.items()))
+        return f"{self}" + (f" ({firsts})" if firsts else "")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -87,7 +114,8 @@ class Counts:
 @dataclass
 class Conversation:
     id: str  # the record's `id`, else a stable hash of its content
-    messages: list[dict[str, str]]  # [{"role": "system"|"user"|"assistant", "content": str}, ...]
+    messages: list[dict[str, Any]]  # OpenAI messages: role, content (str | parts | None), tool_calls, ...
+    tools: Optional[list] = None  # the record's tool definitions (OpenAI `tools`), if any
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,7 +213,7 @@ def iter_json(path: Path, counts: Counts, chunk_chars: int = CHUNK_CHARS) -> Ite
                 if not resync():
                     break
                 counts.read += 1
-                counts.drop("corrupt_json")
+                counts.drop("corrupt_json", where=f"byte {bad_at}: not valid JSON")
                 log.warning("%s: the record at byte %d is not valid JSON; skipped %d bytes to the "
                             "next record, every record after it is kept (dropped as corrupt_json)",
                             path, bad_at, offset(pos) - bad_at)
@@ -219,7 +247,7 @@ def iter_jsonl(path: Path, counts: Counts) -> Iterator[Any]:
             try:
                 value = json.loads(line)
             except json.JSONDecodeError as e:
-                counts.drop("bad_record")
+                counts.drop("bad_record", where=f"line {lineno}: not valid JSON")
                 bad += 1
                 if bad <= 5:  # enough to find the problem without flooding the log
                     log.warning("%s:%d: not valid JSON (%s); record skipped", path, lineno, e)
@@ -306,36 +334,123 @@ def _first(d: dict, key: str, alt: str) -> Any:
     return d.get(alt) if value is None else value
 
 
-def normalise(record: Any) -> tuple[Optional[Conversation], Optional[str]]:
-    """(conversation, None) for a usable record, (None, drop reason) otherwise. See module doc."""
-    if not isinstance(record, dict):
-        return None, "bad_record"
-    turns = _first(record, "conversations", "messages")
-    if not isinstance(turns, list):
-        return None, "bad_record"
-    raw: list[tuple[str, str]] = []
-    for t in turns:
-        if not isinstance(t, dict):
-            return None, "bad_record"
-        role, text = _first(t, "from", "role"), _first(t, "value", "content")
-        if not isinstance(role, str) or not isinstance(text, str):
-            return None, "bad_record"
-        raw.append((role, text))
-    if not any(text.strip() for _, text in raw):
-        return None, "empty"
-    roles = [ROLES.get(role.strip().lower()) for role, _ in raw]
-    if None in roles:
-        return None, "unknown_role"
-    messages = [{"role": r, "content": text} for r, (_, text) in zip(roles, raw)]
-    if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
-        return None, "no_assistant"
+class _Bad(Exception):
+    """A record that cannot be read as a conversation: reason + what was wrong."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason, self.detail = reason, detail
+
+
+def _maybe_json(value: Any, what: str) -> Any:
+    """A JSON string (ShareGPT stores tool calls and tool lists as strings) or the value itself."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            raise _Bad("bad_tool_call", f"{what} is not valid JSON: {value[:60]!r}") from None
+    return value
+
+
+def _tool_call(call: Any, what: str) -> dict:
+    """One OpenAI tool call {"type": "function", "function": {"name", "arguments"}} (a bare
+    {"name", "arguments"} call, as ShareGPT and the legacy `function_call` write it, is wrapped)."""
+    call = _maybe_json(call, what)
+    if isinstance(call, dict) and "function" not in call and "name" in call:
+        call = {"type": "function", "function": call}
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise _Bad("bad_tool_call", f"{what} has no function name: {str(call)[:60]!r}")
+    return call
+
+
+def _content_ok(content: Any) -> bool:
+    """str, None, or a list of parts (dicts with a `type`; text parts with a string `text`)."""
+    if content is None or isinstance(content, str):
+        return True
+    return isinstance(content, list) and all(
+        isinstance(p, dict) and isinstance(p.get("type"), str)
+        and (p["type"] != "text" or isinstance(p.get("text"), str)) for p in content)
+
+
+def _message(turn: Any, n: int) -> dict:
+    """One turn as an OpenAI message, every field kept (see module doc for the role names)."""
+    if not isinstance(turn, dict):
+        raise _Bad("bad_record", f"turn {n} is not an object")
+    role, content = _first(turn, "from", "role"), _first(turn, "value", "content")
+    if not isinstance(role, str) or not _content_ok(content):
+        raise _Bad("bad_record", f"turn {n}: role must be a string and content a string or a list "
+                   f"of parts (got {type(role).__name__}, {type(content).__name__})")
+    name = role.strip().lower()
+    if name not in ROLES:
+        raise _Bad("unknown_role", f"turn {n} has role {role!r} (known: {', '.join(sorted(ROLES))})")
+    message = {k: v for k, v in turn.items() if k not in ("from", "value") and v is not None}
+    message["role"], message["content"] = ROLES[name], content
+    if name == "function_call":  # ShareGPT: the value is the call itself
+        message["content"] = ""
+        message["tool_calls"] = [_tool_call(content, f"turn {n} (function_call)")]
+    if "function_call" in message:  # OpenAI's legacy single call
+        message.setdefault("tool_calls", []).append(
+            _tool_call(message.pop("function_call"), f"turn {n} function_call"))
+    if "tool_calls" in message:
+        if not isinstance(message["tool_calls"], list):
+            raise _Bad("bad_tool_call", f"turn {n}: tool_calls is not a list")
+        message["tool_calls"] = [_tool_call(c, f"turn {n} tool call") for c in message["tool_calls"]]
+    if "reasoning" in message and "reasoning_content" not in message:
+        message["reasoning_content"] = message.pop("reasoning")  # the other common name
+    if not isinstance(message.get("reasoning_content", ""), str):
+        raise _Bad("bad_record", f"turn {n}: reasoning_content is not a string")
+    return message
+
+
+def _tools(record: dict) -> Optional[list]:
+    tools = _maybe_json(record.get("tools"), "tools")
+    if tools in (None, [], ""):
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise _Bad("bad_record", "tools is not a list of tool definitions")
+    return tools
+
+
+def _record_id(record: dict, messages: list, tools: Optional[list]) -> str:
     rid = record.get("id")
     if isinstance(rid, (str, int)) and not isinstance(rid, bool) and str(rid):
-        rid = str(rid)
-    else:  # stable across runs and machines: a hash of the normalised content
-        blob = json.dumps(messages, ensure_ascii=False, sort_keys=True).encode("utf-8")
-        rid = "sha1-" + hashlib.sha1(blob).hexdigest()[:16]
-    return Conversation(id=rid, messages=messages), None
+        return str(rid)
+    # stable across runs and machines: a hash of the normalised content
+    blob = json.dumps(messages if tools is None else [messages, tools], ensure_ascii=False,
+                      sort_keys=True).encode("utf-8")
+    return "sha1-" + hashlib.sha1(blob).hexdigest()[:16]
+
+
+def read_record(record: Any) -> Conversation:
+    """The conversation of a record; raises _Bad with a reason (see module doc)."""
+    if not isinstance(record, dict):
+        raise _Bad("bad_record", f"a record is a {type(record).__name__}, not an object")
+    turns = _first(record, "conversations", "messages")
+    if not isinstance(turns, list):
+        raise _Bad("bad_record", "no `conversations` or `messages` list")
+    messages = [_message(t, n) for n, t in enumerate(turns)]
+    if not any(content_text(m).strip() or m.get("tool_calls") or reasoning_text(m).strip()
+               for m in messages):
+        raise _Bad("empty", "no turn has text")
+    if not any(trains(m) for m in messages):
+        raise _Bad("no_assistant", "no assistant turn with text or tool calls")
+    tools = _tools(record)
+    return Conversation(id=_record_id(record, messages, tools), messages=messages, tools=tools)
+
+
+def normalise(record: Any) -> tuple[Optional[Conversation], Optional[str]]:
+    """(conversation, None) for a usable record, (None, drop reason) otherwise. See module doc."""
+    try:
+        return read_record(record), None
+    except _Bad as e:
+        return None, e.reason
+
+
+def _where(record: Any, counts: Counts) -> str:
+    """How a log names a record: its id, else its number in the file."""
+    rid = record.get("id") if isinstance(record, dict) else None
+    return f"id {rid}" if isinstance(rid, (str, int)) and str(rid) else f"record {counts.read}"
 
 
 def iter_conversations(path: str | Path, counts: Optional[Counts] = None,
@@ -343,18 +458,20 @@ def iter_conversations(path: str | Path, counts: Optional[Counts] = None,
     """Normalised conversations of `path` in file order, counting into `counts`.
 
     `limit` stops after that many kept conversations (the rest of the file is not read).
-    The counts are logged when the stream ends.
+    The counts are logged when the stream ends: a WARNING with the first record of each reason
+    when any record was dropped.
     """
     counts = Counts() if counts is None else counts
     if limit is not None and limit <= 0:
         return
     for record in iter_records(path, counts):
-        conv, reason = normalise(record)
-        if conv is None:
-            counts.drop(reason)
+        try:
+            conv = read_record(record)
+        except _Bad as e:
+            counts.drop(e.reason, where=f"{_where(record, counts)}: {e.detail}")
             continue
         counts.kept += 1
         yield conv
         if limit is not None and counts.kept >= limit:
             break
-    log.info("%s: %s", path, counts)
+    (log.warning if counts.dropped else log.info)("%s: %s", path, counts.describe())

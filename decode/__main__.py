@@ -17,8 +17,9 @@ OUTPUTS = "config.yaml, result.json, result.md, .hydra/ and its log"  # what a d
 def run(cfg: DictConfig) -> None:
     """The job on a composed config: settings, ranges and the checkpoint are checked first
     (decode/evaluate.py setup_run), then one sequence at a time or batch_size together
-    (batch_mode=budgeted at batch_size 1 too: the planner picks each round's depth, up to k)."""
-    if cfg.batch_size > 1 or cfg.batch_mode == "budgeted":  # the batched decoder
+    (batch_mode=budgeted or adaptive at batch_size 1 too: the planner picks each round's depth,
+    up to k)."""
+    if cfg.batch_size > 1 or cfg.batch_mode in ("budgeted", "adaptive"):  # the batched decoder
         from specdistill.decode.batched.evaluate import run_batched
 
         run_batched(cfg)

@@ -57,6 +57,12 @@ class DecodeConfig:
     tree: bool = False  # verify a draft tree (the drafter's static or dynamic tree) instead of a chain
     # adaptive draft length: stop drafting below this draft prob (0 = off)
     min_confidence: float = rng(0.0, 0, 1)
+    # confidence-driven verification (decode/survival.py): cut each chain before the first slot
+    # whose survival (product of the slot confidences) is below this (0 = off; at least 1 draft)
+    verify_survival: float = rng(0.0, 0, 1)
+    # slot confidences of a drafter without a trained confidence head: none (verify every draft;
+    # verify_survival > 0 is then refused) | draft_prob (the draft's top probability)
+    survival_fallback: str = "none"
     compare_plain: bool = True  # also decode plainly: speedup and a token-identity check (greedy)
     seed: int = rng(0, *SEED)  # sampling seed
     # tokens of the first prompt (batched: of the first batch_size prompts, as one batch) decoded
@@ -73,8 +79,9 @@ class DecodeConfig:
     exact_verify: str = "auto"
     # sequences decoded together, one target forward per round (1 = one at a time)
     batch_size: int = rng(1, 1, MAX_BATCH)
-    # batch_size > 1: plain | verify_all | budgeted (decode/batched/planner.py); budgeted also at
-    # batch_size 1: each round's chain length up to k, from the machine's measured costs
+    # batch_size > 1: plain | verify_all | budgeted (decode/batched/planner.py) | adaptive (budgeted
+    # with the rows' survivals, decode/survival.py, as the width scores); budgeted and adaptive also
+    # at batch_size 1: each round's chain length up to k, from the machine's measured costs
     batch_mode: str = "verify_all"
     run_dir: str = "runs/decode/${now:%Y-%m-%d_%H-%M-%S}"  # outputs: result JSON, markdown table
 

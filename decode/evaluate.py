@@ -156,16 +156,19 @@ def evaluate_drafter(target, drafter: Drafter | None, *, eval_kind: str = "mtben
                      sampling: SamplingParams | None = None, min_confidence: float = 0.0,
                      compare_plain: bool = True, seed: int = 0,
                      exact_verify: bool | str = "auto", out_dir: Path | None = None,
-                     warmup_tokens: int = 16) -> dict:
+                     warmup_tokens: int = 16, verify_survival: float = 0.0,
+                     survival_fallback: str = "none") -> dict:
     """Decode every prompt (and turn) speculatively, and plainly when compare_plain; return
     {"summary", "markdown", "prompts"} and write result.json + result.md into out_dir.
     exact_verify: both decodes with decode/exact.py's exact kernels (greedy chains then match
     plain decoding bit for bit at any dtype); auto = on for chains at a 16-bit target dtype.
     warmup_tokens: first, both modes decode that many tokens of the first prompt, untimed and
     discarded (first-use costs: a GPU's kernel loading and library handles, CPU prepacking), with
-    their own random stream, so the measured prompts and their samples are the same as without."""
+    their own random stream, so the measured prompts and their samples are the same as without.
+    verify_survival, survival_fallback: confidence-driven chain cuts (decode/survival.py)."""
     sampling = sampling or SamplingParams()
     exact_verify = resolve_exact(exact_verify, target.dtype, tree)
+    cut = dict(verify_survival=verify_survival, survival_fallback=survival_fallback)
     prompts = load_prompts(eval_kind, path=path, limit=limit, turns=turns)
     spec_results, plain_results, rows = [], [], []
 
@@ -175,7 +178,7 @@ def evaluate_drafter(target, drafter: Drafter | None, *, eval_kind: str = "mtben
                       generator=generator)
         plain = generate(target, None, ids, **kwargs) if compare_plain else None
         return plain, generate(target, drafter, ids, k=k, tree=tree, min_confidence=min_confidence,
-                               **kwargs)
+                               **cut, **kwargs)
 
     if warmup_tokens > 0 and prompts:
         ids = render(target, prompts[0].turns[:1], [])
@@ -200,7 +203,7 @@ def evaluate_drafter(target, drafter: Drafter | None, *, eval_kind: str = "mtben
     plain_m = RunMetrics.from_results(plain_results) if plain_results else None
     summary = summarise(target, drafter, rows, spec_m, plain_m, eval_kind=eval_kind,
                         n_prompts=len(prompts), k=k, tree=tree, sampling=sampling,
-                        max_new_tokens=max_new_tokens, exact_verify=exact_verify)
+                        max_new_tokens=max_new_tokens, exact_verify=exact_verify, extra=cut)
     return write_results(summary, rows, results_markdown(summary, spec_m), out_dir)
 
 
@@ -308,10 +311,13 @@ def setup_run(cfg: DictConfig) -> tuple[Path, Any, Drafter | None, SamplingParam
     from specdistill.cli.paths import present
     from specdistill.cli.ranges import check_ranges
     from specdistill.decode.config import DecodeConfig
+    from specdistill.decode.survival import check_survival
     from specdistill.drafters.parts.head import cast_drafter
     from specdistill.target.model import load_target
 
     check_ranges(cfg, DecodeConfig)  # before any work
+    # the values and tree=true now, the drafter's head once it is loaded
+    check_survival(None, cfg.verify_survival, cfg.survival_fallback, cfg.tree)
     source = cfg_source(cfg) if cfg.ckpt else None  # missing or damaged: refused before any work
     run_dir = Path(cfg.run_dir)
     clash = present(run_dir, ("config.yaml", "result.json", "result.md", "checkpoints"))
@@ -322,6 +328,7 @@ def setup_run(cfg: DictConfig) -> tuple[Path, Any, Drafter | None, SamplingParam
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     target = load_target(cfg.target)
     drafter = load_decode_drafter(cfg, target, source)
+    check_survival(drafter if cfg.k > 0 else None, cfg.verify_survival, cfg.survival_fallback)
     if drafter is not None:
         drafter.to(target.device).eval()
         cast_drafter(drafter, target, decode_drafter_dtype(cfg.drafter_dtype, target))
@@ -347,5 +354,7 @@ def run(cfg: DictConfig) -> None:
                               sampling=sampling, min_confidence=cfg.min_confidence,
                               compare_plain=cfg.compare_plain, seed=cfg.seed,
                               exact_verify=cfg.exact_verify, out_dir=run_dir,
-                              warmup_tokens=cfg.warmup_tokens)
+                              warmup_tokens=cfg.warmup_tokens,
+                              verify_survival=cfg.verify_survival,
+                              survival_fallback=cfg.survival_fallback)
     finish_run(result, run_dir)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from specdistill.decode.spec import GenerationResult
+from specdistill.decode.survival import calibration
 
 
 @dataclass
@@ -40,6 +41,10 @@ class RunMetrics:
     time_draft: float = 0.0  # seconds inside the drafter
     time_verify: float = 0.0  # seconds inside target forwards
     time_other: float = 0.0  # seconds elsewhere (the decoder's own overhead)
+    # chains with slot confidences (decode/survival.py): predicted vs observed acceptance per slot,
+    # the pairs, their source (head | draft_prob) and the ECE; None: no confidence was given
+    calibration: dict | None = None
+    confidence_ece: float | None = None  # calibration["ece"], at the top for the summary
 
     @classmethod
     def from_results(cls, results: Sequence[GenerationResult]) -> "RunMetrics":
@@ -72,6 +77,10 @@ class RunMetrics:
         t.time_verify = sum(r.time_verify for r in results)
         t.time_other = sum(r.time_other for r in results)
         t.tokens_per_s = t.new_tokens / t.time_total if t.time_total > 0 else 0.0
+        sources = sorted({r.confidence_source for r in results if r.confidence_source})
+        t.calibration = calibration([x for r in results for x in r.slot_confidence],
+                                    "+".join(sources))
+        t.confidence_ece = t.calibration["ece"] if t.calibration else None
         return t
 
     def not_measured(self) -> str | None:
@@ -110,7 +119,21 @@ class RunMetrics:
                     "| P(accept \\| previous accepted) | "
                     + " | ".join(fmt(a, ".3f") for a in self.accept_cond) + " |",
                     "| P(accept) | " + " | ".join(fmt(a, ".3f") for a in self.accept_uncond) + " |"]
-        return "\n".join(out)
+        return "\n".join(out + self.calibration_markdown())
+
+    def calibration_markdown(self) -> list[str]:
+        """The calibration table (predicted vs observed acceptance per slot, ECE), or nothing."""
+        cal = self.calibration
+        if not cal:
+            return []
+        slots = cal["slots"]
+        return ["", f"confidence calibration ({cal['source']}, {cal['pairs']} verified slots "
+                    f"reached): ECE {fmt(cal['ece'], '.3f')} ({cal['bins']} equal-width bins)", "",
+                "| slot | " + " | ".join(str(s["slot"]) for s in slots) + " |",
+                "|---" * (len(slots) + 1) + "|",
+                "| predicted | " + " | ".join(fmt(s["predicted"], ".3f") for s in slots) + " |",
+                "| observed | " + " | ".join(fmt(s["observed"], ".3f") for s in slots) + " |",
+                "| pairs | " + " | ".join(str(s["count"]) for s in slots) + " |"]
 
 
 def fmt(value: float | None, spec: str, why: str | None = None) -> str:

@@ -19,6 +19,8 @@ the same ones, so a row commits what `generate` commits for that sequence alone.
   prefill(seq, prompt)       step 1: the prompt through the target; its first token
   commit(seq, new, ...)      step 2: append a round's tokens, cut at EOS / a stop string / the end
   draft_tree(seq, room)      step 3a: the drafter's tree, cut to the depth that can still commit
+  record_confidences(...)    step 3c: a chain cut by survival (decode/survival.py), its slot
+                             confidences recorded for the calibration
   accept_tree(seq, tree, l)  step 5 for a tree: the accepted branch and the bonus token
   DraftTree, StopChecker, timed(fn, sync): what the steps pass around and how they time calls.
 "room" throughout is the number of drafts a round can still commit: end - T - 1.
@@ -35,6 +37,7 @@ from transformers import DynamicCache
 
 from specdistill.decode.accept import accept_chain
 from specdistill.decode.exact import ExactVerify, active
+from specdistill.decode.survival import SurvivalRule, check_survival
 from specdistill.decode.tree import (
     accept_path,
     ancestors,
@@ -44,7 +47,7 @@ from specdistill.decode.tree import (
     sample_path,
     tree_inputs,
 )
-from specdistill.drafters.base import DecodeState, Drafter
+from specdistill.drafters.base import ChainProposal, DecodeState, Drafter
 from specdistill.drafters.parts.sampling import SamplingParams, warp
 
 
@@ -62,6 +65,10 @@ class GenerationResult:
     time_verify: float = 0.0  # seconds inside target forwards (prefill included)
     time_total: float = 0.0  # wall-clock seconds of the whole call
     stop_reason: str = ""  # "eos" | "stop_string" | "max_new_tokens"
+    # chains with slot confidences (decode/survival.py): per round, the verified slots'
+    # confidences and the drafts accepted, for the calibration; and where they came from
+    slot_confidence: list[tuple[list[float], int]] = field(default_factory=list)
+    confidence_source: str = ""  # "head" (a trained accept_prob) | "draft_prob" | "" (none)
     cache: Any = field(default=None, repr=False)  # target KV cache of tokens[:-1] (prompt included)
 
     @property
@@ -302,20 +309,35 @@ def _tree_round(seq: SequenceState, room: int) -> tuple[torch.Tensor, torch.Tens
     return torch.cat([ids[0, keep[1:]], bonus]), kept  # (n+1,)
 
 
-def _chain_round(seq: SequenceState, room: int, k: int,
-                 min_confidence: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Steps 3b-6 for a chain (no drafter: plain decoding, one token): draft up to k tokens, verify
-    them in ONE forward, keep the longest valid prefix plus the target's correction / bonus token.
-    Returns (new (n+1,) tokens to commit, kept (n+1, F) features of the verified inputs or None)."""
+def record_confidences(res: GenerationResult, prop: ChainProposal, rule: SurvivalRule,
+                       m: int) -> tuple[int, list[float] | None]:
+    """Step 3c: the drafts of `prop` to verify, cut by survival (decode/survival.py) from the
+    first m, and the verified slots' confidences (None: the drafter gave none). Which source gave
+    them is recorded on res for the calibration."""
+    conf = rule.confidences(prop, m)  # (m,) | None
+    if conf is None:
+        return m, None
+    res.confidence_source = "head" if prop.accept_prob is not None else "draft_prob"
+    w = rule.cut(conf, m)
+    return w, conf[:w].tolist()
+
+
+def _chain_round(seq: SequenceState, room: int, k: int, min_confidence: float,
+                 rule: SurvivalRule) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Steps 3b-6 for a chain (no drafter: plain decoding, one token): draft up to k tokens, cut
+    them by survival, verify them in ONE forward, keep the longest valid prefix plus the target's
+    correction / bonus token. Returns (new (n+1,) tokens to commit, kept (n+1, F) features of the
+    verified inputs or None)."""
     res, dev = seq.res, seq.buf.device
     # 3b. draft up to k tokens (none when plain decoding or when no room is left)
-    draft, q = seq.buf.new_empty(0), None  # (0,)
+    draft, q, pred = seq.buf.new_empty(0), None, None  # (0,)
     if seq.drafter is not None and room > 0:
         prop, dt = timed(lambda: seq.drafter.propose(seq.decode_state(), min(k, room),
                                                      seq.sampling, seq.generator, min_confidence),
                          seq.sync)
         res.time_draft += dt
-        m = min(len(prop.tokens), k, room)
+        # 3c. cut where the chain's survival falls below the threshold (never by a draft's value)
+        m, pred = record_confidences(res, prop, rule, min(len(prop.tokens), k, room))
         draft = prop.tokens[:m].to(dev)  # (m,)
         q = prop.probs[:m] if prop.probs is not None else None  # (m, V)
     m = len(draft)
@@ -328,6 +350,8 @@ def _chain_round(seq: SequenceState, room: int, k: int,
     n = int(n_t)
     res.drafted.append(m)
     res.accepted.append(n)
+    if pred is not None:
+        res.slot_confidence.append((pred, n))
     # 6. cut the rejected drafts from the KV cache (accepted ones are never recomputed)
     if m > n:
         seq.cache.crop(n - m)
@@ -349,6 +373,8 @@ def generate(
     stop_strings: Sequence[str] = (),
     generator: torch.Generator | None = None,
     exact_verify: bool = False,
+    verify_survival: float = 0.0,
+    survival_fallback: str = "none",
 ) -> GenerationResult:
     """Generate up to max_new_tokens after prompt_ids, losslessly: the output has the distribution
     of (greedy: is token-identical to) plain decoding with the target alone.
@@ -357,7 +383,10 @@ def generate(
     with the multi-draft rule). min_confidence > 0 lets the drafter stop a chain early (adaptive
     draft length). exact_verify=True computes every verified row with a one-token step's kernels
     (decode/exact.py): greedy output bit-identical to plain decoding with exact_verify=True at
-    any dtype, not only up to near-ties.
+    any dtype, not only up to near-ties. verify_survival > 0 cuts each chain before the first
+    slot whose survival (the product of its slot confidences) falls below it, verifying at least
+    one draft; survival_fallback (none | draft_prob) says what a drafter without a trained
+    confidence head gives as confidences (decode/survival.py).
     """
     t_start = time.perf_counter()
     sampling = sampling or SamplingParams()
@@ -369,6 +398,9 @@ def generate(
     masks = ("exact verification" if exact_verify else
              "tree verification" if tree and speculative else "")
     check_inputs(target, drafter, P, max_new_tokens, k, sampling, tree, masks)
+    check_survival(drafter if speculative else None, verify_survival, survival_fallback,
+                   tree and speculative)
+    rule = SurvivalRule(verify_survival, survival_fallback)
     seq = SequenceState.start(target, drafter if speculative else None, prompt, max_new_tokens,
                               sampling, generator,
                               tuple(drafter.feature_layers) if speculative else (), exact_verify)
@@ -387,7 +419,7 @@ def generate(
         if speculative and tree and seq.room > 0:
             new, kept = _tree_round(seq, seq.room)
         else:
-            new, kept = _chain_round(seq, seq.room, k, min_confidence)
+            new, kept = _chain_round(seq, seq.room, k, min_confidence, rule)
     # 7. leave the cache holding tokens[:-1], so a caller can continue from it
     extra = int(seq.cache.get_seq_length()) - (seq.T - 1)
     if extra > 0:

@@ -86,6 +86,35 @@ class DraftPrediction:
     inputs: torch.Tensor | None = None
     teacher: torch.Tensor | None = None
     scored: torch.Tensor | None = None
+    # a drafter with a confidence head (DSpark): its logit of this draft's acceptance, one per
+    # row of `logits` without the vocabulary axis ((B, T) | (B, A)); trained by SlotObjective
+    confidence: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class SlotObjective:
+    """A drafter's own training objective over the slots of its blocks (DSpark's, arXiv
+    2607.05147 / deepseek-ai/DeepSpec deepspec/modeling/dspark/loss.py), declared by the drafter
+    (`Drafter.objective`) and computed by train/losses.py slot_loss instead of trainer.loss:
+
+        loss = ce * CE(q, argmax p') + l1 * |q - p'|_1 + confidence * BCE(c, target)
+
+    each a weighted mean over every kept (row, anchor, slot): slot j of a block weighs its
+    DraftPrediction.weight (exp(-j / gamma)), and the slots after a block's first unsupervised one
+    (a token outside the assistant turns, or past the row's end) are dropped. p' is the target's
+    distribution over the draft vocabulary, c the drafter's confidence logit (DraftPrediction.confidence).
+    DeepSpec's CE reads the data's next token; here it reads the target's argmax (the batch holds the
+    target's logits, and with regenerated data the two agree), defined in any draft vocabulary."""
+
+    ce: float = 0.1  # weight of the cross-entropy on the target's argmax
+    l1: float = 0.9  # weight of the L1 distance between draft and target probabilities (= 2 TV)
+    confidence: float = 1.0  # weight of the confidence head's binary cross-entropy
+    # what the confidence learns: tv = 1 - TV(q, p'), the draft's expected acceptance when sampled;
+    # greedy = 1 when argmax q is the target's argmax (what greedy verification accepts), else 0
+    confidence_target: str = "tv"
+
+
+CONFIDENCE_TARGETS = ("tv", "greedy")
 
 
 # =================================================================================================
@@ -193,6 +222,9 @@ class Drafter(nn.Module):
     layouts: ClassVar[dict[str, "ExportLayout"]] = {}  # format -> the export layouts it supports
     tags: ClassVar[tuple[str, ...]] = ()  # extra model-card tags (e.g. "eagle1")
     feature_layers: tuple[int, ...] = ()  # target hidden states the drafter reads at decode time
+    # True: its ChainProposal.accept_prob comes from a trained confidence head (e.g. DSpark's), so
+    # the decoder may cut a chain by survival (decode/survival.py) and reports its calibration
+    accept_prob_head: ClassVar[bool] = False
 
     def __init__(self, vocab_size: int, cfg: DrafterConfig | None = None, target=None) -> None:
         super().__init__()
@@ -204,6 +236,12 @@ class Drafter(nn.Module):
     def build(cls, cfg, target) -> "Drafter":
         """The drafter from its config in any form (dataclass, OmegaConf node, dict) on `target`."""
         return cls(parse_config(cfg, cls.config_class), target)
+
+    @property
+    def objective(self) -> SlotObjective | None:
+        """The drafter's own training objective (train/losses.py slot_loss), which replaces
+        trainer.loss; None (most drafters): the trainer's divergence (distill_loss)."""
+        return None
 
     def reset(self) -> None:
         """Forget per-prompt state (caches) before a new prompt."""
@@ -317,6 +355,20 @@ Files = dict[str, dict[str, torch.Tensor]]  # file name -> {tensor name: tensor}
 
 
 @dataclass(frozen=True)
+class LayoutTrap:
+    """A mistake in a layout that an engine loads without a word and then serves wrong (drafts
+    accepted at ~0%): the layout writes the flag explicitly and validation (export/folder.py)
+    refuses the mistake; tests/ make each trap's mistake and expect `says`."""
+
+    name: str  # the flag or tensor, e.g. "sample_from_anchor"
+    effect: str  # what an engine does with the mistake, one sentence (docs)
+    # the mistake, made in place on a written folder's (config.json dict, {file: tensors})
+    make: Callable[[dict[str, Any], "Files"], None]
+    says: str  # a regex of the validation error that names it
+    applies: Callable[[dict[str, Any]], bool] = lambda dcfg: True  # the drafter configs it concerns
+
+
+@dataclass(frozen=True)
 class ExportLayout:
     """One folder layout a drafter can be exported to (`format=<format>`), registered by the drafter
     module that owns it (`register(..., layouts=...)`); export/folder.py only dispatches.
@@ -345,6 +397,7 @@ class ExportLayout:
     # the speculative_config keys besides model / k ({"method": "eagle3"}); llamacpp: llama-server's
     # `spec_type` and whether its converter `needs_target` (the target's folder). Absent: not served.
     serving: dict[str, dict[str, Any]] = field(default_factory=dict)
+    traps: tuple[LayoutTrap, ...] = ()  # mistakes engines load silently, refused by validation
     save: Callable[["Drafter", Any, ExportContext], None] | None = None  # self-saving: fill a folder
     load: Callable[[Any, Any], "Drafter"] | None = None  # self-saving: (folder, target) -> drafter
 

@@ -253,20 +253,21 @@ class DFlash(Drafter):
         L, V, H = target.num_layers, target.vocab_size, target.hidden_size
         aux = list(cfg.aux_layers) if cfg.aux_layers is not None else default_aux_layers(L)
         if not aux or not all(0 <= i <= L for i in aux):
-            raise ValueError(f"dflash: aux_layers must be hidden_states indices in [0, {L}] (0 = "
+            raise ValueError(f"{cfg.name}: aux_layers must be hidden_states indices in [0, {L}] (0 = "
                              f"embeddings, i = output of layer i), got {aux}; null takes "
                              f"{default_aux_layers(L)}")
         mask_id = V - 1 if cfg.mask_token_id is None else cfg.mask_token_id
         if not 0 <= mask_id < V:
-            raise ValueError(f"dflash: mask_token_id must be a target token id in [0, {V}), got "
+            raise ValueError(f"{cfg.name}: mask_token_id must be a target token id in [0, {V}), got "
                              f"{mask_id}; null takes {V - 1}")
         if cfg.num_layers < 1 or cfg.block_size < 2 or cfg.loss_gamma <= 0:
-            raise ValueError(f"dflash: num_layers >= 1, block_size >= 2 and loss_gamma > 0 "
+            raise ValueError(f"{cfg.name}: num_layers >= 1, block_size >= 2 and loss_gamma > 0 "
                              f"needed, got {cfg.num_layers}, {cfg.block_size}, {cfg.loss_gamma}")
-        if cfg.loss_weights is not None and len(cfg.loss_weights) != cfg.block_size - 1:
-            raise ValueError(f"dflash: loss_weights needs one weight per draft (block_size - 1 = "
-                             f"{cfg.block_size - 1}), got {list(cfg.loss_weights)}")
-        check_anchor_share("dflash", "anchors", cfg.anchors)
+        n = self.trained_positions(cfg)
+        if cfg.loss_weights is not None and len(cfg.loss_weights) != n:
+            raise ValueError(f"{cfg.name}: loss_weights needs one weight per draft ({n}), got "
+                             f"{list(cfg.loss_weights)}")
+        check_anchor_share(cfg.name, "anchors", cfg.anchors)
         self.feature_layers, self.mask_token_id = tuple(aux), mask_id
         self.llama_config = lc = drafter_llama_config(target, cfg.num_layers)
         self.fc = nn.Linear(len(aux) * H, H, bias=False)
@@ -304,18 +305,19 @@ class DFlash(Drafter):
         return float(w[i - 1]) if w is not None else math.exp(-(i - 1) / self.cfg.loss_gamma)
 
     # -- training ---------------------------------------------------------------------------------
-    def forward_train(self, batch: TrainBatch) -> list[DraftPrediction]:
-        """Draft i = 1 .. b-1 of the block at each anchor a (every position, or `anchors` drawn):
-        DraftPrediction shift i-1 at anchor a, weighted _weight(i)."""
+    def block_states(self, batch: TrainBatch) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The blocks at each anchor a (every position, or `anchors` drawn): their last layer's
+        states (B, A, b, H) before the final norm, slot i at position a+i, and the drawn anchors
+        (B, A) (None: every position, A = T)."""
         ids, feats = batch.input_ids, batch.features  # (B, T), (B, T, n*H)
         width = len(self.feature_layers) * self.target.hidden_size
         if feats is None or feats.shape[-1] != width:
-            raise ValueError(f"dflash: the batch needs the features of aux layers "
+            raise ValueError(f"{self.name}: the batch needs the features of aux layers "
                              f"{self.feature_layers} (width {width}); got {getattr(feats, 'shape', None)}")
         B, T = ids.shape
         b, dev = self.cfg.block_size, ids.device
         m = self.cfg.anchors
-        drawn = None if m is None or m == 1 else draw_anchors(batch, 1, b - 1, m)  # (B, A)
+        drawn = None if m is None or m == 1 else draw_anchors(batch, 1, self.trained_positions(), m)
         at = torch.arange(T, device=dev).expand(B, T) if drawn is None else drawn  # (B, A)
         A = at.shape[1]
         pos = torch.arange(T, device=dev)
@@ -327,7 +329,14 @@ class DFlash(Drafter):
         for layer in self.layers:
             ck, cv = layer.self_attn.kv(ctx, ctx_cs)  # (B, kv, T, d) each
             x = layer(x, cs, lambda q, k, v: block_attention(q, k, v, ck, cv, seen, b))
-        logits = self.head(x.view(B, A, b, -1)[:, :, 1:])  # (B, A, b-1, Vd)
+        return x.view(B, A, b, -1), drawn
+
+    def forward_train(self, batch: TrainBatch) -> list[DraftPrediction]:
+        """Draft i = 1 .. b-1 of the block at each anchor a (every position, or `anchors` drawn):
+        DraftPrediction shift i-1 at anchor a, weighted _weight(i)."""
+        x, drawn = self.block_states(batch)  # (B, A, b, H)
+        logits = self.head(x[:, :, 1:])  # (B, A, b-1, Vd)
+        b = self.cfg.block_size
         return [DraftPrediction(logits=logits[:, :, i - 1], shift=i - 1, weight=self._weight(i),
                                 anchors=drawn) for i in range(1, b)]
 
@@ -352,10 +361,10 @@ class DFlash(Drafter):
         for i, layer in enumerate(self.layers):
             cache.kv.update(*layer.self_attn.kv(ctx, cs), i)
 
-    def run_block(self, first: torch.Tensor, pos: torch.Tensor, kv, mask, k: int) -> torch.Tensor:
+    def run_block_states(self, first: torch.Tensor, pos: torch.Tensor, kv, mask) -> torch.Tensor:
         """Blocks after the slot-0 tokens first (B,) at positions pos (B, b), attending through
         kv (context columns, then the block) under the additive mask (B, 1, b, K) or None (= all)
-        -> the first k draft distributions of each (B, k, Vd)."""
+        -> their last layer's states (B, b, H) before the final norm."""
         x = self._block(first[:, None])  # (B, b, H)
         cs = self.rotary_emb(x, pos)
 
@@ -368,21 +377,32 @@ class DFlash(Drafter):
             return run
         for i, layer in enumerate(self.layers):
             x = layer(x, cs, attend(i))
-        return self.head(x[:, 1:1 + k]).float()
+        return x
+
+    def run_block(self, first: torch.Tensor, pos: torch.Tensor, kv, mask, k: int) -> torch.Tensor:
+        """run_block_states -> the first k draft distributions of each block (B, k, Vd)."""
+        return self.head(self.run_block_states(first, pos, kv, mask)[:, 1:1 + k]).float()
 
     @torch.no_grad()
-    def draft_logits(self, state: DecodeState, k: int) -> torch.Tensor:
-        """The first k draft distributions (k, Vd) of ONE forward over the block after state.tokens."""
+    def decode_states(self, state: DecodeState) -> torch.Tensor:
+        """ONE forward over the block after state.tokens -> its states (1, b, H) before the final
+        norm (slot 0 = the last committed token); the cache keeps the context only."""
         self.sync(state)
         T, b = state.tokens.shape[0], self.cfg.block_size
         pos = torch.arange(T - 1, T - 1 + b, device=state.tokens.device)[None]  # (1, b)
         try:
-            return self.run_block(state.tokens[-1:], pos, self.cache.kv, None, k)[0]  # (k, Vd)
+            return self.run_block_states(state.tokens[-1:], pos, self.cache.kv, None)  # (1, b, H)
         finally:
             self.cache.forget_drafts()  # the block is per round: keep the context only
 
-    def trained_positions(self) -> int:
-        return self.cfg.block_size - 1
+    @torch.no_grad()
+    def draft_logits(self, state: DecodeState, k: int) -> torch.Tensor:
+        """The first k draft distributions (k, Vd) of ONE forward over the block after state.tokens."""
+        return self.head(self.decode_states(state)[:, 1:1 + k]).float()[0]  # (k, Vd)
+
+    def trained_positions(self, cfg: Optional[DFlashConfig] = None) -> int:
+        """Drafts per block: slot 0 holds the last committed token, the others draft."""
+        return (cfg or self.cfg).block_size - 1
 
     def propose(self, state: DecodeState, k: int, sampling: SamplingParams,
                 generator: torch.Generator | None = None,

@@ -152,14 +152,15 @@ def first_step_logits(folder: Path, target, ids: torch.Tensor) -> torch.Tensor:
     return full[None]
 
 
-def dflash_block(config, W, target, ids, t):
+def dflash_block(config, W, target, ids, t, states=False):
     """A DFlash engine at ONE anchor t, from the files only (speculators 0.9.0 DFlashDraftModel, or
     vLLM's DFlashQwen3ForCausalLM on the z-lab layout: aux ids eagle_aux_hidden_state_layer_ids,
     else dflash_config.target_layer_ids + 1; embedding and, when absent, head from the target):
     context = hidden_norm(fc(aux states)) at positions < t, projected to keys / values by each
     layer (no query there); block = embeddings of [ids[t], mask x (b-1)] at t .. t+b-1; per layer
     q_norm / k_norm per head, RoPE, attention over [context; block] with no mask (the block is
-    bidirectional, the context all before it) -> logits (b, Vd) of the block's slots."""
+    bidirectional, the context all before it) -> logits (b, Vd) of the block's slots (states:
+    their normed states (b, H), what the head reads)."""
     c = config.get("transformer_layer_config", config)
     eps, nh, nkv, hd = c["rms_norm_eps"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
     zlab = config.get("dflash_config", {})
@@ -188,7 +189,8 @@ def dflash_block(config, W, target, ids, t):
         o = torch.einsum("hqk,khd->qhd", s.softmax(-1), v).reshape(b, nh * hd)
         x = x + o @ W[p + "o_proj.weight"].T
         x = x + _mlp(_rms(x, W[f"layers.{i}.post_attention_layernorm.weight"], eps), W, f"layers.{i}.")
-    return _rms(x, W["norm.weight"], eps) @ head.T  # (b, Vd)
+    h = _rms(x, W["norm.weight"], eps)  # (b, H)
+    return h if states else h @ head.T  # (b, Vd)
 
 
 def dflash_logits(folder: Path, target, ids: torch.Tensor) -> list[torch.Tensor]:
@@ -202,6 +204,29 @@ def dflash_logits(folder: Path, target, ids: torch.Tensor) -> list[torch.Tensor]
     full = blocks.new_full((*blocks.shape[:2], V), float("-inf"))  # (T, b, V)
     full[..., cols] = blocks
     return [full[None, :, i] for i in range(1, config["block_size"])]
+
+
+def dspark_logits(folder: Path, target, ids: torch.Tensor) -> list[torch.Tensor]:
+    """A DSpark engine (vLLM's Qwen3DSparkForCausalLM, speculators' DSparkDraftModel; vanilla
+    Markov head) at every anchor of ids (T,), from the files only: dflash_block's normed slot
+    states, the slots that draft (all b under sample_from_anchor, else 1 .. b-1), logits = head(h)
+    + markov_w2(markov_w1[the token before the draft]), the token fed as in training (teacher
+    forcing). One (1, T, V) per draft, mapped to the target vocabulary as the engines do."""
+    config = json.loads((folder / "config.json").read_text())
+    W = load_file(str(folder / "model.safetensors"))
+    head = W["lm_head.weight"] if "lm_head.weight" in W else target.lm_head().weight.float()
+    first, T = 0 if config["sample_from_anchor"] else 1, len(ids)
+    w1, w2 = W["markov_head.markov_w1.weight"], W["markov_head.markov_w2.weight"]
+    blocks = []
+    for t in range(T):
+        h = dflash_block(config, W, target, ids, t, states=True)[first:]  # (n, H)
+        prev = ids[(t + torch.arange(h.shape[0])).clamp(max=T - 1)]  # (n,)
+        blocks.append(h @ head.T + w1[prev] @ w2.T)  # (n, Vd)
+    blocks = torch.stack(blocks)  # (T, n, Vd)
+    cols = torch.arange(len(W["d2t"])) + W["d2t"] if "d2t" in W else torch.arange(target.vocab_size)
+    full = blocks.new_full((*blocks.shape[:2], target.vocab_size), float("-inf"))
+    full[..., cols] = blocks
+    return [full[None, :, j] for j in range(blocks.shape[1])]
 
 
 # -- shared toys of the EAGLE-3-family tests (test_eagle3, test_peagle) -------------------------------
@@ -275,7 +300,7 @@ def recipe_cfg(tmp_path, chats, name: str, *overrides):
             "data.eval_fraction=0.1", f"data.cache_dir={tmp_path / 'cache'}", "trainer=smoke",
             "trainer.final_eval=null", f"run_dir={tmp_path / 'run'}", "logger=jsonl",
             f"drafter={name}", "drafter.draft_vocab_size=512",
-            "drafter.block_size=4" if name == "dflash" else "drafter.ttt_length=3", *overrides])
+            "drafter.block_size=4" if name in ("dflash", "dspark") else "drafter.ttt_length=3", *overrides])
 
 
 def train_rows(cfg) -> list[dict]:

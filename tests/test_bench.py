@@ -154,3 +154,29 @@ def test_selfgen_benchmark_answers_the_same_spread_groups_in_every_mode(tmp_path
     assert two["answers_only_tokens_per_s"] > two["tokens_per_s"]
     assert "answers_only_tokens_per_s" not in summary["one_pass@2"]
     assert json.loads((tmp_path / "selfgen_bench.json").read_text())["usable_prompts"] == 12
+
+
+def test_cfg_walk_counts_stops_climbs_and_upward_reads():
+    """benchmarks/cfg_walk.py: consecutive reads by one module are one stop, a stop on a higher
+    floor right after a lower one is a climb, a section read below its owner's floor is upward
+    (the range check excepted); the tracer sees reads made from our modules only."""
+    from omegaconf import OmegaConf
+
+    from benchmarks import cfg_walk
+
+    reads = [("specdistill.train.recipe", "trainer.lr"), ("specdistill.train.recipe", "data"),
+             ("specdistill.target.model", "data.cache_dir"), ("specdistill.data.dataset", "data.x"),
+             ("specdistill.train.recipe", "trainer.seed"), ("specdistill.cli.ranges", "trainer.lr")]
+    got = cfg_walk.summarise(reads)
+    assert (got["reads"], got["stops"], got["climbs"]) == (6, 5, 2)
+    assert got["upward_reads"] == ["specdistill.target.model reads data.cache_dir"]
+    traced: list = []
+    undo = cfg_walk.trace(traced)
+    try:
+        cfg = OmegaConf.create({"a": {"b": 1}, "c": 2})
+        assert cfg.c == 2  # read from a test module: not one of ours, not traced
+        exec("cfg.a.b; cfg.get('c')", {"__name__": "specdistill.train.fake", "cfg": cfg})
+    finally:
+        undo()
+    assert traced == [("specdistill.train.fake", "a"), ("specdistill.train.fake", "a.b"),
+                      ("specdistill.train.fake", "c")]

@@ -61,9 +61,9 @@ def isolated_cache(tmp_path, monkeypatch):
 
 
 def masked_runs(tok, enc):
-    """Decoded text of each maximal run of mask-1 tokens."""
-    runs = [[i for i, _ in group] for on, group in
-            itertools.groupby(zip(enc.input_ids, enc.loss_mask), key=lambda p: p[1]) if on]
+    """Decoded text of each maximal run of mask-1 tokens, row after row."""
+    runs = [[i for i, _ in group] for row in enc.rows for on, group in
+            itertools.groupby(zip(row.input_ids, row.loss_mask), key=lambda p: p[1]) if on]
     return [tok.decode(r) for r in runs]
 
 
@@ -194,7 +194,7 @@ def test_bad_records_counted_by_reason(tmp_path):
         {"id": "x"},                                                 # bad_record (no turns)
         {"conversations": []},                                       # empty
         sharegpt("e", ("human", " "), ("gpt", "")),                  # empty
-        sharegpt("u", ("human", "hi"), ("tool", "{}"), ("gpt", "ok")),  # unknown_role
+        sharegpt("u", ("human", "hi"), ("narrator", "{}"), ("gpt", "ok")),  # unknown_role
         sharegpt("n", ("human", "hi"), ("gpt", "  ")),               # no_assistant
         sharegpt("k1", ("Human", "hi"), ("ChatGPT", "hello")),
         sharegpt("k2", ("system", "be brief"), ("user", "hi"), ("bing", "a"), ("bard", "b")),
@@ -290,8 +290,9 @@ def test_smollm2_conversation_starting_with_assistant(smollm2_tokenizer):
             {"role": "assistant", "content": ""},  # empty: context only
             {"role": "user", "content": "Say <|im_end|> please"},
             {"role": "assistant", "content": "Sure: <|im_end|> done"}]
-    rendered = render_chat(tok, conv)
-    assert rendered.text.startswith(f"<|im_start|>system\n{SYSTEM_SMOL}<|im_end|>\n")  # injected
+    text, spans, own = render_chat(tok, conv)
+    assert len(spans) == 2 and own == []
+    assert text.startswith(f"<|im_start|>system\n{SYSTEM_SMOL}<|im_end|>\n")  # injected
     enc = encode_chat(tok, conv, max_length=4096)
     assert masked_runs(tok, enc) == ["...and that is the second half.<|im_end|>",
                                      "Sure: <|im_end|> done<|im_end|>"]
@@ -304,14 +305,16 @@ def test_llama3_mask_hand_checked(llama3_tokenizer):
     enc = encode_chat(tok, conv, max_length=4096)
     assert tok.decode(enc.input_ids[:2]) == "<|begin_of_text|><|start_header_id|>"
     assert masked_runs(tok, enc) == ["Hello! How can I help?<|eot_id|>", "Paris.<|eot_id|>"]
+    # the served prompt ends in the token "\n\n", which SmolLM2's pre-tokeniser splits before the
+    # answer in the full rendering: each turn is trained in a row of its served tokens
+    assert len(enc.rows) == 2 and enc.stats["own_context"] == 2
     first = enc.loss_mask.index(1)
-    assert tok.decode(enc.input_ids[first - 3: first]) == "<|end_header_id|>\n\n"
-    enc = encode_chat(tok, [{"role": "assistant", "content": "Go on."},
-                            {"role": "user", "content": "ok"}], max_length=4096)
-    assert masked_runs(tok, enc) == ["Go on.<|eot_id|>"]
-    assert tok.decode(enc.input_ids) == ("<|begin_of_text|><|start_header_id|>assistant<|end_header_id|>"
-                                         "\n\nGo on.<|eot_id|><|start_header_id|>user<|end_header_id|>"
-                                         "\n\nok<|eot_id|>")
+    assert tok.decode(enc.input_ids[first - 2: first]) == "<|end_header_id|>\n\n"
+    conv = [{"role": "assistant", "content": "Go on."}, {"role": "user", "content": "ok"}]
+    assert masked_runs(tok, encode_chat(tok, conv, max_length=4096)) == ["Go on.<|eot_id|>"]
+    assert render_chat(tok, conv)[0] == (
+        "<|begin_of_text|><|start_header_id|>assistant<|end_header_id|>"
+        "\n\nGo on.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nok<|eot_id|>")
 
 
 def test_end_of_turn_found_when_eos_differs(llama3_tokenizer):
@@ -325,10 +328,13 @@ def test_end_of_turn_found_when_eos_differs(llama3_tokenizer):
                                                               "PARIS.<|im_end|>"]
 
 
-def test_inconsistent_template_raises_and_refusal_drops(smollm2_tokenizer):
+def test_inconsistent_template_refused_and_refusal_drops(smollm2_tokenizer):
     tok = copy.deepcopy(smollm2_tokenizer)
     tok.chat_template = "{% if add_generation_prompt %}X{% endif %}" + CHATML_TEMPLATE
-    with pytest.raises(ChatTemplateError, match="inconsistently"):
+    enc = encode_chat(tok, CONV, 4096)  # no turn follows its served prefix: nothing to train as served
+    assert enc.drop_reason == "not_as_served" and enc.rows == []
+    tok.chat_template = ""
+    with pytest.raises(ChatTemplateError, match="no chat_template"):
         encode_chat(tok, CONV, 4096)
     tok.chat_template = ("{% if messages[0]['role'] == 'assistant' %}"
                          "{{ raise_exception('must start with user') }}{% endif %}" + CHATML_TEMPLATE)

@@ -13,7 +13,14 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import specdistill.drafters  # noqa: F401  (registers every drafter)
-from specdistill.drafters.base import CONFIGS, DecodeState, TrainBatch, build_drafter, trainable_drafters
+from specdistill.drafters.base import (
+    CONFIGS,
+    DRAFTERS,
+    DecodeState,
+    TrainBatch,
+    build_drafter,
+    trainable_drafters,
+)
 from specdistill.drafters.parts.anchors import counted, dense_logits
 from specdistill.drafters.parts.head import fit_draft_vocab
 from specdistill.drafters.parts.sampling import SamplingParams
@@ -26,7 +33,7 @@ from specdistill.drafters.parts.vocab import (
 )
 from specdistill.store.drafter import load_drafter, save_drafter
 from specdistill.target.model import Target
-from specdistill.train.losses import distill_loss
+from specdistill.train.losses import distill_loss, drafter_loss
 
 V, H = 128, 32
 TRAINABLE = trainable_drafters()
@@ -95,7 +102,7 @@ def test_forward_backward_shapes(target, name, prune):
             if p.anchors is not None else (2, 16) for p in preds]
     assert preds and all(p.logits.shape == (*r, Vd) and p.shift >= 0 for p, r in zip(preds, lead))
     assert all(p.at is None or int(p.at.sum()) < 2 * 16 for p in preds)  # padding, prompts skipped
-    loss, parts = distill_loss(preds, batch, "forward_kl", 1.0, 0.1, d2t=d.d2t)
+    loss, parts = drafter_loss(d, preds, batch, "forward_kl", 1.0, 0.1, d2t=d.d2t)  # the recipe's
     loss.backward()
     grads = [p.grad for p in d.parameters() if p.requires_grad]
     assert grads and all(g is not None for g in grads)
@@ -137,7 +144,7 @@ def test_head_only_where_the_loss_counts_changes_nothing(target, name, monkeypat
     assert lazy[1].keys() == dense[1].keys() and lazy[1]
     for n in lazy[1]:
         assert torch.allclose(lazy[1][n], dense[1][n], rtol=1e-4, atol=1e-6), n
-    if name != "dflash":  # dflash drafts at sampled anchors already
+    if "block-drafting" not in DRAFTERS[name].tags:  # dflash / dspark: sampled anchors already
         assert lazy[2] < dense[2]  # and the head really ran at fewer rows
 
 
@@ -185,10 +192,11 @@ def test_proposals_are_target_ids(target, name, prune):
     assert greedy.probs is None and 1 <= greedy.tokens.shape[0] <= 3
     assert d.propose(st, 3, GREEDY, min_confidence=1.01).tokens.shape == (1,)  # at least one token
     assert d.propose(st, 0, GREEDY).tokens.shape == (0,)
-    tree = d.propose_tree(st, GREEDY)
-    assert tree.tokens.shape == tree.parents.shape
-    assert bool((tree.parents < torch.arange(len(tree.parents))).all())
-    for ids in (chain.tokens, greedy.tokens, tree.tokens):
+    trees = [d.propose_tree(st, GREEDY)] if d.supports_tree else []  # dspark: chains only
+    for tree in trees:
+        assert tree.tokens.shape == tree.parents.shape
+        assert bool((tree.parents < torch.arange(len(tree.parents))).all())
+    for ids in (chain.tokens, greedy.tokens, *[t.tokens for t in trees]):
         assert bool(((ids >= 0) & (ids < V)).all())
         if prune:
             assert bool(d.draft_vocab.t2d[ids].all())  # only draft-vocab tokens are ever proposed

@@ -99,7 +99,7 @@ def store():
 
 
 CASES = [("eagle3", {"k": 3}), ("eagle3", {"tree": True}), ("eagle", {"k": 4}),
-         ("eagle", {"tree": True}), ("dflash", {"k": 3}), ("peagle", {"k": 3}),
+         ("eagle", {"tree": True}), ("dflash", {"k": 3}), ("dspark", {"k": 3}), ("peagle", {"k": 3}),
          ("medusa", {"k": 3}), ("medusa", {"tree": True}), ("eagle3", {"k": 2, "exact_verify": True})]
 
 

@@ -64,6 +64,9 @@ def test_training_run_writes_the_report(tiny_run):
     final = (tiny_run / "final_eval" / "result.md").read_text().strip()
     assert final in report  # rewritten after final_eval()
     assert "| 2 | " in report and "| 4 | " in report  # both periodic evals
+    # what was trained on: the data report written at the job's start
+    assert "## Training data" in report and "| turns trained |" in report
+    assert (tiny_run / "data_report.json").is_file()
     for name in ("acceptance_by_position", "accepted_length", "tau", "loss"):
         assert (tiny_run / "plots" / f"{name}.png").read_bytes()[:8] == PNG
 
@@ -93,3 +96,22 @@ def test_the_report_leads_with_the_verdict_and_how_to_serve(tmp_path):
     assert "check: **pass**" in head
     assert f"specdistill export run={run} format=vllm out=exports/run-vllm" in head
     assert "vllm serve packaged:smollm2 --speculative-config" in head and '"method": "eagle3"' in head
+
+
+def test_the_report_gives_a_confidence_heads_calibration(tmp_path):
+    """A drafter with a trained confidence head: one line with its ECE and per-slot predicted vs
+    observed acceptance; none for draft-probability confidences."""
+    run = fake_run(tmp_path, final=True)
+    path = run / "final_eval" / "result.json"
+    res = json.loads(path.read_text())
+    cal = {"source": "head", "pairs": 12, "bins": 10, "ece": 0.042,
+           "slots": [{"slot": 1, "count": 8, "predicted": 0.71, "observed": 0.75},
+                     {"slot": 2, "count": 4, "predicted": 0.5, "observed": None}]}
+    res["summary"]["spec_calibration"] = cal
+    path.write_text(json.dumps(res))
+    report = write_report(run).read_text()
+    assert ("Confidence head calibration: ECE 0.042 over 12 verified slots (predicted vs observed "
+            "acceptance per slot: 1: 0.71 vs 0.75, 2: 0.50 vs -).") in report
+    res["summary"]["spec_calibration"] = {**cal, "source": "draft_prob"}
+    path.write_text(json.dumps(res))
+    assert "Confidence head calibration" not in write_report(run).read_text()

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from specdistill.drafters.base import DraftPrediction, TrainBatch
+from specdistill.drafters.base import DraftPrediction, SlotObjective, TrainBatch
 from specdistill.drafters.parts.anchors import counted
 
 LOG_FLOOR = -1e4  # log-probs are clamped here so 0 * log 0 never turns into NaN
@@ -283,3 +283,81 @@ def greedy_accept(draft_logits: torch.Tensor, target_logits: torch.Tensor,
     if restrict:
         return d == target_logits.index_select(-1, d2t).argmax(-1)
     return d2t[d] == target_logits.argmax(-1)
+
+
+# -- a drafter's own objective over its block's slots (DSpark) -----------------------------------
+def _slot_rows(pred: DraftPrediction, batch: TrainBatch, alive: torch.Tensor):
+    """The rows of one slot prediction that `alive` (B, A) keeps (its (row, anchor) pairs in
+    row-major order): draft logits (M, Vd), target logits (M, V | Vd), confidence logits (M,) | None."""
+    b, a = alive.nonzero(as_tuple=True)  # (M,) each
+    t = a if pred.anchors is None else pred.anchors[b, a]  # (M,) the anchor positions
+    conf = None if pred.confidence is None else pred.confidence[b, a]
+    return pred.logits[b, a], batch.target_logits[b, t + pred.shift], conf
+
+
+def slot_loss(predictions: list[DraftPrediction], batch: TrainBatch, objective: SlotObjective,
+              temperature: float = 1.0, d2t: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A drafter's SlotObjective (drafters/base.py): predictions are the slots of its blocks, one
+    per shift j (0, 1, ...), at the same anchors. Slot j of a block counts while every slot up to
+    j does (the block's first unsupervised token drops the rest); each term is a weighted mean
+    over the kept (row, anchor, slot) with slot weight pred.weight:
+
+        total = ce * CE(q, argmax p') + l1 * sum |q - p'| + confidence * BCE(c, acceptance)
+
+    acceptance = 1 - TV(q, p') (objective.confidence_target tv) or argmax q == argmax p (greedy),
+    detached. Components per slot (`ce/s<j>`, `l1/s<j>`, `bce/s<j>`, `accept/s<j>` its mean
+    acceptance, `conf/s<j>` the head's mean prediction, `top1/s<j>`, `positions/s<j>`) and the
+    whole terms (`ce`, `l1`, `bce`)."""
+    if not predictions:
+        raise ValueError("slot_loss: no predictions")
+    num = {"ce": 0.0, "l1": 0.0, "bce": 0.0}
+    den = 0.0
+    parts: dict[str, torch.Tensor] = {}
+    alive = None
+    for pred in sorted(predictions, key=lambda p: p.shift):
+        ok = counted(batch, pred.shift)  # (B, T)
+        ok = ok[:, :pred.logits.shape[1]] if pred.anchors is None else ok.gather(1, pred.anchors)
+        alive = ok if alive is None else alive & ok  # (B, A): the block is supervised up to here
+        draft, target, conf = _slot_rows(pred, batch, alive)
+        log_q, log_p = _log_probs(draft, target, temperature, d2t)  # (M, Vd) each
+        q, p = log_q.exp(), log_p.exp()
+        ce = -log_q.gather(-1, log_p.argmax(-1, keepdim=True)).squeeze(-1)  # (M,)
+        l1 = (q - p).abs().sum(-1)  # (M,) = 2 TV
+        with torch.no_grad():
+            hit = greedy_accept(draft, target, d2t=d2t)  # (M,) bool: greedy verification accepts
+            accept = (1 - 0.5 * l1).clamp(0, 1) if objective.confidence_target == "tv" else hit.float()
+        terms = {"ce": ce.sum(), "l1": l1.sum()}
+        if conf is not None:
+            terms["bce"] = F.binary_cross_entropy_with_logits(conf.float(), accept, reduction="sum")
+        w = float(pred.weight)
+        m = max(draft.shape[0], 1)
+        for name, value in terms.items():
+            num[name] = num[name] + w * value
+            parts[f"{name}/s{pred.shift}"] = value.detach() / m
+        den += w * draft.shape[0]
+        parts[f"accept/s{pred.shift}"] = accept.sum() / m
+        parts[f"top1/s{pred.shift}"] = hit.float().sum() / m
+        if conf is not None:
+            parts[f"conf/s{pred.shift}"] = torch.sigmoid(conf.detach().float()).sum() / m
+        parts[f"positions/s{pred.shift}"] = torch.tensor(float(draft.shape[0]))
+    weights = {"ce": objective.ce, "l1": objective.l1, "bce": objective.confidence}
+    total = predictions[0].logits.sum() * 0.0  # attached to the graph even with nothing kept
+    for name, value in num.items():
+        if torch.is_tensor(value):
+            mean = value / max(den, 1e-12)
+            parts[name] = mean.detach()
+            total = total + weights[name] * mean
+    return total, parts
+
+
+def drafter_loss(drafter, predictions: list[DraftPrediction], batch: TrainBatch, divergence: str,
+                 temperature: float = 1.0, feature_weight: float = 0.0,
+                 d2t: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss the recipe trains `drafter` on: its own objective (Drafter.objective) when it
+    declares one, else distill_loss with the trainer's divergence (d2t: as distill_loss's)."""
+    objective = getattr(drafter, "objective", None)
+    if objective is not None:
+        return slot_loss(predictions, batch, objective, temperature, d2t)
+    return distill_loss(predictions, batch, divergence=divergence, temperature=temperature,
+                        feature_weight=feature_weight, d2t=d2t)

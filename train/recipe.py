@@ -32,6 +32,7 @@ from specdistill.data.capture import (
     offline_features,
 )
 from specdistill.data.mix import MixedFeatures
+from specdistill.data.report import REPORT_FILE
 from specdistill.data.sources import training_data
 from specdistill.decode.simulate import simulate_acceptance
 from specdistill.drafters.base import TrainBatch, build_drafter
@@ -45,7 +46,7 @@ from specdistill.train.config import TrainConfig
 from specdistill.train.distributed import peer_failure_message
 from specdistill.train.final_eval import final_eval, prepare_engine, publish
 from specdistill.train.loggers import Loggers
-from specdistill.train.losses import distill_loss
+from specdistill.train.losses import drafter_loss
 from specdistill.train.memory import drop_training_state, release_free_memory
 from specdistill.train.on_policy import OnPolicyMixer
 from specdistill.train.on_policy_heads import (
@@ -142,7 +143,9 @@ class DistillRecipe:
             layers = lambda: build_drafter(cfg.drafter, target).feature_layers  # noqa: E731
             self.sources = training_data(target, cfg.data, layers, progress=not quiet())
         data = self.sources.data
-        log.info("data: %d train / %d eval conversations", len(data.train), len(data.eval))
+        log.info("data: %d train / %d eval rows", len(data.train), len(data.eval))
+        if data.report is not None and self.backend.is_main:  # the run report's "Training data"
+            data.report.save(self.run_dir / REPORT_FILE)
         return target, data
 
     @property
@@ -161,6 +164,10 @@ class DistillRecipe:
         if not any(p.requires_grad for p in drafter.parameters()):
             raise ValueError(f"drafter {cfg.drafter.name!r} has no trainable parameters")
         check_on_policy_heads(self.tcfg, drafter)
+        if drafter.objective is not None:  # said once, here: the loss below follows the drafter
+            log.warning("trainer.loss=%s is ignored: drafter %s trains on its own objective (%s; "
+                        "drafters/base.py SlotObjective, train/losses.py slot_loss)",
+                        self.tcfg.loss, drafter.name, drafter.objective)
         return drafter
 
     def _setup_optimizer(self, tcfg) -> None:
@@ -295,9 +302,8 @@ class DistillRecipe:
                         tcfg.capture_autocast)
                 else:
                     preds = self.model(batch)
-                loss, parts = distill_loss(preds, batch, divergence=tcfg.loss,
-                                           temperature=tcfg.loss_temperature,
-                                           feature_weight=tcfg.feature_weight)
+                loss, parts = drafter_loss(self.drafter, preds, batch, tcfg.loss,
+                                           tcfg.loss_temperature, tcfg.feature_weight)
             if not torch.isfinite(loss):
                 raise NonFiniteLoss(f"loss is {loss.item()} at step {self.step} (micro-batch {micro}); "
                                     f"stopping. The last good checkpoint is kept in "

@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from specdistill.data.report import REPORT_FILE, DataReport
+
 PLOTS = "plots"
 ACC_KEY = re.compile(r"^eval/acc_(\d+)$")
 LOSS_PART = re.compile(r"^(div|feat)/s\d+$")  # per-component losses from train/losses.py
@@ -223,6 +225,18 @@ def serve_commands(run_dir: Path, engine: dict[str, Any] | None) -> list[str]:
     return lines
 
 
+def calibration_line(final: dict[str, Any] | None) -> str:
+    """One line on the drafter's trained confidence head (decode/survival.py): its ECE and its
+    predicted vs observed acceptance per slot in the final eval; "" without a head's numbers."""
+    cal = (final or {}).get("spec_calibration")
+    if not cal or "head" not in str(cal.get("source", "")):
+        return ""
+    slots = ", ".join(f"{s['slot']}: {_num(s.get('predicted'), '.2f')} vs "
+                      f"{_num(s.get('observed'), '.2f')}" for s in cal.get("slots", []))
+    return (f"Confidence head calibration: ECE {_num(cal.get('ece'))} over {cal.get('pairs')} "
+            f"verified slots (predicted vs observed acceptance per slot: {slots}).")
+
+
 def verdict(run_dir: Path, final: dict[str, Any] | None, engine: dict[str, Any] | None) -> list[str]:
     """The report's first section: tau and speedup in our decoder and in the serving engine,
     whether both were lossless, and how to serve the drafter."""
@@ -248,6 +262,9 @@ def verdict(run_dir: Path, final: dict[str, Any] | None, engine: dict[str, Any] 
         else:
             lines.append(f"| {name} | - | - | - | {engine.get('verdict')}: "
                          f"{engine.get('error', '')[:200]} |")
+    cal = calibration_line(final)
+    if cal:
+        lines += ["", cal]
     serve = serve_commands(run_dir, engine)
     if serve:
         lines += ["", "Serve it:", "", "```bash", *serve, "```"]
@@ -262,6 +279,8 @@ def _markdown(run_dir: Path, rows, evals, final_md: str | None, shown) -> str:
     lines += verdict(run_dir, read_final(run_dir)[0], read_engine(run_dir))
     if final_md:
         lines += ["## Decoder evaluation (final_eval)", "", final_md, ""]
+    if (run_dir / REPORT_FILE).is_file():  # what was trained on (written at the job's start)
+        lines += DataReport.load(run_dir / REPORT_FILE).markdown()
     if evals:
         k = max(len(a) for _, _, a in evals)
         lines += ["## Simulated acceptance on held-out conversations", "",

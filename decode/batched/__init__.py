@@ -17,5 +17,9 @@ the target's measured (B, Q) cost grid, 0 = a plain round without drafter calls;
 the verify width from the drafts' confidences). tree=True: each row drafts the drafter's tree
 (spec's tree step) and verifies it under its own tree mask in the same padded forward; the
 accepted branch (non-contiguous block columns) is compacted per row; budgeted then chooses per
-round between a plain round and the whole trees, from past rounds only.
+round between a plain round and the whole trees, from past rounds only. adaptive (chains):
+budgeted with each row's survival (decode/survival.py: the product of its slot confidences, a
+trained confidence head's) as the width scores; the padded forward costs by its widest row, so
+per-row widths matter only through their maximum and the admitted (row, slot) pairs are every slot
+up to the one width that gives the most expected tokens per measured second.
 """

@@ -1,7 +1,7 @@
-"""`python -m decode batch_size=B batch_mode=...` (B > 1, or batch_mode=budgeted at any B): decode an
-eval set B sequences at a time (decode/batched/spec.py) and write the same result.json / result.md
-as the single-sequence path, plus the batch size, the mode, the throughput over the batch and the
-per-sequence latencies.
+"""`python -m decode batch_size=B batch_mode=...` (B > 1, or batch_mode=budgeted / adaptive at any
+B): decode an eval set B sequences at a time (decode/batched/spec.py) and write the same
+result.json / result.md as the single-sequence path, plus the batch size, the mode, the throughput
+over the batch and the per-sequence latencies.
 
 Turn t of every prompt is decoded in one batched call (turn t + 1 needs the model's own answer to
 turn t). With compare_plain, plain batched decoding at the same B runs first, turn by turn, for the
@@ -16,7 +16,7 @@ from pathlib import Path
 from specdistill.data.prompts import load_prompts
 from specdistill.decode.batched.cost import cost_curve
 from specdistill.decode.batched.planner import new_planner
-from specdistill.decode.batched.spec import BatchResult, generate_batch
+from specdistill.decode.batched.spec import PLANNED, BatchResult, generate_batch
 from specdistill.decode.evaluate import (
     finish_run,
     fit_max_new_tokens,
@@ -51,7 +51,8 @@ def evaluate_batched(target, drafter: Drafter | None, *, batch_size: int, batch_
                      sampling: SamplingParams | None = None, min_confidence: float = 0.0,
                      compare_plain: bool = True, seed: int = 0, tree: bool = False,
                      exact_verify: bool | str = False, out_dir: Path | None = None,
-                     cache_dir: str | None = None, warmup_tokens: int = 16) -> dict:
+                     cache_dir: str | None = None, warmup_tokens: int = 16,
+                     verify_survival: float = 0.0, survival_fallback: str = "none") -> dict:
     """Decode every prompt (and turn) batch_size at a time in `batch_mode`; return {"summary",
     "markdown", "prompts"} and write result.json + result.md into out_dir. exact_verify: both
     decodes with exact kernels per row (decode/batched/exact.py; greedy outputs then equal unbatched
@@ -61,14 +62,16 @@ def evaluate_batched(target, drafter: Drafter | None, *, batch_size: int, batch_
     first turns as one batch, untimed and discarded (first-use costs, as the single-sequence eval
     does); budgeted, with a planner of its own, so the measured planner learns nothing from it;
     every generate_batch call samples with generators of its own, so the measured prompts sample
-    as they would without it."""
+    as they would without it. verify_survival, survival_fallback: each row's chain cut by survival
+    (decode/survival.py); batch_mode=adaptive scores widths by it."""
     sampling = sampling or SamplingParams()
     exact_verify = bool(parse_exact(exact_verify))  # auto (None) = off when batched
     prompts = load_prompts(eval_kind, path=path, limit=limit, turns=turns)
     answers: list[list[list[int]]] = [[] for _ in prompts]
     spec_batches, plain_batches, spec_results, rows = [], [], [], []
+    cut = dict(verify_survival=verify_survival, survival_fallback=survival_fallback)
     planner = warm_planner = None  # budgeted: one planner for every turn (turn 1's lessons serve turn 2)
-    if batch_mode == "budgeted" and drafter is not None and k > 0:
+    if batch_mode in PLANNED and drafter is not None and k > 0:
         curve = cost_curve(target, cache_dir, exact=exact_verify)
         planner, warm_planner = (new_planner(curve, k, drafter, tree) for _ in range(2))
 
@@ -79,7 +82,7 @@ def evaluate_batched(target, drafter: Drafter | None, *, batch_size: int, batch_
         plain = generate_batch(target, None, ids, mode="plain", **kw) if compare_plain else None
         return plain, generate_batch(target, drafter, ids, k=k, mode=batch_mode,
                                      min_confidence=min_confidence, seed=seed_, cache_dir=cache_dir,
-                                     planner=planner_, tree=tree, **kw)
+                                     planner=planner_, tree=tree, **cut, **kw)
 
     if warmup_tokens > 0 and prompts:
         ids = [render(target, p.turns[:1], []) for p in prompts[:batch_size]]
@@ -112,7 +115,7 @@ def evaluate_batched(target, drafter: Drafter | None, *, batch_size: int, batch_
              "latency_p90_s": sorted(latency)[int(0.9 * (len(latency) - 1))],
              # None: no verify forward ran (every answer ended with the prefill's token)
              "mean_forward_width": statistics.mean(widths) if widths else None,
-             **({"planner_probes": planner.probes} if planner else {})}
+             **cut, **({"planner_probes": planner.probes} if planner else {})}
     summary = summarise(target, drafter, rows, spec_m, plain_m, eval_kind=eval_kind,
                         n_prompts=len(prompts), k=k, tree=tree, sampling=sampling,
                         max_new_tokens=max_new_tokens, exact_verify=exact_verify, extra=extra)
@@ -137,5 +140,6 @@ def run_batched(cfg) -> None:
         max_new_tokens=cfg.max_new_tokens, k=cfg.k, sampling=sampling,
         min_confidence=cfg.min_confidence, compare_plain=cfg.compare_plain, seed=cfg.seed,
         tree=cfg.tree, exact_verify=cfg.exact_verify, out_dir=run_dir,
-        cache_dir=str(cache_root(cfg.target)), warmup_tokens=cfg.warmup_tokens)
+        cache_dir=str(cache_root(cfg.target)), warmup_tokens=cfg.warmup_tokens,
+        verify_survival=cfg.verify_survival, survival_fallback=cfg.survival_fallback)
     finish_run(result, run_dir)

@@ -42,12 +42,16 @@ from specdistill.decode.spec import (
     commit,
     draft_tree,
     prefill,
+    record_confidences,
     timed,
 )
-from specdistill.drafters.base import Drafter
+from specdistill.decode.survival import SurvivalRule, check_survival
+from specdistill.decode.survival import survival as survival_of
+from specdistill.drafters.base import ChainProposal, Drafter
 from specdistill.drafters.parts.sampling import SamplingParams
 
-MODES = ("plain", "verify_all", "budgeted")
+MODES = ("plain", "verify_all", "budgeted", "adaptive")
+PLANNED = ("budgeted", "adaptive")  # the modes whose rounds a RoundPlanner plans
 
 
 @dataclass
@@ -90,7 +94,7 @@ class BatchRound:
     layers: tuple[int, ...]  # target layers whose features the drafter reads (() = none)
     sampling: SamplingParams  # the acceptance rule's sampling (greedy by default)
     k: int  # verify_all: drafts asked per row each round; budgeted: the deepest the planner asks
-    mode: str  # plain | verify_all | budgeted (MODES)
+    mode: str  # plain | verify_all | budgeted | adaptive (MODES)
     min_confidence: float  # > 0: a drafter may stop a chain early
     stop: StopChecker | None  # the stop strings (None = none)
     eos: torch.Tensor  # (E,) the target's EOS ids
@@ -98,6 +102,8 @@ class BatchRound:
     tree: bool = False  # rows draft trees (decode/tree.py) instead of chains
     batch_drafts: bool = True  # chains: rows draft together (propose_rows), else one by one
     exact: bool = False  # rows kept as their lone exact decodes keep them (batched/exact.py)
+    # chains: each row cut by survival (verify_survival), and adaptive mode's width scores
+    rule: SurvivalRule = field(default_factory=SurvivalRule)
 
 
 def slot_drafter(drafter: Drafter | Callable[[], Drafter]) -> Drafter:
@@ -139,7 +145,7 @@ class _Batch:
         self.exact = ExactRows(target) if cfg.exact else None
         self.time_verify = 0.0  # seconds in target forwards, prefills included
         # budgeted: each round's draft depth from past rounds only, before any draft exists
-        self.planner = planner if cfg.mode == "budgeted" and drafter is not None else None
+        self.planner = planner if cfg.mode in PLANNED and drafter is not None else None
 
     def admit(self, index: int, prompt: torch.Tensor, max_new_tokens: int,
               generator: torch.Generator | None) -> tuple[_Seq, bool]:
@@ -167,10 +173,11 @@ class _Batch:
         res.cache = st.cache = st.exact = None  # the row now lives in the batch cache
         return seq, added
 
-    def _draft(self, depth: int
-               ) -> list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
-        """Step 1 for every row: (draft (m,) of at most `depth` tokens, q (m, V) or None,
-        budgeted: survival scores (m,)) each, from ONE propose_rows call: the rows draft together
+    def _draft(self, depth: int) -> list[tuple[torch.Tensor, torch.Tensor | None,
+                                               torch.Tensor | None, list[float] | None]]:
+        """Step 1 for every row: (draft (m,) of at most `depth` tokens cut by survival, q (m, V)
+        or None, budgeted / adaptive: width scores (m,), the verified slots' confidences or None)
+        each, from ONE propose_rows call: the rows draft together
         where the drafter can (one forward per draft step for all rows), or, with batch_drafts off,
         through the base class's one-row-after-another loop. The call's seconds are shared evenly
         by its rows."""
@@ -189,16 +196,24 @@ class _Batch:
             for r, st, prop in zip(live, states, got):
                 props[r] = prop
                 st.res.time_draft += dt / len(live)
-        out = []
-        for s, b, prop in zip(self.seqs, asks, props):
-            if prop is None:
-                out.append((s.state.buf.new_empty(0), None, torch.ones(0)))
-                continue
-            m = min(len(prop.tokens), b)
-            q = prop.probs[:m] if prop.probs is not None else None  # (m, V)
-            scores = survival(prop, m) if self.cfg.mode == "budgeted" else None  # (m,)
-            out.append((prop.tokens[:m].to(s.state.buf.device), q, scores))
-        return out
+        return [self._row_draft(s, b, prop) for s, b, prop in zip(self.seqs, asks, props)]
+
+    def _row_draft(self, s: _Seq, b: int, prop: ChainProposal | None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
+                              list[float] | None]:
+        """One row's `_draft` entry: its first b drafts, cut where its survival falls below
+        verify_survival (spec's rule); the width scores: budgeted, the planner's draft-prob
+        survival; adaptive, the survival of the slot confidences (the draft-prob one without)."""
+        if prop is None:
+            return s.state.buf.new_empty(0), None, torch.ones(0), None
+        m, pred = record_confidences(s.state.res, prop, self.cfg.rule, min(len(prop.tokens), b))
+        q = prop.probs[:m] if prop.probs is not None else None  # (m, V)
+        scores = None
+        if self.cfg.mode == "adaptive" and pred is not None:
+            scores = survival_of(torch.tensor(pred))  # (m,)
+        elif self.cfg.mode in PLANNED:
+            scores = survival(prop, m)  # (m,)
+        return prop.tokens[:m].to(s.state.buf.device), q, scores, pred
 
     def _depth(self) -> int:
         """Drafts asked per row this round: k (verify_all), 0 (plain), or the planner's."""
@@ -216,14 +231,14 @@ class _Batch:
             return self._tree_round(t_round, depth)
         drafts = self._draft(depth)  # 1.
         t_draft = time.perf_counter() - t_round
-        lens = [len(d) for d, _, _ in drafts]
+        lens = [len(d) for d, _, _, _ in drafts]
         if self.planner and depth:  # 2. cut every row to the width the cost grid pays for
-            lens = choose_widths([sc for _, _, sc in drafts], self.planner.verify,
+            lens = choose_widths([sc for _, _, sc, _ in drafts], self.planner.verify,
                                  self.cfg.sampling.greedy)
         ids, out, dt, L, cache_len = self._verify(  # 3.
-            [d[:m] for (d, _, _), m in zip(drafts, lens)])
+            [d[:m] for (d, _, _, _), m in zip(drafts, lens)])
         new, kept, n_keep = [], [], []
-        for r, (s, (d, q, _), m) in enumerate(zip(self.seqs, drafts, lens)):  # 4.
+        for r, (s, (d, q, _, pred), m) in enumerate(zip(self.seqs, drafts, lens)):  # 4.
             res = s.state.res
             n_t, nxt = accept_chain(d[None, :m], None if q is None else q[None, :m],
                                     out.logits[r:r + 1, :m + 1], self.cfg.sampling,
@@ -231,12 +246,14 @@ class _Batch:
             n = int(n_t)
             res.drafted.append(m)
             res.accepted.append(n)
+            if pred is not None and m:
+                res.slot_confidence.append((pred[:m], n))
             new.append(torch.cat([d[:n], nxt]))  # (n+1,)
             kept.append(out.features[r, :n + 1] if self.cfg.layers else None)  # (n+1, F)
             n_keep.append(n + 1)
         self._compact(L, n_keep, cache_len)  # 5.
         # 6. a draft cut in step 2 counts as drafted, not accepted
-        self._learn(depth, [len(d) for d, _, _ in drafts], [n - 1 for n in n_keep], t_round,
+        self._learn(depth, [len(d) for d, _, _, _ in drafts], [n - 1 for n in n_keep], t_round,
                     t_draft, dt, ids.shape[1])
         return new, kept, ids.shape[1], depth
 
@@ -343,7 +360,7 @@ def generate_batch(
     max_new_tokens: int | Sequence[int],  # one for all, or one per prompt
     batch_size: int = 8,  # at most this many sequences in one forward
     k: int = 5,
-    mode: str = "verify_all",  # plain | verify_all | budgeted
+    mode: str = "verify_all",  # plain | verify_all | budgeted | adaptive
     sampling: SamplingParams | None = None,  # None = greedy
     min_confidence: float = 0.0,
     stop_strings: Sequence[str] = (),
@@ -355,6 +372,8 @@ def generate_batch(
     tree: bool = False,  # every row verifies the drafter's tree (decode/tree.py) instead of a chain
     batch_drafts: bool = True,  # chains: rows draft together (Drafter.propose_rows), else 1 by 1
     exact_verify: bool = False,  # every row rounds as its lone exact decode (batched/exact.py)
+    verify_survival: float = 0.0,  # chains: cut each row by survival (decode/survival.py, 0 = off)
+    survival_fallback: str = "none",  # slot confidences without a head: none | draft_prob
 ) -> BatchResult:
     """Decode every prompt, up to batch_size at a time in one target forward per round,
     losslessly per sequence: each output is what `decode.spec.generate` gives that prompt alone
@@ -363,7 +382,9 @@ def generate_batch(
 
     budgeted: pass the same `planner` (a `decode.batched.planner.RoundPlanner` for this target,
     drafter and k) to every call, as a server would keep it, so a call starts from the acceptance
-    and drafting times the earlier ones measured instead of drafting blind in its first rounds."""
+    and drafting times the earlier ones measured instead of drafting blind in its first rounds.
+
+    adaptive: budgeted with each row's survival as its width scores (the package docstring)."""
     t_start, sampling, dev = time.perf_counter(), sampling or SamplingParams(), target.device
     max_new = _check_batch(mode, len(prompts), batch_size, max_new_tokens, generators)
     prompts = [torch.as_tensor(p, dtype=torch.long).reshape(-1).to(dev) for p in prompts]
@@ -372,7 +393,9 @@ def generate_batch(
     for p, n in zip(prompts, max_new):  # 0. guards, as spec's, before any work
         check_inputs(target, one if speculative else None, len(p), n, k, sampling, tree,
                      masks="batched decoding")
-    if speculative and mode == "budgeted":
+    check_survival(one if speculative else None, verify_survival, survival_fallback,
+                   tree and speculative)
+    if speculative and mode in PLANNED:
         planner = batch_planner(target, one, k, tree, planner, cost, cache_dir, exact_verify)
     gens = list(generators) if generators is not None else [
         torch.Generator(device=dev).manual_seed(seed + i) for i in range(len(prompts))]
@@ -381,7 +404,7 @@ def generate_batch(
     cfg = BatchRound(layers=tuple(one.feature_layers) if speculative else (), sampling=sampling,
                         k=k, mode=mode, min_confidence=min_confidence, stop=stop, eos=eos,
                         sync=dev.type == "cuda", tree=tree, batch_drafts=batch_drafts,
-                        exact=exact_verify)
+                        exact=exact_verify, rule=SurvivalRule(verify_survival, survival_fallback))
     batch = _Batch(target, drafter if speculative else None, cfg, planner)
     results: list = [None] * len(prompts)
     latency: list = [0.0] * len(prompts)

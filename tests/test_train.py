@@ -93,7 +93,7 @@ def test_resume_gives_the_uninterrupted_losses(tmp_path, chat_file):
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, chat_file, monkeypatch):
     cfg = make_cfg(tmp_path, chat_file, "trainer.max_steps=6", "trainer.save_every=2",
                    "trainer.eval_every=0")
-    real = recipe_mod.distill_loss
+    real = recipe_mod.drafter_loss
     calls = {"n": 0}
 
     def poisoned(*a, **k):
@@ -101,7 +101,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, chat_file, 
         calls["n"] += 1
         return (loss * float("nan"), parts) if calls["n"] == 3 else (loss, parts)
 
-    monkeypatch.setattr(recipe_mod, "distill_loss", poisoned)
+    monkeypatch.setattr(recipe_mod, "drafter_loss", poisoned)
     r = DistillRecipe(cfg)
     r.setup()
     with pytest.raises(NonFiniteLoss, match="loss is nan at step 2"):

@@ -47,16 +47,19 @@ def benchmarks_folder() -> Path | None:
 
 
 def bench_names(folder: Path) -> dict[str, str]:
-    """Each benchmark module's name -> the first line of its docstring."""
+    """Each benchmark's name -> the first line of its docstring: a module, or a package that runs
+    as one (its __main__.py's docstring)."""
     import ast
 
     out = {}
-    for p in sorted(folder.glob("*.py")):
-        if p.stem.startswith("_"):
+    files = [*folder.glob("*.py"), *folder.glob("*/__main__.py")]
+    for p in sorted(files):
+        name = p.parent.name if p.name == "__main__.py" else p.stem
+        if name.startswith("_"):
             continue
         doc = ast.get_docstring(ast.parse(p.read_text())) or ""
-        out[p.stem] = doc.strip().splitlines()[0] if doc.strip() else ""
-    return out
+        out[name] = doc.strip().splitlines()[0] if doc.strip() else ""
+    return dict(sorted(out.items()))
 
 
 def bench() -> None:

@@ -49,7 +49,7 @@ def test_bench_lists_the_checkouts_benchmarks_and_refuses_an_unknown_one(capsys,
     folder = benchmarks_folder()
     assert folder == ROOT / "benchmarks"
     names = bench_names(folder)
-    assert {"decode_speed", "throughput", "recipe_study"} <= set(names)
+    assert {"decode_speed", "throughput", "recipe_study", "peers"} <= set(names)  # peers: a package
     assert all(names.values()), "every benchmark's docstring says what it measures"
     monkeypatch.setattr(sys, "argv", ["specdistill", "bench"])
     main(["bench"])

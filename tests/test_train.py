@@ -93,7 +93,7 @@ def test_resume_gives_the_uninterrupted_losses(tmp_path, chat_file):
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, chat_file, monkeypatch):
     cfg = make_cfg(tmp_path, chat_file, "trainer.max_steps=6", "trainer.save_every=2",
                    "trainer.eval_every=0")
-    real = recipe_mod.distill_loss
+    real = recipe_mod.drafter_loss
     calls = {"n": 0}
 
     def poisoned(*a, **k):
@@ -101,7 +101,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, chat_file, 
         calls["n"] += 1
         return (loss * float("nan"), parts) if calls["n"] == 3 else (loss, parts)
 
-    monkeypatch.setattr(recipe_mod, "distill_loss", poisoned)
+    monkeypatch.setattr(recipe_mod, "drafter_loss", poisoned)
     r = DistillRecipe(cfg)
     r.setup()
     with pytest.raises(NonFiniteLoss, match="loss is nan at step 2"):
@@ -260,3 +260,29 @@ def test_final_eval_target_keeps_training_threads_under_its_own_load(tiny_target
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(n)
+
+
+def test_max_minutes_stops_cleanly_with_a_checkpoint(tmp_path, chat_file, caplog):
+    """A wall-clock budget ends the loop after the step that crosses it: an eval, a checkpoint at
+    that step (best/ too), a logged stop; the schedule's max_steps is not reached."""
+    cfg = make_cfg(tmp_path, chat_file, "trainer.max_steps=40", "trainer.max_minutes=0.00001",
+                   "trainer.eval_every=0", "trainer.save_every=0", "trainer.log_every=20")
+    with caplog.at_level("INFO", logger=recipe_mod.__name__):
+        r = run(cfg)
+    assert r.step == 1 and r.stopped_early
+    assert runs.latest_checkpoint(Path(cfg.run_dir)).name == "step-0000001"
+    assert (Path(cfg.run_dir) / "best").exists()
+    rows = [json.loads(line) for line in open(Path(cfg.run_dir) / "metrics.jsonl")]
+    assert any(row.get("step") == 1 and row.get("train_minutes", 0) > 0 for row in rows)
+    assert "trainer.max_minutes=1e-05 reached" in caplog.text
+
+
+def test_max_minutes_out_of_range_is_refused(tmp_path, chat_file):
+    from specdistill.cli.errors import UserError
+    from specdistill.cli.ranges import check_ranges
+    from specdistill.train.config import TrainConfig
+
+    with pytest.raises(UserError, match="trainer.max_minutes"):
+        check_ranges(make_cfg(tmp_path, chat_file, "trainer.max_minutes=0"), TrainConfig)
+    r = run(make_cfg(tmp_path, chat_file, "trainer.max_steps=2", "trainer.max_minutes=60"))
+    assert r.step == 2 and not r.stopped_early  # a budget not reached changes nothing

@@ -36,6 +36,11 @@ class TrainerConfig:
     # a collective waiting longer fails the job (a dead or hung rank)
     dist_timeout_s: int = rng(1800, 1, MAX_SECONDS)
     max_steps: int = rng(1000, 1, MAX_COUNT)  # optimizer steps
+    # wall-clock budget of the training loop in minutes (None = none): the loop stops after the step
+    # that crosses it, evaluates and saves a checkpoint like at max_steps, and logs that it stopped
+    # early. Setup and the offline capture are not counted; a resumed run gets the budget afresh.
+    # The schedule still runs to max_steps (equal-minutes comparisons: benchmarks/peers)
+    max_minutes: Optional[float] = rng(None, 0, MAX_SECONDS / 60, lo_open=True)
     batch_size: int = rng(4, 1, MAX_BATCH)  # conversations per micro-batch per process
     grad_accum: int = rng(1, 1, MAX_BATCH)  # micro-batches per optimizer step
     # sort each run of this many global batches by length before batching (0 = plain shuffle):
@@ -163,7 +168,8 @@ class TrainConfig:
 # how long it runs (a new max_steps stretches the cosine schedule to the new end from the current
 # step), how often it evaluates, saves and logs, the final eval, where metrics go, the device.
 RESUMABLE_CHANGES = (
-    "run_dir", "resume", "logger", "target.device", "trainer.max_steps", "trainer.eval_every",
+    "run_dir", "resume", "logger", "target.device", "trainer.max_steps", "trainer.max_minutes",
+    "trainer.eval_every",
     "trainer.save_every", "trainer.keep_last", "trainer.log_every", "trainer.eval_conversations",
     "trainer.eval_k", "trainer.final_eval", "trainer.final_eval_limit",
     "trainer.final_eval_max_new_tokens", "trainer.dist_timeout_s", "data.num_proc", "data.cache_dir",

@@ -321,22 +321,39 @@ class DistillRecipe:
 
     def train(self) -> None:
         tcfg = self.tcfg
+        start = time.monotonic()
         t0, seen, n = time.perf_counter(), 0, 0
+        self.stopped_early = False
         while self.step < tcfg.max_steps:
             metrics, n = self.train_step(), n + 1
             self.loggers.progress(self.step, tcfg.max_steps, loss=metrics["loss"])
             seen += metrics.pop("tokens")
-            if self.step % tcfg.log_every == 0 or self.step == tcfg.max_steps:
+            self.stopped_early = self._out_of_time(start) and self.step < tcfg.max_steps
+            if self.stopped_early:
+                metrics["train_minutes"] = (time.monotonic() - start) / 60
+                log.info("trainer.max_minutes=%s reached after %.2f min at step %d of %d: stopping "
+                         "here with an eval and a checkpoint", tcfg.max_minutes,
+                         metrics["train_minutes"], self.step, tcfg.max_steps)
+            if self.step % tcfg.log_every == 0 or self.step == tcfg.max_steps or self.stopped_early:
                 dt = time.perf_counter() - t0
                 self.loggers.log({**metrics, "target_tokens_per_s": seen * self.backend.world_size
                                   / max(dt, 1e-9), "tokens_per_step": seen / max(n, 1)}, self.step)
                 t0, seen, n = time.perf_counter(), 0, 0
                 release_free_memory(self.offline)  # freed heap pages, the capture's mapped ones (memory.py)
-            last = self.step == tcfg.max_steps
+            last = self.step == tcfg.max_steps or self.stopped_early
             if (tcfg.eval_every and self.step % tcfg.eval_every == 0) or last:
                 self.evaluate()
             if (tcfg.save_every and self.step % tcfg.save_every == 0) or last:
                 self.save_checkpoint()
+            if self.stopped_early:
+                break
+
+    def _out_of_time(self, start: float) -> bool:
+        """trainer.max_minutes has passed since `start` (on any rank: all ranks stop together)."""
+        if self.tcfg.max_minutes is None:
+            return False
+        late = float(time.monotonic() - start >= 60 * self.tcfg.max_minutes)
+        return float(self.backend.mean(torch.tensor(late))) > 0
 
     # -------------------------------------------------------------------------------------- eval
     def evaluate(self) -> dict[str, object]:

@@ -1,0 +1,72 @@
+"""Our trainer and the field's (speculators, SpecForge) side by side: the same SmolLM2 target,
+the same tokenised conversations and loss masks, the same captured target features, the same wall
+minutes on the same cores, every drafter measured in our greedy replay.
+
+    python -m benchmarks.peers --out runs/peers/bench --conversations 48 --minutes 3 --prompts 20
+    python -m benchmarks.peers --arms ours speculators-close --minutes 1     # a subset
+
+Steps (each skipped when its output exists, so a rerun continues):
+  1. install each peer in its own virtualenv under <cache>/peers/ (venvs.py);
+  2. our data path's first --conversations ShareGPT conversations, our capture of them, and the
+     same numbers in each peer's format (prepare.py, features.py);
+  3. train each arm for --minutes of training-loop wall time, one after another, all under
+     `nice -n 10` (arms.py; the peers through their CPU shims: speculators_cpu.py, specforge_cpu.py);
+  4. rebuild each drafter from the layout it exported for vLLM (imports.py) and replay it greedily
+     on the target's own answers to --prompts MT-bench prompts (k = --k): tau +- its standard error
+     over prompts, and each arm's paired gap to ours;
+  5. <out>/peers.json and <out>/peers.md: the table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+from benchmarks.peers import arms as A
+from benchmarks.peers import replay as R
+from benchmarks.peers.prepare import write_peer_data
+from benchmarks.peers.venvs import PEERS, ensure_peer
+from benchmarks.replaying import compose
+
+log = logging.getLogger("benchmarks.peers")
+ARMS = ("ours", "speculators-close", "specforge-close", "speculators-default", "specforge-default")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("runs/peers/bench"))
+    ap.add_argument("--conversations", type=int, default=48, help="data.max_conversations")
+    ap.add_argument("--minutes", type=float, default=3.0, help="training-loop wall minutes per arm")
+    ap.add_argument("--prompts", type=int, default=20, help="MT-bench prompts of the replay")
+    ap.add_argument("--tokens", type=int, default=128, help="answer tokens per prompt")
+    ap.add_argument("--k", type=int, default=2, help="draft length of the replay")
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+    ap.add_argument("--set", nargs="*", default=[], help="more overrides of our job (all arms' data)")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    overrides = [f"data.max_conversations={args.conversations}", *args.set]
+    cfg = compose(overrides + A.OURS)
+    peers = {a.split("-")[0] for a in args.arms if a != "ours"}
+    pythons = {p: ensure_peer(PEERS[p]) for p in sorted(peers)}  # 1.
+    data = write_peer_data(cfg, args.out / "data", pythons)  # 2.
+    log.info("data: %s", data)
+    results = R.read_results(args.out)
+    for name in args.arms:  # 3.
+        if name in results and results[name].get("train"):
+            continue
+        results[name] = {"train": A.train_arm(name, args, overrides, data, pythons, cfg)}
+        R.write_results(args.out, results)
+    R.replay_all(args, results, data)  # 4.
+    R.write_results(args.out, results)
+    (args.out / "peers.md").write_text(R.table(results, args))  # 5.
+    print(R.table(results, args))
+
+
+if __name__ == "__main__":
+    main()

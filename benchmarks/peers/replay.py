@@ -1,0 +1,92 @@
+"""Step 4-5: every arm's drafter in our greedy replay (decode/replay.py) on the target's own
+answers, tau +- its standard error over prompts and the paired gap to ours; the results file and
+the table."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from benchmarks.replaying import paired_gap, ratio_se, replay_answers
+
+RESULTS = "peers.json"
+
+
+def read_results(out: Path) -> dict:
+    path = out / RESULTS
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def write_results(out: Path, results: dict) -> None:
+    tmp = out / (RESULTS + ".tmp")
+    tmp.write_text(json.dumps(results, indent=1))
+    tmp.replace(out / RESULTS)
+
+
+def replay_drafter(target, drafter, answers: list[dict], k: int, tokens: int) -> dict:
+    """Greedy replay tau of `drafter` on `answers`, with per-prompt [rounds, tokens] for pairing."""
+    import torch
+
+    from specdistill.decode.replay import replay_greedy
+
+    per_prompt = []
+    with torch.inference_mode():
+        for row in answers:
+            rep = replay_greedy(target, drafter, torch.tensor(row["prompt"]),
+                                torch.tensor(row["answer"]), k=k, max_new_tokens=tokens)
+            per_prompt.append([len(rep.accepted), sum(rep.accepted) + len(rep.accepted), 0, 0])
+    tau, se = ratio_se([p[1] for p in per_prompt], [p[0] for p in per_prompt])
+    return {"tau": tau, "tau_se": se, "rounds": sum(p[0] for p in per_prompt),
+            "per_prompt": per_prompt}
+
+
+def load_arm_drafter(name: str, res: dict, target, aux_layers):
+    from specdistill.store.drafter import load_drafter
+
+    from benchmarks.peers.imports import import_peer
+
+    folder = res["train"].get("drafter")
+    if not folder:
+        raise FileNotFoundError(f"{name}: no drafter was saved ({res['train'].get('error')})")
+    return load_drafter(folder, target).eval() if name == "ours" else import_peer(
+        folder, target, aux_layers)
+
+
+def replay_all(args, results: dict, data: dict) -> None:
+    from specdistill.target.model import load_target
+
+    from benchmarks.replaying import compose
+
+    target = load_target(compose(list(args.set)).target, training=True)
+    answers = replay_answers(target, args.prompts, args.tokens, args.out)
+    for name, res in results.items():
+        if "replay" in res or name not in args.arms:
+            continue
+        try:
+            drafter = load_arm_drafter(name, res, target, data["aux_layers"])
+            res["replay"] = replay_drafter(target, drafter, answers, args.k, args.tokens)
+        except Exception as e:  # recorded in the table, the other arms go on
+            res["replay_error"] = f"{type(e).__name__}: {e}"
+    ours = results.get("ours", {}).get("replay")
+    for res in results.values():
+        if ours and res.get("replay") and res["replay"] is not ours:
+            res["gap_to_ours"] = paired_gap(res["replay"], ours, "tau")
+
+
+def _fmt(x, nd=2):
+    return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
+
+
+def table(results: dict, args) -> str:
+    lines = [f"| arm | set | training min | steps | target tokens/s | peak RSS (MB) | replay tau "
+             f"(k={args.k}, {args.prompts} MT-bench x {args.tokens}) | gap to ours (paired) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for name, res in results.items():
+        t, r = res.get("train", {}), res.get("replay")
+        tau = f"{r['tau']:.3f} +- {r['tau_se']:.3f}" if r else res.get("replay_error", "—")
+        gap = res.get("gap_to_ours")
+        gap = f"{gap[0]:+.3f} +- {gap[1]:.3f}" if gap else "—"
+        lines.append(f"| {name} | {t.get('what', '')} | {_fmt(t.get('train_minutes'))} | "
+                     f"{t.get('steps', '—')} | {_fmt(t.get('tokens_per_s'), 0)} | "
+                     f"{_fmt(t.get('peak_rss_mb'), 0)} | {tau} | {gap} |")
+    return "\n".join(lines) + "\n"

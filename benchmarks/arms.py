@@ -85,6 +85,15 @@ ARMS: dict[str, tuple[str, list[str]]] = {
         "drafter=dflash", "drafter.block_size=8", "drafter.anchors=0.05"]),
     "dflash_l2": ("DFlash, block of 8, blocks at 1/4 of the anchors, 2 draft layers", [
         "drafter=dflash", "drafter.block_size=8", "drafter.anchors=0.25", "drafter.num_layers=2"]),
+    "dspark": ("DSpark as conf/drafter/dspark.yaml (DFlash's block of 4 + Markov rank 256 + confidence)",
+               ["drafter=dspark"]),
+    "dspark_noconf": ("DSpark without the confidence head (Markov head only)", [
+        "drafter=dspark", "drafter.confidence_head=false"]),
+    "dspark_gated": ("DSpark, gated Markov head", ["drafter=dspark", "drafter.markov_head_type=gated"]),
+    "dspark_rnn": ("DSpark, rnn Markov head", ["drafter=dspark", "drafter.markov_head_type=rnn"]),
+    "dspark_b8": ("DSpark, block of 8", ["drafter=dspark", "drafter.block_size=8"]),
+    "dspark_greedy": ("DSpark, confidence trained on greedy agreement instead of 1 - TV", [
+        "drafter=dspark", "drafter.confidence_target=greedy"]),
     # the target's own answers (data/selfgen.py: 1500 ShareGPT first turns answered greedily at
     # bf16, features from the same pass): no capture, rows of ~350 tokens instead of ~820
     "eagle_sg": ("EAGLE-1 on the target's own answers", ["drafter=eagle", "data=sharegpt_selfgen"]),

@@ -181,8 +181,10 @@ def tokenizer_fingerprint(tokenizer) -> str:
     """Hash of what decides the token ids: vocab, merges, special tokens and the chat template."""
     h = hashlib.sha256(type(tokenizer).__name__.encode())
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:  # vocab, merges, normaliser, pre-tokeniser, added tokens
-        h.update(backend.to_str().encode())
+    if backend is not None:  # vocab, merges, normaliser, pre-tokeniser, added tokens; not the
+        # truncation / padding state, which the last call that truncated or padded leaves behind
+        state = {k: v for k, v in json.loads(backend.to_str()).items() if k not in ("truncation", "padding")}
+        h.update(json.dumps(state, sort_keys=True).encode())
     else:
         h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
     h.update(json.dumps([str(t) for t in tokenizer.all_special_tokens]).encode())

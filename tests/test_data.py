@@ -298,6 +298,19 @@ def test_smollm2_conversation_starting_with_assistant(smollm2_tokenizer):
                                      "Sure: <|im_end|> done<|im_end|>"]
 
 
+def test_tokenizer_fingerprint_ignores_the_state_a_call_leaves(smollm2_tokenizer):
+    """A call that truncates or pads leaves that state on the fast tokenizer's backend; the cache
+    key must not see it (the same tokenizer would miss its own cache), but must see the vocab."""
+    from specdistill.data.dataset import tokenizer_fingerprint
+
+    tok = copy.deepcopy(smollm2_tokenizer)
+    before = tokenizer_fingerprint(tok)
+    tok(["hello there", "hi"], truncation=True, max_length=4, padding=True)
+    assert tokenizer_fingerprint(tok) == before
+    tok.add_tokens(["<my_new_token>"])
+    assert tokenizer_fingerprint(tok) != before
+
+
 def test_llama3_mask_hand_checked(llama3_tokenizer):
     tok = llama3_tokenizer
     conv = [dict(m) for m in CONV]

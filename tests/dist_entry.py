@@ -58,7 +58,7 @@ def fault_in_checkpoint(step: int) -> None:
 
 def fault_in_step(step: int, rank: int | None) -> None:
     current = {"step": 0}
-    real_step, real_loss = recipe_mod.DistillRecipe.train_step, recipe_mod.distill_loss
+    real_step, real_loss = recipe_mod.DistillRecipe.train_step, recipe_mod.drafter_loss
 
     def train_step(self):
         current["step"] = self.step + 1
@@ -71,7 +71,7 @@ def fault_in_step(step: int, rank: int | None) -> None:
         return out
 
     recipe_mod.DistillRecipe.train_step = train_step
-    recipe_mod.distill_loss = loss
+    recipe_mod.drafter_loss = loss
 
 
 def dump_weights() -> None:

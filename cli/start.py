@@ -64,10 +64,27 @@ def _override_parts(arg: str) -> tuple[str, str, str]:
     return prefix, key.split("@", 1)[0], value
 
 
+def searchpath(argv_overrides: list[str]) -> list[Optional[str]]:
+    """The folders of a `hydra.searchpath=[file://...]` override (None for an entry that is not a
+    file:// folder)."""
+    out: list[Optional[str]] = []
+    for arg in argv_overrides:
+        _, key, value = _override_parts(arg)
+        if key == "hydra.searchpath":
+            for entry in filter(None, (e.strip().strip("'\"") for e in value.strip("[]").split(","))):
+                out.append(entry[len("file://"):] if entry.startswith("file://") else None)
+    return out
+
+
 def check_group_choices(argv_overrides: list[str], multirun: bool = False,
                         conf_dir: str = CONF_DIR) -> None:
     """Refuse a group choice that names no file of conf/<group>/ (the choices listed)."""
     known = groups(conf_dir)
+    for folder in searchpath(argv_overrides):  # a plugin's conf folders add their choices
+        if folder is None:  # not a file:// folder (pkg://): left to the composition's own check
+            return
+        for group, choices in groups(folder).items():
+            known[group] = sorted({*known.get(group, []), *choices})
     for arg in argv_overrides:
         prefix, key, value = _override_parts(arg)
         if prefix == "~" or key not in known or "${" in value:
@@ -89,7 +106,8 @@ def compose(config_name: str, argv_overrides: list[str], conf_dir: str = CONF_DI
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    mine = [a for a in argv_overrides if not _override_parts(a)[1].startswith("hydra")]
+    mine = [a for a in argv_overrides if not _override_parts(a)[1].startswith("hydra")
+            or _override_parts(a)[1] == "hydra.searchpath"]  # a plugin's conf folders compose too
     was = GlobalHydra.instance().is_initialized()
     if was:  # a caller inside Hydra already (tests): compose in a fresh one, then leave it cleared
         GlobalHydra.instance().clear()

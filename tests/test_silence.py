@@ -495,3 +495,15 @@ def test_a_data_path_that_is_a_folder_is_said_as_such(tmp_path):
 
     with pytest.raises(IsADirectoryError, match=rf"data.path={tmp_path} is a folder: give one "):
         load_chat_dataset(DataConfig(kind="file", path=str(tmp_path)), tokenizer=None)
+
+
+def test_a_plugin_searchpath_adds_its_group_choices(tmp_path):
+    """`hydra.searchpath=[file://<plugin>/conf]` (a drafter in a plugin folder): its YAMLs are
+    choices of their groups for the start check, and the check composes with them."""
+    (tmp_path / "drafter").mkdir()
+    (tmp_path / "drafter" / "mine.yaml").write_text("defaults:\n  - schema_eagle\n  - _self_\n")
+    args = [f"hydra.searchpath=[file://{tmp_path}]", "drafter=mine", "target=tiny"]
+    cfg = start_check("python -m train", "train", args, TrainConfig)
+    assert cfg.drafter.name == "eagle"  # composed from the plugin's file
+    with pytest.raises(Exception, match=r"drafter=nothere names no file .*mine"):
+        start_check("python -m train", "train", [args[0], "drafter=nothere"], TrainConfig)

@@ -9,6 +9,17 @@ Left out: Llama-3.1's built-in tools (brave_search, wolfram_alpha, code_interpre
 """
 import copy
 
+
+def smollm2_tokenizer():
+    """The SmolLM2 tokenizer read from the packaged GGUF (~3 s, no model weights): a new object
+    per call, so a module may change its template without touching another's."""
+    from transformers import AutoTokenizer
+
+    from specdistill.target.model import packaged_gguf
+
+    gguf = packaged_gguf("smollm2")
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
 QWEN3 = (
     "{%- if tools %}"
     "{{- '<|im_start|>system\\n' }}"

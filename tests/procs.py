@@ -21,3 +21,19 @@ def run_cli(*args: str, cwd: Path = ROOT, timeout: float = 300) -> subprocess.Co
     env.pop("SPECDISTILL_DEBUG", None)
     return subprocess.run([sys.executable, "-m", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)
+
+
+def installed_vllm_cache() -> Path:
+    """The specdistill cache with vLLM CPU installed in it (or SPECDISTILL_VLLM_PYTHON); a missing
+    engine fails the test (CI must see it), it is not a skip."""
+    import pytest
+
+    from specdistill.decode.engine.envs import EngineUnavailable, vllm_python
+    from specdistill.target.model import TargetConfig, cache_root
+
+    cache = cache_root(TargetConfig(path="packaged:smollm2"))
+    try:
+        vllm_python(cache)
+    except EngineUnavailable as e:
+        pytest.fail(f"vLLM CPU could not be installed: {e}")
+    return cache

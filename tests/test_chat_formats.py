@@ -12,7 +12,7 @@ import json
 import logging
 
 import pytest
-from chat_templates import llama31_tokenizer, qwen3_tokenizer
+from chat_templates import llama31_tokenizer, qwen3_tokenizer, smollm2_tokenizer
 
 from specdistill.data.assets import asset_path
 from specdistill.data.chat import Template, encode_chat, encode_chats, trains
@@ -35,12 +35,7 @@ THINKING = [{"role": "user", "content": "hi"},
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from transformers import AutoTokenizer
-
-    from specdistill.target.model import packaged_gguf
-
-    gguf = packaged_gguf("smollm2")
-    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    return smollm2_tokenizer()
 
 
 @pytest.fixture(scope="module")

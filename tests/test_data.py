@@ -6,6 +6,7 @@ import logging
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import chat_templates
 import pytest
 
 import specdistill.data.dataset as dataset_mod
@@ -35,12 +36,7 @@ SYSTEM_SMOL = "You are a helpful AI assistant named SmolLM, trained by Hugging F
 @pytest.fixture(scope="module")
 def smollm2_tokenizer():
     """The SmolLM2 tokenizer read from the packaged GGUF (~3 s, no model weights)."""
-    from transformers import AutoTokenizer
-
-    from specdistill.target.model import packaged_gguf
-
-    gguf = packaged_gguf("smollm2")
-    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    return chat_templates.smollm2_tokenizer()
 
 
 @pytest.fixture(scope="module")

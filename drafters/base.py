@@ -395,7 +395,9 @@ class ExportLayout:
     tags: tuple[str, ...] = ()  # model-card tags
     # how serving engines serve this layout (decode/engine/ reads it): engine -> its entry. vllm:
     # the speculative_config keys besides model / k ({"method": "eagle3"}); llamacpp: llama-server's
-    # `spec_type` and whether its converter `needs_target` (the target's folder). Absent: not served.
+    # `spec_type`, whether its converter `needs_target` (the target's folder) and optionally `check`,
+    # (config.json, files) -> why it would not serve the folder as trained (None: it would), asked
+    # before anything is built or converted. Absent: not served.
     serving: dict[str, dict[str, Any]] = field(default_factory=dict)
     traps: tuple[LayoutTrap, ...] = ()  # mistakes engines load silently, refused by validation
     save: Callable[["Drafter", Any, ExportContext], None] | None = None  # self-saving: fill a folder

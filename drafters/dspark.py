@@ -178,6 +178,73 @@ TRAPS = (
 )
 
 
+# == llama.cpp b11434: its converter (conversion/qwen.py DSparkModel, registered for both layouts'  ==
+# == architectures) and its DSpark graph (src/models/dflash.cpp build_dspark_markov_head).         ==
+def llamacpp_refusal(config: dict, files) -> Optional[str]:
+    """Why llama.cpp b11434 would not serve this export folder (config.json, {file: tensors}) as
+    trained, in one line; None when it reads what we wrote. What its converter refuses, in the
+    converter's own words, and what it reads differently without a word: the layers it captures
+    (its `target_layer_ids` name layer outputs; an absent dflash_config takes the speculators
+    `aux_hidden_state_layer_ids` minus one), block_size (absent: 16), sample_from_anchor (absent:
+    false in the speculators schema, true in the native one), a missing Markov head (served as
+    plain DFlash)."""
+    hp = {**config, **config.get("transformer_layer_config", {})}
+    tensors = files.get(WEIGHTS, {})
+    said = []
+    if (kind := hp.get("markov_head_type", "vanilla")) != "vanilla":  # the converter's words:
+        said.append(f"unsupported markov_head_type {kind!r} (only 'vanilla' is supported)")
+    V = hp.get("vocab_size")
+    Vd = hp.get("draft_vocab_size") or V
+    if V is not None and Vd > V:
+        said.append(f"draft_vocab_size {Vd} exceeds vocab_size {V}")
+    elif V is not None and Vd < V:
+        if "d2t" not in tensors:
+            said.append(f"draft_vocab_size {Vd} < vocab_size {V} but no d2t table found")
+        else:  # the converter writes d2t as target ids: offsets + their index
+            ids = tensors["d2t"].long().reshape(-1)
+            ids = ids + torch.arange(ids.numel())
+            if ids.numel() != Vd:
+                said.append(f"d2t size {ids.numel()} does not match draft_vocab_size {Vd}")
+            elif bool(((ids < 0) | (ids >= V)).any()):
+                said.append(f"d2t target ids out of range for target vocab size {V}")
+            elif ids.unique().numel() != ids.numel():
+                said.append("d2t contains duplicate target ids")
+            elif "t2d" in tensors and not bool(tensors["t2d"].bool()[ids].all()):
+                said.append("d2t read as offsets (target id = i + d2t[i], as llama.cpp reads it) "
+                            "gives target ids that t2d does not mark")
+        if "lm_head.weight" not in tensors:
+            said.append(f"draft_vocab_size {Vd} < vocab_size {V} without lm_head.weight: llama.cpp "
+                        f"would draft with the target's full head through a {Vd}-row d2t")
+    if "markov_head.markov_w1.weight" not in tensors:
+        said.append("no markov_head.markov_w1.weight: llama.cpp serves it as DFlash, without the "
+                    "Markov bias")
+    # the layers llama.cpp captures (the converter's target_layer_ids + 1: layer inputs, as ours)
+    dflash = config.get("dflash_config") or (
+        {"target_layer_ids": [i - 1 for i in hp["aux_hidden_state_layer_ids"]]}
+        if "aux_hidden_state_layer_ids" in hp else {})
+    captured = [i + 1 for i in dflash.get("target_layer_ids", hp.get("target_layer_ids", []))]
+    key = next((k for k in ("eagle_aux_hidden_state_layer_ids", "aux_hidden_state_layer_ids")
+                if k in hp), None)
+    if key is None or captured != hp[key]:
+        said.append(f"llama.cpp captures hidden_states {captured} (dflash_config.target_layer_ids "
+                    f"+ 1: they name layer outputs), this drafter reads {hp.get(key)} ({key}): "
+                    f"write target_layer_ids as ours - 1")
+    if "block_size" not in config.get("dflash_config", {}) and "block_size" not in hp:
+        said.append("block_size is not written: llama.cpp takes 16")
+    if "sample_from_anchor" not in hp:
+        default = "transformer_layer_config" not in hp and "aux_hidden_state_layer_ids" not in hp
+        said.append(f"sample_from_anchor is not written: llama.cpp takes it as {default}")
+    if not said:
+        return None
+    return "llama.cpp b11434's DSpark reader: " + "; ".join(said)
+
+
+# llama-server --spec-type draft-dspark drafts a block of k tokens (anchor + k - 1 masks; k + 1 in
+# the bonus-anchor layout), our decoder a block of block_size: the same drafts at k = the trained
+# positions (drafter.trained_positions()) only, as DFlash's
+LLAMACPP = {"spec_type": "draft-dspark", "needs_target": True, "check": llamacpp_refusal}
+
+
 def _layout(engine: str, summary: str, usage: str) -> ExportLayout:
     def write(drafter, state, ctx):
         tensors = dflash_state(drafter, engine, state, torch_dtype(ctx.dtype))
@@ -196,7 +263,7 @@ def _layout(engine: str, summary: str, usage: str) -> ExportLayout:
 
     return ExportLayout(format=engine, summary=summary, usage=usage, write=write, read=read,
                         check=check, tags=(engine, "dspark", "dflash"), traps=TRAPS,
-                        serving={"vllm": {"method": "dspark"}})
+                        serving={"vllm": {"method": "dspark"}, "llamacpp": LLAMACPP})
 
 
 LAYOUTS = (

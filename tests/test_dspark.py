@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 
 import pytest
 import torch
@@ -234,6 +235,56 @@ def test_each_layout_trap_is_refused(target, fmt, name, tmp_path):
     (folder / "MANIFEST.json").unlink()
     with pytest.raises(ExportError, match=trap.says):
         validate_export(folder, target)
+
+
+def _ids_as_ours(config, files):  # dflash_config.target_layer_ids written in the input convention
+    config["dflash_config"]["target_layer_ids"] = config["eagle_aux_hidden_state_layer_ids"]
+
+
+# each mistake made in a written folder -> what llama.cpp's DSpark reader says or would do
+LLAMACPP_MISTAKES = [
+    ("vllm", lambda c, f: f["model.safetensors"].pop("d2t"),
+     "draft_vocab_size 48 < vocab_size 128 but no d2t table found"),
+    ("vllm", _ids_as_ours, r"llama.cpp captures hidden_states \[3, 5, 6\] .*this drafter reads "
+                           r"\[2, 4, 5\] \(eagle_aux_hidden_state_layer_ids\)"),
+    ("speculators", lambda c, f: c.update(markov_head_type="gated"),
+     r"unsupported markov_head_type 'gated' \(only 'vanilla' is supported\)"),
+    ("speculators", lambda c, f: c.pop("sample_from_anchor"),
+     "sample_from_anchor is not written: llama.cpp takes it as False"),
+    ("speculators", lambda c, f: f["model.safetensors"].pop("markov_head.markov_w1.weight"),
+     "llama.cpp serves it as DFlash, without the Markov bias"),
+    ("vllm", lambda c, f: f["model.safetensors"].update(  # target ids where offsets belong
+        d2t=f["model.safetensors"]["d2t"] + torch.arange(48)), "gives target ids that t2d does not mark")]
+
+
+@pytest.mark.parametrize("fmt,mistake,says", LLAMACPP_MISTAKES,
+                         ids=["no_d2t", "aux_ids_as_inputs", "gated", "no_anchor_flag", "no_markov",
+                              "d2t_as_ids"])
+def test_llamacpp_reads_both_layouts_as_written_and_each_mistake_is_named(target, fmt, mistake,
+                                                                          says, tmp_path):
+    """What llama.cpp b11434's DSpark converter reads (conversion/qwen.py DSparkModel): both
+    layouts as written pass the engine's check; a mistake it refuses is said in its words, one it
+    would serve wrong without a word is named, before llama.cpp is built or run."""
+    from specdistill.decode.engine import llamacpp_engine as le
+
+    cfg = {"name": "dspark", "markov_rank": 8, "draft_vocab_size": 48, "block_size": 4}
+    d = make(target, draft_vocab_size=48, block_size=4)
+    assert d.feature_layers == (2, 4, 5)  # the ids the mistakes name
+    folder = export_drafter(d, cfg, target, fmt, tmp_path / "x")["path"]
+    assert le.spec_type(folder) == ("draft-dspark", True) and le.refusal(folder) is None
+    config = json.loads((folder / "config.json").read_text())
+    files = {"model.safetensors": load_file(str(folder / "model.safetensors"))}
+    mistake(config, files)
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file(files["model.safetensors"], str(folder / "model.safetensors"))
+    (folder / "MANIFEST.json").unlink()
+    why = le.refusal(folder)
+    assert why is not None and "\n" not in why and why.startswith("llama.cpp b11434's DSpark")
+    assert re.search(says, why), why
+    run = le.run_export(folder, tmp_path / "t", tmp_path / "cache", 4, [[1, 2]], [4], 64,
+                        tmp_path / "out")  # refused before the build: no llama.cpp needed
+    assert not run["loaded"] and run["failed_engine"] == "check" and run["error"] == why
+    assert not (tmp_path / "cache").exists()
 
 
 # -- the real recipe --------------------------------------------------------------------------------

@@ -38,7 +38,8 @@ def fake(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("drafter, fmt, want", [
     ("eagle3", "vllm", ("draft-eagle3", True)), ("eagle3", "speculators", ("draft-eagle3", True)),
-    ("dflash", "vllm", ("draft-dflash", True)), ("small_lm", "causal_lm", ("draft-simple", False))])
+    ("dflash", "vllm", ("draft-dflash", True)), ("dspark", "vllm", ("draft-dspark", True)),
+    ("dspark", "speculators", ("draft-dspark", True)), ("small_lm", "causal_lm", ("draft-simple", False))])
 def test_each_export_is_served_with_the_spec_type_llamacpp_reads_it_by(tmp_path, drafter, fmt, want):
     assert le.spec_type(_export_config(tmp_path, drafter, fmt)) == want
 
@@ -128,7 +129,7 @@ def test_a_machine_without_a_compiler_is_a_one_line_reason(monkeypatch, tmp_path
 
 
 @pytest.mark.parametrize("name, want", [("eagle3", "vllm"), ("small_lm", "causal_lm"),
-                                        ("medusa", None)])
+                                        ("dspark", "vllm"), ("medusa", None)])
 def test_the_check_exports_each_drafter_in_a_layout_llamacpp_reads(tiny_target_cfg, name, want):
     from specdistill.drafters.base import build_drafter
     from specdistill.target.model import load_target

@@ -62,13 +62,27 @@ PER_POS = re.compile(r'^llamacpp:spec_decode_num_accepted_tokens_per_pos_total\{
 ERROR_WORDS = ("error", "failed", "what():", "exception", "abort", "invalid", "unknown")
 
 
+def _entry(export_dir: Path) -> dict[str, Any]:
+    return served_entry(export_dir, "llamacpp", "which this check does not serve in llama.cpp; "
+                                                "it serves")
+
+
 def spec_type(export_dir: Path) -> tuple[str, bool]:
     """(llama-server's --spec-type, converter needs the target folder: --target-model-dir) for an
     export folder, from its layout's `serving` entry; ValueError naming what llama.cpp serves when
     this one is not among it."""
-    entry = served_entry(export_dir, "llamacpp", "which this check does not serve in llama.cpp; "
-                                                 "it serves")
+    entry = _entry(export_dir)
     return entry["spec_type"], bool(entry["needs_target"])
+
+
+def refusal(export_dir: Path) -> Optional[str]:
+    """Why llama.cpp would not serve the export folder as trained, in one line, from its layout's
+    `serving` entry `check` (the folder's config.json and tensors); None when it would, or when
+    the layout has no check."""
+    from specdistill.export.folder import read_export
+
+    check = _entry(export_dir).get("check")
+    return None if check is None else check(*read_export(export_dir))
 
 
 def _last_error(text: str) -> str:
@@ -290,12 +304,17 @@ def run_llamacpp(build: LlamaCpp, target_gguf: Path, draft_gguf: Path, spec: str
 def run_export(export_dir: Path, target_dir: Path, cache: Path, k: int, prompts: list[list[int]],
                max_new_tokens: list[int], n_ctx: int, out_dir: Path, plain: bool = True,
                threads: Optional[int] = None, timeout: float = 1800) -> dict[str, Any]:
-    """The whole llama.cpp side of the engine check: build (or reuse) llama.cpp, convert the
-    target and the export to GGUF (out_dir/gguf/draft.gguf), serve and decode (run_llamacpp).
-    A draft the converter refuses is a result ("loaded": False, its own error line)."""
+    """The whole llama.cpp side of the engine check: the layout's own check of what llama.cpp
+    reads (`refusal`), build (or reuse) llama.cpp, convert the target and the export to GGUF
+    (out_dir/gguf/draft.gguf), serve and decode (run_llamacpp). A draft refused by the check or
+    the converter is a result ("loaded": False, one line; the converter's own error line)."""
     from specdistill.decode.engine.llamacpp_build import llamacpp_build
 
     spec, _ = spec_type(export_dir)
+    why = refusal(export_dir)  # before building or converting anything
+    if why:
+        return {"engine": "llamacpp", "loaded": False, "version": None, "load_s": {},
+                "error": why, "failed_engine": "check", "speculative_config": f"--spec-type {spec}"}
     build = llamacpp_build(cache)
     target_gguf = gguf_target(build, target_dir, cache, timeout)
     draft = Path(out_dir) / "gguf" / "draft.gguf"

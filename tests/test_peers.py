@@ -319,3 +319,37 @@ def test_each_arm_goes_to_the_engine_as_it_ships_and_a_failure_is_its_row(engine
     assert "engine" not in results["speculators-default"]
     E.engine_all(engine_args, results, {"aux_layers": LAYERS})  # a rerun: each arm checked once
     assert len(calls) == 2
+
+
+@pytest.mark.parametrize("engine", [False, True])
+def test_the_benchmark_checks_each_peers_loss_once_and_runs_the_engine_on_request(tmp_path,
+                                                                                  monkeypatch, engine):
+    import benchmarks.peers.__main__ as M
+
+    checked, engined = [], []
+    monkeypatch.setattr(M, "ensure_peer", lambda peer: Path(f"/venvs/{peer.name}/python"))
+    monkeypatch.setattr(M, "write_peer_data", lambda cfg, out, pythons: {"aux_layers": LAYERS})
+    monkeypatch.setattr(M.A, "target_folder", lambda cfg: tmp_path / "target")
+    monkeypatch.setattr(M.A, "train_arm", lambda name, *a: {"what": name, "drafter": None})
+    monkeypatch.setattr(M.R, "replay_all", lambda args, results, data: None)
+    monkeypatch.setattr(M.E, "engine_all", lambda args, results, data: engined.append(
+        sorted(M.R.arms(results))))
+
+    def check_peer(peer, python, out, aux_layers, target_dir):
+        checked.append((peer, str(python), aux_layers, target_dir))
+        return {"loss_shimmed": 2.0, "loss_reference": 2.0, "loss_diff": 0.0, "grad_diff": 0.0,
+                "ok": True, "rc": 0}
+
+    monkeypatch.setattr(M.LC, "check_peer", check_peer)
+    argv = ["--out", str(tmp_path / "b"), "--arms", "ours", "speculators-close", "specforge-default",
+            *(["--engine"] if engine else [])]
+    M.main(argv)
+    assert checked == [(p, f"/venvs/{p}/python", LAYERS, tmp_path / "target")
+                       for p in ("specforge", "speculators")]
+    results = json.loads((tmp_path / "b" / "peers.json").read_text())
+    assert results["loss_check"]["speculators"]["loss_reference"] == 2.0
+    md = (tmp_path / "b" / "peers.md").read_text()
+    assert "- loss check, specforge: shimmed trainer 2.000000" in md
+    assert engined == ([["ours", "specforge-default", "speculators-close"]] if engine else [])
+    M.main(argv)  # a rerun continues: each peer is checked once
+    assert len(checked) == 2

@@ -71,7 +71,7 @@ def main(argv=None) -> None:
         if peer not in checks:
             checks[peer] = LC.check_peer(peer, python, args.out, data["aux_layers"],
                                          A.target_folder(cfg))  # the verifier the arms read
-            log.info("%s", LC.check_line(peer, checks[peer]))
+            (log.info if checks[peer]["ok"] else log.error)("%s", LC.check_line(peer, checks[peer]))
             R.write_results(args.out, results)
     for name in args.arms:  # 3.
         if name in results and results[name].get("train"):

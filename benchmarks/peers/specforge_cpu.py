@@ -267,10 +267,11 @@ def run_files(target: Path, data: Path, run_dir: Path, close: bool) -> tuple[Pat
     if close:
         training.update({"ttt_length": 1, "learning_rate": 1e-3, "warmup_ratio": 30 / 600,
                          "batch_size": 4})
-    tied = json.loads((target / "config.json").read_text()).get("tie_word_embeddings")
+    weights = json.loads((target / "model.safetensors.index.json").read_text())["weight_map"]
     run = {"model": {"target_model_path": str(target), "draft_model_config": str(dcfg),
-                     # SmolLM2 ties its head: the embedding is the head its loader looks for
-                     "lm_head_key": "model.embed_tokens.weight" if tied else "lm_head.weight"},
+                     # SmolLM2 ties its head (no lm_head.weight): the embedding is the head
+                     "lm_head_key": "lm_head.weight" if "lm_head.weight" in weights
+                     else "model.embed_tokens.weight"},
            "data": {"hidden_states_path": str(data), "cache_dir": str(run_dir / "cache"),
                     "dataloader_num_workers": 0},
            "training": training, "output_dir": str(run_dir / "output"), "run_id": run_dir.name}

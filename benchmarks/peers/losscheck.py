@@ -48,7 +48,8 @@ def read_check(report: Path, rc: int, log_file: Path) -> dict:
     if "loss_shimmed" not in rep:
         from benchmarks.peers.arms import last_error
 
-        out["error"] = last_error(log_file) if log_file.is_file() else f"no report ({report})"
+        out["error"] = rep.get("error") or (last_error(log_file) if log_file.is_file()
+                                            else f"no report ({report})")
     return out
 
 

@@ -28,8 +28,9 @@ implements in its own reference code (`_compute_loss` in specforge/core/loss.py,
 source: the module imports triton), value and gradient of every draft parameter; the run stops
 there, nothing is trained.
 The run config sets training.fsdp_sharding=NO_SHARD (DDP: its FSDP refuses a CPU) and sdpa
-attention, and model.lm_head_key=model.embed_tokens.weight (SmolLM2 ties its head) on a folder of
-links to the target's files with the index file its head loader looks for.
+attention, and model.lm_head_key=model.embed_tokens.weight where the target ties its head
+(SmolLM2: no lm_head.weight) on a folder of links to the target's files with the index file its
+head loader looks for.
 """
 from __future__ import annotations
 
@@ -191,8 +192,8 @@ def main() -> int:
         if not args.check_loss:
             stats["export"] = export(args)
     except LossChecked:
-        print(json.dumps({k: stats[k] for k in ("loss_shimmed", "loss_reference", "loss_diff",
-                                                "grad_diff", "ok")}))
+        print(json.dumps({k: stats.get(k) for k in ("loss_shimmed", "loss_reference", "loss_diff",
+                                                    "grad_diff", "ok")}))
     finally:
         stats["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         Path(args.report).write_text(json.dumps(stats))

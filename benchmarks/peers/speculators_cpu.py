@@ -105,9 +105,10 @@ def count_tokens(stats: dict) -> None:
     trainer.Trainer.setup_model = counted
 
 
-def check_loss(stats: dict) -> None:
+def check_loss(stats: dict, run: dict) -> None:
     """On the first training forward: the trainer's loss against its own loss function (module
-    docstring) into `stats`, then LossChecked."""
+    docstring) into `stats`, then LossChecked. `run`: the run's flattened TrainConfig, where the
+    loss names, weights and TTT decay are read (not from what the trainer passes its model)."""
     import speculators.models.eagle3.core as core
     import speculators.train.trainer as trainer
     from speculators.losses import utils as L
@@ -130,17 +131,21 @@ def check_loss(stats: dict) -> None:
         def hook(_module, _args, kwargs, output):
             if not torch.is_grad_enabled():
                 return None
+            if not steps:
+                stats.update(ok=False, error="its model's forward computed no loss step")
+                raise LossChecked()
             loss = output[1]  # what the trainer backpropagates
-            decay, config = kwargs["ttt_step_loss_decay"], kwargs["loss_config"]
+            decay = run["ttt_step_loss_decay"]
+            config = L.resolve_loss_config(run["loss_fn"], "eager")  # its reference losses
             reference = torch.zeros((), dtype=torch.float32)
             for logits, targets, mask, i in steps:
                 s_logits, s_targets, s_mask, _ = align_for_step(logits, targets, mask, None, i)
                 if s_mask is None:
                     s_mask = torch.ones(s_logits.shape[:2], dtype=torch.bool)
                 pos = torch.full(s_logits.shape[:2], i, dtype=torch.long)
-                for name, (_fn, weight) in config.items():
+                for fn, weight in config.values():
                     reference = reference + weight * L.loss_function(
-                        s_logits, s_targets, s_mask, pos, loss_fn=L._EAGER_LOSS_FN_MAP[name],
+                        s_logits, s_targets, s_mask, pos, loss_fn=fn,
                         decay_fn=lambda p, **_: L.exp_loss_decay(p, gamma=decay))
             logits = [s[0] for s in steps]
             g_shim = torch.autograd.grad(loss, logits, retain_graph=True)
@@ -191,20 +196,21 @@ def main() -> None:
     stats: dict = {"peer": "speculators"}
     cpu_device()
     cpu_synchronize()
-    if args.check_loss:
-        check_loss(stats)
-    else:
-        wall_clock_budget(args.minutes, stats)
-        count_tokens(stats)
     from speculators.train.cli import main as train_main
     from speculators.train.config import TrainConfig
 
     rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
+    config = TrainConfig.resolve(rest)
+    if args.check_loss:
+        check_loss(stats, config.flatten())
+    else:
+        wall_clock_budget(args.minutes, stats)
+        count_tokens(stats)
     try:
-        train_main(TrainConfig.resolve(rest))
+        train_main(config)
     except LossChecked:
-        print(json.dumps({k: stats[k] for k in ("loss_shimmed", "loss_reference", "loss_diff",
-                                                "grad_diff", "ok")}))
+        print(json.dumps({k: stats.get(k) for k in ("loss_shimmed", "loss_reference", "loss_diff",
+                                                    "grad_diff", "ok", "error")}))
     finally:
         stats.pop("start", None)
         stats["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -95,6 +95,26 @@ def test_a_format_vllm_does_not_serve_is_refused_by_name(tmp_path):
         ve.speculative_config(_export_config(tmp_path, "eagle", "hf"), k=2)
 
 
+def test_another_trainers_export_is_loaded_with_the_reader_it_is_given(tmp_path, fake_env):
+    """A peer's export (benchmarks/peers: no specdistill block) goes to vLLM with the entry the
+    caller names, through the same worker protocol; without one it is refused, and our check
+    needs the drafter to replay on it."""
+    peer = tmp_path / "peer"
+    peer.mkdir()
+    (peer / "config.json").write_text(json.dumps({"speculators_model_type": "eagle3"}))
+    with pytest.raises(ValueError, match="is drafter None in format None, which vLLM does not serve"):
+        ve.speculative_config(peer, k=2)
+    assert ve.speculative_config(peer, 2, {"method": "eagle3"}) == {
+        "method": "eagle3", "model": str(peer.resolve()), "num_speculative_tokens": 2}
+    run = ve.run_vllm(Path(sys.executable), tmp_path, peer, 2, [[5, 6]], [4], [0], "float32", 64,
+                      tmp_path / "logs", serving={"method": "eagle3"})
+    assert run["loaded"] and run["speculative_config"]["method"] == "eagle3"
+    assert run["spec"][0].drafts > 0
+    with pytest.raises(ValueError, match="checked in vllm with its drafter given"):
+        chk.engine_check(peer, None, engine="vllm", out_dir=tmp_path / "o", cache=tmp_path,
+                         serving={"method": "eagle3"})
+
+
 def test_the_default_drafter_is_one_vllm_loads_and_eagle1s_pruned_head_says_why(tiny_target_cfg):
     """The main job checks its drafter in vLLM (trainer.engine_check=vllm): the default drafter
     (EAGLE-3 with a pruned head, conf/train.yaml) has a layout vLLM reads; EAGLE-1 with the pruned

@@ -1,10 +1,12 @@
 """The peers' side by side (benchmarks/peers): the converters write the SAME conversations and
 features in each peer's format (speculators' PRE-norm last layer, SpecForge's POST-norm), a peer's
-export is rebuilt exactly as our drafter, and speculators' split keeps our conversations. The
-comparison with the installed peer (its own loss on a batch against the shimmed run) needs its
-virtualenv and is skipped where there is none (CI)."""
+export is rebuilt exactly as our drafter, and speculators' split keeps our conversations; our side
+of the shims' loss check (its command lines, its report, its line) and of the engine check (each
+arm's folder and reader, its columns). The loss check itself needs the peers' virtualenvs: it runs
+in the benchmark (benchmarks/peers/losscheck.py), not here."""
 import json
-import subprocess
+from argparse import Namespace
+from pathlib import Path
 
 import pytest
 import torch
@@ -155,43 +157,200 @@ def test_an_unknown_export_is_refused():
         peer_format({"architectures": ["LlamaForCausalLM"]})
 
 
-LOSS_CHECK = r'''
-import ast, sys
-import torch
-import specforge
-src = open(specforge.__path__[0] + "/core/loss.py").read()  # imports triton: read, not imported
-ref = next(n for n in ast.parse(src).body
-           if isinstance(n, ast.FunctionDef) and n.name == "_compute_loss")
-ref.decorator_list = []  # its torch.compile needs a compiler toolchain; the math is the function
-ns = {"torch": torch, "nn": torch.nn}
-exec(compile(ast.Module([ref], []), "specforge/core/loss.py", "exec"), ns)
-sys.path.insert(0, sys.argv[1])
-import specforge_cpu
-specforge_cpu.eager_loss()
-from specforge.core.loss import LogSoftmaxLoss
-g = torch.Generator().manual_seed(0)
-logits = torch.randn(2, 7, 50, generator=g, requires_grad=True)
-p = torch.softmax(torch.randn(2, 7, 50, generator=g), -1)
-mask = (torch.rand(2, 7, 1, generator=g) > 0.3).float()
-ours = LogSoftmaxLoss.apply(logits, p, mask)
-(g_ours,) = torch.autograd.grad(ours, logits)
-theirs = ns["_compute_loss"](logits, p, mask)
-(g_theirs,) = torch.autograd.grad(theirs, logits)
-assert torch.allclose(ours, theirs) and torch.allclose(g_ours, g_theirs), (ours, theirs)
-print("same", float(ours))
-'''
+# -- the shims' loss check: our side ----------------------------------------------------------------
+def _target_dir(tmp_path, tied: bool) -> Path:
+    from safetensors.torch import save_file
+
+    d = tmp_path / ("tied" if tied else "untied")
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"hidden_size": 8, "vocab_size": 32,
+                                               "num_attention_heads": 2, "tie_word_embeddings": tied}))
+    heads = {} if tied else {"lm_head.weight": torch.zeros(32, 8)}
+    save_file({"model.embed_tokens.weight": torch.zeros(32, 8), **heads}, str(d / "model.safetensors"))
+    return d
 
 
-def test_specforge_eager_loss_is_its_own_reference_loss():
-    """The one shim that replaces a computation: SpecForge's Triton EAGLE-3 loss, by eager torch.
-    On the same batch it equals SpecForge's own reference implementation of that loss (read from
-    its installed source), value and gradient. Needs its virtualenv (not in CI)."""
-    py = peer_python(PEERS["specforge"])
-    if py is None:
-        pytest.skip("SpecForge's virtualenv is not installed here (python -m benchmarks.peers installs it)")
-    from pathlib import Path
+def test_the_speculators_check_runs_its_defaults_on_the_datas_layers(tmp_path):
+    from benchmarks.peers import losscheck as LC
 
-    here = Path(__file__).resolve().parents[1] / "benchmarks" / "peers"
-    out = subprocess.run([str(py), "-c", LOSS_CHECK, str(here)], capture_output=True, text=True,
-                         timeout=600)
-    assert out.returncode == 0 and "same" in out.stdout, out.stderr[-2000:]
+    cmd = LC.check_command("speculators", Path("/py"), tmp_path / "data", tmp_path / "t", [1, 2, 3],
+                           tmp_path / "run", tmp_path / "r.json")
+    assert cmd[:2] == ["/py", str(LC.HERE / "speculators_cpu.py")]
+    assert cmd[2:5] == ["--check-loss", "--report", str(tmp_path / "r.json")]
+    at = cmd.index("--target-layer-ids")
+    assert cmd[at + 1:at + 5] == ["1", "2", "3", "--loss-implementation"]  # the data's, not 2 15 27
+    assert cmd[cmd.index("--data-path") + 1] == str(tmp_path / "data" / "speculators")
+    assert "--ttt-steps" not in cmd  # its defaults: every TTT step's loss is checked
+    assert cmd[-2:] == ["--total-seq-len", str(LC.SPECULATORS_CHECK_TOKENS)]  # the last one wins
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_specforge_check_reads_the_head_where_the_target_keeps_it(tmp_path, tied):
+    import yaml
+
+    from benchmarks.peers import losscheck as LC
+
+    cmd = LC.check_command("specforge", Path("/py"), tmp_path / "data", _target_dir(tmp_path, tied),
+                           [1, 2, 3], tmp_path / "run", tmp_path / "r.json")
+    assert cmd[2:5] == ["--check-loss", "--report", str(tmp_path / "r.json")]
+    run = yaml.safe_load(open(cmd[cmd.index("--config") + 1]))
+    # SmolLM2 ties its head (the embedding is the head); an untied target has its own
+    assert run["model"]["lm_head_key"] == ("model.embed_tokens.weight" if tied else "lm_head.weight")
+    assert run["data"]["hidden_states_path"] == str(tmp_path / "data" / "specforge")
+    assert "ttt_length" not in run["training"]  # its defaults (7 TTT steps)
+    index = json.loads((Path(run["model"]["target_model_path"]) / "model.safetensors.index.json")
+                       .read_text())
+    assert set(index["weight_map"]) == {"model.embed_tokens.weight"} | (set() if tied else {"lm_head.weight"})
+    with pytest.raises(ValueError, match="no loss check for peer 'eagle'"):
+        LC.check_command("eagle", Path("/py"), tmp_path, tmp_path, [1], tmp_path, tmp_path / "r")
+
+
+def test_a_check_is_ok_only_when_the_shim_says_so_and_exits_zero(tmp_path):
+    from benchmarks.peers import losscheck as LC
+
+    rep, log = tmp_path / "r.json", tmp_path / "log"
+    same = {"loss_shimmed": 1.5, "loss_reference": 1.5, "loss_diff": 0.0, "grad_diff": 0.0,
+            "ok": True, "reference": "specforge.core.loss._compute_loss", "peak_rss_mb": 9}
+    rep.write_text(json.dumps(same))
+    got = LC.read_check(rep, 0, log)
+    assert got["ok"] and got["loss_shimmed"] == got["loss_reference"] == 1.5
+    assert "peak_rss_mb" not in got
+    assert "same" in LC.check_line("specforge", got) and "1.500000" in LC.check_line("specforge", got)
+    rep.write_text(json.dumps({**same, "loss_shimmed": 2.0, "loss_diff": 0.5, "ok": False}))
+    got = LC.read_check(rep, 1, log)
+    assert not got["ok"] and "DIFFERENT" in LC.check_line("specforge", got)
+    rep.write_text(json.dumps(same))
+    assert not LC.read_check(rep, 1, log)["ok"]  # a non-zero exit is never ok
+    rep.unlink()
+    log.write_text("Traceback\nRuntimeError: no batch\n")
+    got = LC.read_check(rep, 1, log)
+    assert not got["ok"] and got["error"] == "RuntimeError: no batch"
+    assert LC.check_line("speculators", got).startswith("- loss check, speculators: did not run")
+
+
+# -- the engine check of every arm: our side ---------------------------------------------------------
+def test_the_table_holds_the_engine_columns_and_the_loss_checks_and_no_check_is_an_arm():
+    from benchmarks.peers import replay as R
+
+    args = Namespace(k=2, prompts=3, tokens=16, arms=["ours", "speculators-close"])
+    results = {"ours": {"train": {"what": "ours"}, "replay": {"tau": 1.5, "tau_se": 0.1},
+                        "engine": {"loaded": True, "verdict": "pass", "spec_equals_plain": 3,
+                                   "prompts": 3, "tau_engine": 1.61, "tau_replay": 1.6,
+                                   "engine_plain_tokens_per_s": 20.0,
+                                   "engine_spec_tokens_per_s": 25.5}},
+               "speculators-close": {"train": {"what": "close"},
+                                     "engine": {"loaded": False, "error": "ValueError: unknown\n"
+                                                "weight | midlayer.x", "verdict": "refused"}},
+               R.LOSS_CHECK: {"speculators": {"loss_shimmed": 1.0, "loss_reference": 1.0,
+                                              "loss_diff": 0.0, "grad_diff": 0.0, "ok": True}}}
+    assert list(R.arms(results)) == ["ours", "speculators-close"]
+    lines = R.table(results, args).splitlines()
+    assert "vLLM loads" in lines[0] and lines[0].count("|") == lines[1].count("|") == 13
+    import re
+
+    def cells(line):  # a cell's escaped \\| is not a column
+        return [c.strip() for c in re.split(r"(?<!\\)\|", line)]
+
+    assert len(cells(lines[0])) == len(cells(lines[2])) == len(cells(lines[3])) == 14
+    ours = cells(lines[2])
+    assert ours[-5:-1] == ["yes", "3/3", "1.610 / 1.600", "20.0 / 25.5"]
+    peer = cells(lines[3])
+    assert peer[-5].startswith("no: ValueError: unknown weight \\| midlayer.x")  # one cell
+    assert peer[-4:-1] == ["—", "—", "—"]
+    assert lines[-1].startswith("- loss check, speculators: shimmed trainer 1.000000")
+    assert "vLLM" not in R.table({"ours": {"train": {}}}, args)  # no engine run: no columns
+
+
+@pytest.fixture
+def engine_args(tmp_path):
+    return Namespace(out=tmp_path, arms=["ours", "speculators-close", "specforge-close"], k=2,
+                     prompts=3, tokens=16,
+                     set=["target=tiny", "target.model_config.num_hidden_layers=4"])
+
+
+def test_each_arm_goes_to_the_engine_as_it_ships_and_a_failure_is_its_row(engine_args, tmp_path,
+                                                                           monkeypatch):
+    """ours: its best checkpoint exported in the layout vLLM serves, read by its own config; a
+    peer: its own export folder with vLLM's eagle3 reader and our reading of it as the drafter
+    replayed; an arm whose drafter cannot be read records why; the others go on."""
+    from benchmarks.peers import engine as E
+    from benchmarks.replaying import compose
+    from specdistill.decode.engine import check as chk
+    from specdistill.store.drafter import save_drafter
+
+    target = load_target(compose(engine_args.set).target, training=True)
+    cfg = {"name": "eagle3", "aux_layers": LAYERS, "ttt_length": 1}
+    ours = build_drafter(cfg, target)
+    save_drafter(ours, cfg, tmp_path / "best")
+    peer = tmp_path / "peer"
+    peer.mkdir()
+    fmt_ours = build_drafter({"name": "eagle3", "aux_layers": LAYERS, "ttt_length": 1,
+                              "norm_before_residual": True}, target)
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in engine_state(fmt_ours, "speculators").items()},
+              str(peer / "model.safetensors"))
+    (peer / "config.json").write_text(json.dumps(engine_config(fmt_ours, "speculators")))
+    calls = {}
+
+    def fake_check(folder, target, drafter, **kw):
+        calls[Path(folder).parent.name if kw["serving"] is None else "peer"] = (Path(folder), drafter, kw)
+        return {"summary": {"loaded": True, "verdict": "pass", "spec_equals_plain": 3, "prompts": 3,
+                            "tau_engine": 1.5, "tau_replay": 1.5, "engine_spec_tokens_per_s": 9.0,
+                            "per_prompt_rows_not_kept": [1]}}
+
+    monkeypatch.setattr(chk, "engine_check", fake_check)
+    results = {"ours": {"train": {"drafter": str(tmp_path / "best")}},
+               "speculators-close": {"train": {"drafter": str(peer)}},
+               "specforge-close": {"train": {"drafter": str(tmp_path / "missing")}},
+               "speculators-default": {"train": {"drafter": str(peer)}}}  # not in --arms
+    E.engine_all(engine_args, results, {"aux_layers": LAYERS})
+    folder, drafter, kw = calls["ours"]
+    assert json.loads((folder / "config.json").read_text())["specdistill"]["format"]  # ours: exported
+    assert kw["serving"] is None and kw["k"] == 2 and kw["limit"] == 3 and kw["max_new_tokens"] == 16
+    assert all(torch.equal(drafter.state_dict()[k], v) for k, v in ours.state_dict().items())
+    folder, drafter, kw = calls["peer"]
+    assert folder == peer and kw["serving"] == {"method": "eagle3"}  # its own folder, as it wrote it
+    assert drafter.cfg.norm_before_residual  # our reading of its export: its own config's options
+    assert results["ours"]["engine"] == results["speculators-close"]["engine"] == {
+        "loaded": True, "verdict": "pass", "spec_equals_plain": 3, "prompts": 3, "tau_engine": 1.5,
+        "tau_replay": 1.5, "engine_spec_tokens_per_s": 9.0}
+    bad = results["specforge-close"]["engine"]
+    assert not bad["loaded"] and bad["verdict"] == "not run" and "missing" in bad["error"]
+    assert "engine" not in results["speculators-default"]
+    E.engine_all(engine_args, results, {"aux_layers": LAYERS})  # a rerun: each arm checked once
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("engine", [False, True])
+def test_the_benchmark_checks_each_peers_loss_once_and_runs_the_engine_on_request(tmp_path,
+                                                                                  monkeypatch, engine):
+    import benchmarks.peers.__main__ as M
+
+    checked, engined = [], []
+    monkeypatch.setattr(M, "ensure_peer", lambda peer: Path(f"/venvs/{peer.name}/python"))
+    monkeypatch.setattr(M, "write_peer_data", lambda cfg, out, pythons: {"aux_layers": LAYERS})
+    monkeypatch.setattr(M.A, "target_folder", lambda cfg: tmp_path / "target")
+    monkeypatch.setattr(M.A, "train_arm", lambda name, *a: {"what": name, "drafter": None})
+    monkeypatch.setattr(M.R, "replay_all", lambda args, results, data: None)
+    monkeypatch.setattr(M.E, "engine_all", lambda args, results, data: engined.append(
+        sorted(M.R.arms(results))))
+
+    def check_peer(peer, python, out, aux_layers, target_dir):
+        checked.append((peer, str(python), aux_layers, target_dir))
+        return {"loss_shimmed": 2.0, "loss_reference": 2.0, "loss_diff": 0.0, "grad_diff": 0.0,
+                "ok": True, "rc": 0}
+
+    monkeypatch.setattr(M.LC, "check_peer", check_peer)
+    argv = ["--out", str(tmp_path / "b"), "--arms", "ours", "speculators-close", "specforge-default",
+            *(["--engine"] if engine else [])]
+    M.main(argv)
+    assert checked == [(p, f"/venvs/{p}/python", LAYERS, tmp_path / "target")
+                       for p in ("specforge", "speculators")]
+    results = json.loads((tmp_path / "b" / "peers.json").read_text())
+    assert results["loss_check"]["speculators"]["loss_reference"] == 2.0
+    md = (tmp_path / "b" / "peers.md").read_text()
+    assert "- loss check, specforge: shimmed trainer 2.000000" in md
+    assert engined == ([["ours", "specforge-default", "speculators-close"]] if engine else [])
+    M.main(argv)  # a rerun continues: each peer is checked once
+    assert len(checked) == 2

@@ -4,17 +4,22 @@ minutes on the same cores, every drafter measured in our greedy replay.
 
     python -m benchmarks.peers --out runs/peers/bench --conversations 48 --minutes 3 --prompts 20
     python -m benchmarks.peers --arms ours speculators-close --minutes 1     # a subset
+    python -m benchmarks.peers --engine ...   # and every arm's drafter in vLLM CPU (step 6)
 
 Steps (each skipped when its output exists, so a rerun continues):
   1. install each peer in its own virtualenv under <cache>/peers/ (venvs.py);
   2. our data path's first --conversations ShareGPT conversations, our capture of them, and the
-     same numbers in each peer's format (prepare.py, features.py);
+     same numbers in each peer's format (prepare.py, features.py); then, once per peer, the
+     check that its shims do not change what it computes: the first batch's loss as the shimmed
+     trainer computes it against its own loss function (losscheck.py);
   3. train each arm for --minutes of training-loop wall time, one after another, all under
      `nice -n 10` (arms.py; the peers through their CPU shims: speculators_cpu.py, specforge_cpu.py);
   4. rebuild each drafter from the layout it exported for vLLM (imports.py) and replay it greedily
      on the target's own answers to --prompts MT-bench prompts (k = --k): tau +- its standard error
      over prompts, and each arm's paired gap to ours;
-  5. <out>/peers.json and <out>/peers.md: the table.
+  5. <out>/peers.json and <out>/peers.md: the table;
+  6. with --engine: each arm's exported drafter in our vLLM CPU engine check (engine.py): loads,
+     speculative == plain, tau, tokens/s, in the same files.
 """
 from __future__ import annotations
 
@@ -24,6 +29,8 @@ import logging
 from pathlib import Path
 
 from benchmarks.peers import arms as A
+from benchmarks.peers import engine as E
+from benchmarks.peers import losscheck as LC
 from benchmarks.peers import replay as R
 from benchmarks.peers.prepare import write_peer_data
 from benchmarks.peers.venvs import PEERS, ensure_peer
@@ -43,6 +50,8 @@ def parse_args(argv=None):
     ap.add_argument("--k", type=int, default=2, help="draft length of the replay")
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
     ap.add_argument("--set", nargs="*", default=[], help="more overrides of our job (all arms' data)")
+    ap.add_argument("--engine", action="store_true",
+                    help="after the replay, every arm's drafter in the vLLM CPU engine check")
     return ap.parse_args(argv)
 
 
@@ -57,6 +66,13 @@ def main(argv=None) -> None:
     data = write_peer_data(cfg, args.out / "data", pythons)  # 2.
     log.info("data: %s", data)
     results = R.read_results(args.out)
+    checks = results.setdefault(R.LOSS_CHECK, {})
+    for peer, python in pythons.items():  # 2b.
+        if peer not in checks:
+            checks[peer] = LC.check_peer(peer, python, args.out, data["aux_layers"],
+                                         A.target_folder(cfg))  # the verifier the arms read
+            (log.info if checks[peer]["ok"] else log.error)("%s", LC.check_line(peer, checks[peer]))
+            R.write_results(args.out, results)
     for name in args.arms:  # 3.
         if name in results and results[name].get("train"):
             continue
@@ -64,6 +80,9 @@ def main(argv=None) -> None:
         R.write_results(args.out, results)
     R.replay_all(args, results, data)  # 4.
     R.write_results(args.out, results)
+    if args.engine:  # 6.
+        E.engine_all(args, results, data)
+        R.write_results(args.out, results)
     (args.out / "peers.md").write_text(R.table(results, args))  # 5.
     print(R.table(results, args))
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from benchmarks.replaying import paired_gap, ratio_se, replay_answers
 
 RESULTS = "peers.json"
+LOSS_CHECK = "loss_check"  # peers.json's key of the shims' loss checks (losscheck.py), not an arm
 
 
 def read_results(out: Path) -> dict:
@@ -59,7 +60,7 @@ def replay_all(args, results: dict, data: dict) -> None:
 
     target = load_target(compose(list(args.set)).target, training=True)
     answers = replay_answers(target, args.prompts, args.tokens, args.out)
-    for name, res in results.items():
+    for name, res in arms(results).items():
         if "replay" in res or name not in args.arms:
             continue
         try:
@@ -68,9 +69,14 @@ def replay_all(args, results: dict, data: dict) -> None:
         except Exception as e:  # recorded in the table, the other arms go on
             res["replay_error"] = f"{type(e).__name__}: {e}"
     ours = results.get("ours", {}).get("replay")
-    for res in results.values():
+    for res in arms(results).values():
         if ours and res.get("replay") and res["replay"] is not ours:
             res["gap_to_ours"] = paired_gap(res["replay"], ours, "tau")
+
+
+def arms(results: dict) -> dict:
+    """The arms' entries of peers.json (the loss checks are not one)."""
+    return {k: v for k, v in results.items() if k != LOSS_CHECK}
 
 
 def _fmt(x, nd=2):
@@ -78,15 +84,27 @@ def _fmt(x, nd=2):
 
 
 def table(results: dict, args) -> str:
+    """peers.md: one row per arm (with the engine check's columns when any arm has one), then
+    one line per peer's loss check."""
+    from benchmarks.peers.engine import engine_cells
+    from benchmarks.peers.losscheck import check_line
+
+    engine = any("engine" in r for r in arms(results).values())
     lines = [f"| arm | set | training min | steps | target tokens/s | peak RSS (MB) | replay tau "
-             f"(k={args.k}, {args.prompts} MT-bench x {args.tokens}) | gap to ours (paired) |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
-    for name, res in results.items():
+             f"(k={args.k}, {args.prompts} MT-bench x {args.tokens}) | gap to ours (paired) |"
+             + (" vLLM loads | vLLM spec == plain | tau vLLM / our replay on its text | vLLM "
+                "tokens/s plain / spec |" if engine else ""),
+             "|---|---|---:|---:|---:|---:|---:|---:|" + ("---|---:|---:|---:|" if engine else "")]
+    for name, res in arms(results).items():
         t, r = res.get("train", {}), res.get("replay")
         tau = f"{r['tau']:.3f} +- {r['tau_se']:.3f}" if r else res.get("replay_error", "—")
         gap = res.get("gap_to_ours")
         gap = f"{gap[0]:+.3f} +- {gap[1]:.3f}" if gap else "—"
         lines.append(f"| {name} | {t.get('what', '')} | {_fmt(t.get('train_minutes'))} | "
                      f"{t.get('steps', '—')} | {_fmt(t.get('tokens_per_s'), 0)} | "
-                     f"{_fmt(t.get('peak_rss_mb'), 0)} | {tau} | {gap} |")
+                     f"{_fmt(t.get('peak_rss_mb'), 0)} | {tau} | {gap} |"
+                     + ("".join(f" {c} |" for c in engine_cells(res.get("engine"))) if engine else ""))
+    checks = results.get(LOSS_CHECK) or {}
+    if checks:
+        lines += ["", *(check_line(peer, c) for peer, c in checks.items())]
     return "\n".join(lines) + "\n"

@@ -4,6 +4,7 @@ export: executed by SpecForge's python (its virtualenv, benchmarks/peers/venvs.p
 
     <venv>/bin/python benchmarks/peers/specforge_cpu.py --minutes 3 --report r.json \
         --config run.yaml --draft-config draft.json --export <dir>
+    <venv>/bin/python benchmarks/peers/specforge_cpu.py --check-loss --report r.json --config run.yaml
 
 The shims, each small and named; none changes what the peer computes:
 - `eager_loss`: its EAGLE-3 loss is a Triton kernel (specforge/core/loss.py imports triton, which
@@ -20,13 +21,21 @@ The shims, each small and named; none changes what the peer computes:
   `torch.compile` (modeling/draft/llama3_eagle.py); on a CPU that means inductor building C++
   for each at the first step (minutes on a loaded 2-core machine, inside the timed minutes).
   TORCHDYNAMO_DISABLE=1 runs the same functions eagerly.
+`--check-loss` checks that claim on the run's first batch (`check_loss`): its strategy's
+`forward_loss` (its target head, TTT unroll, masks and 0.8^i step weights: the loss its trainer
+backpropagates) with the eager loss above, against the same batch with the loss its Triton kernel
+implements in its own reference code (`_compute_loss` in specforge/core/loss.py, read from its
+source: the module imports triton), value and gradient of every draft parameter; the run stops
+there, nothing is trained.
 The run config sets training.fsdp_sharding=NO_SHARD (DDP: its FSDP refuses a CPU) and sdpa
-attention, and model.lm_head_key=model.embed_tokens.weight (SmolLM2 ties its head) on a folder of
-links to the target's files with the index file its head loader looks for.
+attention, and model.lm_head_key=model.embed_tokens.weight where the target ties its head
+(SmolLM2: no lm_head.weight) on a folder of links to the target's files with the index file its
+head loader looks for.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import resource
@@ -54,6 +63,69 @@ def eager_loss() -> None:
     mod = types.ModuleType("specforge.core.loss")
     mod.LogSoftmaxLoss = LogSoftmaxLoss
     sys.modules["specforge.core.loss"] = mod
+
+
+LOSS_TOL = 1e-5  # |shimmed - reference| / max(|reference|, 1) allowed, and the same for gradients
+
+
+class LossChecked(Exception):
+    """Raised after the first batch's loss check: the run stops there."""
+
+
+def reference_loss():
+    """Its reference implementation of the EAGLE-3 loss (`_compute_loss`, specforge/core/loss.py),
+    with the Triton autograd Function's interface. The file imports triton, so the function is
+    read from it; its torch.compile decorator is dropped (the same function, run eagerly)."""
+    import ast
+
+    import torch
+
+    spec = importlib.util.find_spec("specforge")
+    path = Path(spec.submodule_search_locations[0]) / "core" / "loss.py"
+    ref = next(n for n in ast.parse(path.read_text()).body
+               if isinstance(n, ast.FunctionDef) and n.name == "_compute_loss")
+    ref.decorator_list = []
+    ns = {"torch": torch, "nn": torch.nn}
+    exec(compile(ast.Module([ref], []), str(path), "exec"), ns)
+    return type("ReferenceLoss", (), {"apply": staticmethod(ns["_compute_loss"])})
+
+
+def check_loss(stats: dict) -> None:
+    """On the first training batch: its loss with the eager shim against its reference loss
+    (module docstring) into `stats`, then LossChecked."""
+    import torch
+
+    import specforge.algorithms.eagle3.model as eagle3
+    from specforge.training.controller import TrainerController
+
+    shimmed, reference = eagle3.LogSoftmaxLoss, reference_loss()
+
+    def first_step(self, data, progress):
+        strategy = self.core.strategy
+        module = strategy.trainable_module()
+        module.train()
+        batch = next(iter(data))
+        got = {}
+        for name, loss_cls in (("shimmed", shimmed), ("reference", reference)):
+            eagle3.LogSoftmaxLoss = loss_cls  # the name its model calls
+            module.zero_grad(set_to_none=True)
+            out = strategy.forward_loss(batch)
+            out.loss.backward()
+            got[name] = (float(out.loss.detach()), [p.grad.detach().clone() for p in
+                                                     module.parameters() if p.grad is not None])
+        eagle3.LogSoftmaxLoss = shimmed
+        module.zero_grad(set_to_none=True)
+        (a, ga), (b, gb) = got["shimmed"], got["reference"]
+        stats.update(loss_shimmed=a, loss_reference=b, loss_diff=abs(a - b),
+                     grad_diff=max(float((x - y).abs().max()) for x, y in zip(ga, gb))
+                     / max(max(float(y.abs().max()) for y in gb), 1e-12),
+                     grads=len(gb), tokens=int(batch.tensors["attention_mask"].sum()),
+                     reference="specforge.core.loss._compute_loss")
+        stats["ok"] = (len(ga) == len(gb) > 0 and stats["loss_diff"] / max(abs(b), 1.0) <= LOSS_TOL
+                       and stats["grad_diff"] <= LOSS_TOL)
+        raise LossChecked()
+
+    TrainerController._fit = first_step
 
 
 def single_process() -> None:
@@ -96,26 +168,36 @@ def wall_clock_budget(minutes: float, stats: dict) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--minutes", type=float, required=True)
+    ap.add_argument("--check-loss", action="store_true", help="the first batch's loss check only")
+    ap.add_argument("--minutes", type=float)
     ap.add_argument("--report", required=True)
     ap.add_argument("--config", required=True)
-    ap.add_argument("--draft-config", required=True)
-    ap.add_argument("--export", required=True)
+    ap.add_argument("--draft-config")
+    ap.add_argument("--export")
     args = ap.parse_args()
+    if not args.check_loss and None in (args.minutes, args.draft_config, args.export):
+        ap.error("a training run needs --minutes, --draft-config and --export (or --check-loss)")
     stats: dict = {"peer": "specforge"}
     os.environ["TORCHDYNAMO_DISABLE"] = "1"  # eager_kernels: read when torch is first imported
     eager_loss()
     single_process()
-    wall_clock_budget(args.minutes, stats)
+    if args.check_loss:
+        check_loss(stats)
+    else:
+        wall_clock_budget(args.minutes, stats)
     from specforge.cli import main as cli
 
     try:
         stats["rc"] = cli(["train", "-c", args.config])
-        stats["export"] = export(args)
+        if not args.check_loss:
+            stats["export"] = export(args)
+    except LossChecked:
+        print(json.dumps({k: stats.get(k) for k in ("loss_shimmed", "loss_reference", "loss_diff",
+                                                    "grad_diff", "ok")}))
     finally:
         stats["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         Path(args.report).write_text(json.dumps(stats))
-    return 0
+    return 0 if stats.get("ok", not args.check_loss) else 1
 
 
 def export(args) -> str | None:
@@ -169,17 +251,15 @@ def draft_config(target_dir: Path, draft_vocab: int) -> dict:
             "pad_token_id": tc.get("pad_token_id") or 0, "draft_vocab_size": draft_vocab}
 
 
-def specforge_command(python: Path, args, run_dir: Path, report: Path, close: bool, cfg):
-    """(command, one-line description) of a SpecForge arm: its defaults (7 TTT steps, lr 1e-4,
-    batch 1, 32,000-token draft vocabulary) or as close to our default recipe as it allows (1 TTT
-    step, lr 1e-3 with 30 warm-up steps, batch 4, 8192-token vocabulary). Both: cosine over 600
-    steps (our default job's length), offline features, CPU settings."""
+def run_files(target: Path, data: Path, run_dir: Path, close: bool) -> tuple[Path, Path]:
+    """(run.yaml, draft_config.json) of a SpecForge run in `run_dir` on `target` (a linked_target
+    folder) and the offline files in `data`: its defaults (7 TTT steps, lr 1e-4, batch 1,
+    32,000-token draft vocabulary) or as close to our default recipe as it allows (1 TTT step,
+    lr 1e-3 with 30 warm-up steps, batch 4, 8192-token vocabulary). Both: cosine over 600 steps
+    (our default job's length), offline features, CPU settings."""
     import yaml
 
-    from benchmarks.peers.arms import target_folder
-
     run_dir.mkdir(parents=True, exist_ok=True)
-    target = linked_target(target_folder(cfg), args.out / "specforge_target")
     dcfg = run_dir / "draft_config.json"
     dcfg.write_text(json.dumps(draft_config(target, 8192 if close else 32000), indent=1))
     training = {"strategy": "eagle3", "num_epochs": 1000, "total_steps": 600,
@@ -188,15 +268,36 @@ def specforge_command(python: Path, args, run_dir: Path, report: Path, close: bo
     if close:
         training.update({"ttt_length": 1, "learning_rate": 1e-3, "warmup_ratio": 30 / 600,
                          "batch_size": 4})
+    weights = json.loads((target / "model.safetensors.index.json").read_text())["weight_map"]
     run = {"model": {"target_model_path": str(target), "draft_model_config": str(dcfg),
-                     "lm_head_key": "model.embed_tokens.weight"},
-           "data": {"hidden_states_path": str(args.out / "data" / "specforge"),
-                    "cache_dir": str(run_dir / "cache"), "dataloader_num_workers": 0},
+                     # SmolLM2 ties its head (no lm_head.weight): the embedding is the head
+                     "lm_head_key": "lm_head.weight" if "lm_head.weight" in weights
+                     else "model.embed_tokens.weight"},
+           "data": {"hidden_states_path": str(data), "cache_dir": str(run_dir / "cache"),
+                    "dataloader_num_workers": 0},
            "training": training, "output_dir": str(run_dir / "output"), "run_id": run_dir.name}
     (run_dir / "run.yaml").write_text(yaml.safe_dump(run))
+    return run_dir / "run.yaml", dcfg
+
+
+def specforge_command(python: Path, args, run_dir: Path, report: Path, close: bool, cfg):
+    """(command, one-line description) of a SpecForge arm (run_files: its defaults or close)."""
+    from benchmarks.peers.arms import target_folder
+
+    target = linked_target(target_folder(cfg), args.out / "specforge_target")
+    run, dcfg = run_files(target, args.out / "data" / "specforge", run_dir, close)
     cmd = [str(python), str(Path(__file__)), "--minutes", str(args.minutes), "--report",
-           str(report), "--config", str(run_dir / "run.yaml"), "--draft-config", str(dcfg),
+           str(report), "--config", str(run), "--draft-config", str(dcfg),
            "--export", str(run_dir / "export")]
     what = ("1 TTT step, lr 1e-3, 30 warm-up, batch 4, vocab 8192" if close
             else "its defaults: 7 TTT steps, lr 1e-4, batch 1, vocab 32000")
     return cmd, what
+
+
+def check_command(python: Path, target_dir: Path, data: Path, run_dir: Path, report: Path):
+    """The loss check's command line: its defaults (7 TTT steps: every step's loss and weight)
+    on the first batch of `data`."""
+    target = linked_target(target_dir, run_dir / "target")
+    run, _ = run_files(target, data, run_dir, close=False)
+    return [str(python), str(Path(__file__)), "--check-loss", "--report", str(report),
+            "--config", str(run)]

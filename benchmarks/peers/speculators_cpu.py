@@ -3,6 +3,7 @@
 
     <venv>/bin/python benchmarks/peers/speculators_cpu.py --minutes 3 --report r.json -- <train args>
     <venv>/bin/python benchmarks/peers/speculators_cpu.py --prepare-data <dir>   # data.jsonl -> its dataset
+    <venv>/bin/python benchmarks/peers/speculators_cpu.py --check-loss --report r.json -- <train args>
 
 The shims below are the only changes, each small and named; none changes what the peer computes
 (the loss, the model, the optimizer, the data order):
@@ -16,6 +17,13 @@ The shims below are the only changes, each small and named; none changes what th
   `with_graceful_shutdown` turns into a saved "interrupted" checkpoint.
 - `count_tokens`: a forward pre-hook that counts the tokens of each training batch (its
   `document_ids != -1`: packed tokens, no padding) for tokens/s.
+
+`--check-loss` checks that claim on the run's first batch (`check_loss`): the loss the shimmed
+trainer gets from its model's forward (its autocast, its loss config, under every shim above)
+against the same batch's loss rebuilt from the peer's own loss function called directly on that
+forward's logits and targets (speculators/losses: `loss_function` with its eager reference loss
+of the configured name and its exponential TTT decay, each step aligned by its `align_for_step`),
+value and gradient with respect to every step's logits; the run stops there, nothing is trained.
 """
 from __future__ import annotations
 
@@ -26,6 +34,12 @@ import sys
 import time
 
 import torch
+
+LOSS_TOL = 1e-5  # |shimmed - reference| / max(|reference|, 1) allowed, and the same for gradients
+
+
+class LossChecked(Exception):
+    """Raised after the first batch's loss check: the run stops there."""
 
 
 def cpu_device() -> None:
@@ -91,6 +105,68 @@ def count_tokens(stats: dict) -> None:
     trainer.Trainer.setup_model = counted
 
 
+def check_loss(stats: dict, run: dict) -> None:
+    """On the first training forward: the trainer's loss against its own loss function (module
+    docstring) into `stats`, then LossChecked. `run`: the run's flattened TrainConfig, where the
+    loss names, weights and TTT decay are read (not from what the trainer passes its model)."""
+    import speculators.models.eagle3.core as core
+    import speculators.train.trainer as trainer
+    from speculators.losses import utils as L
+    from speculators.models.eagle3.metrics import align_for_step
+
+    steps: list = []  # (logits, targets, loss_mask, ttt_step) the model's loss saw, per TTT step
+    compute_metrics = core.compute_metrics
+
+    def recorded(logits, targets, loss_mask, prev_correct, ttt_step, *a, **k):
+        if torch.is_grad_enabled():
+            steps.append((logits, targets, loss_mask, ttt_step))
+        return compute_metrics(logits, targets, loss_mask, prev_correct, ttt_step, *a, **k)
+
+    core.compute_metrics = recorded
+    setup_model = trainer.Trainer.setup_model
+
+    def checked(self):
+        setup_model(self)
+
+        def hook(_module, _args, kwargs, output):
+            if not torch.is_grad_enabled():
+                return None
+            if not steps:
+                stats.update(ok=False, error="its model's forward computed no loss step")
+                raise LossChecked()
+            loss = output[1]  # what the trainer backpropagates
+            decay = run["ttt_step_loss_decay"]
+            config = L.resolve_loss_config(run["loss_fn"], "eager")  # its reference losses
+            reference = torch.zeros((), dtype=torch.float32)
+            for logits, targets, mask, i in steps:
+                s_logits, s_targets, s_mask, _ = align_for_step(logits, targets, mask, None, i)
+                if s_mask is None:
+                    s_mask = torch.ones(s_logits.shape[:2], dtype=torch.bool)
+                pos = torch.full(s_logits.shape[:2], i, dtype=torch.long)
+                for fn, weight in config.values():
+                    reference = reference + weight * L.loss_function(
+                        s_logits, s_targets, s_mask, pos, loss_fn=fn,
+                        decay_fn=lambda p, **_: L.exp_loss_decay(p, gamma=decay))
+            logits = [s[0] for s in steps]
+            g_shim = torch.autograd.grad(loss, logits, retain_graph=True)
+            g_ref = torch.autograd.grad(reference, logits, retain_graph=True)
+            loss, reference = float(loss.detach()), float(reference.detach())
+            stats.update(loss_shimmed=loss, loss_reference=reference,
+                         loss_diff=abs(loss - reference),
+                         grad_diff=max(float((a - b).abs().max()) for a, b in zip(g_shim, g_ref))
+                         / max(max(float(b.abs().max()) for b in g_ref), 1e-12),
+                         ttt_steps=len(steps), tokens=int(kwargs["input_ids"].numel()),
+                         loss_names=sorted(config), reference="speculators.losses.utils."
+                         "loss_function with speculators.losses.eager losses")
+            scale = max(abs(reference), 1.0)
+            stats["ok"] = stats["loss_diff"] / scale <= LOSS_TOL and stats["grad_diff"] <= LOSS_TOL
+            raise LossChecked()
+
+        self.model.register_forward_hook(hook, with_kwargs=True)
+
+    trainer.Trainer.setup_model = checked
+
+
 def prepare_data(folder: str) -> None:
     """<folder>/data.jsonl (input_ids, loss_mask per row, in hs_{i} order) -> the dataset its
     trainer loads (load_from_disk: input_ids, loss_mask, seq_len, torch format, as its prepare-data
@@ -110,6 +186,7 @@ def prepare_data(folder: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prepare-data")
+    ap.add_argument("--check-loss", action="store_true", help="the first batch's loss check only")
     ap.add_argument("--minutes", type=float)
     ap.add_argument("--report")
     ap.add_argument("rest", nargs=argparse.REMAINDER)
@@ -119,19 +196,27 @@ def main() -> None:
     stats: dict = {"peer": "speculators"}
     cpu_device()
     cpu_synchronize()
-    wall_clock_budget(args.minutes, stats)
-    count_tokens(stats)
     from speculators.train.cli import main as train_main
     from speculators.train.config import TrainConfig
 
     rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
+    config = TrainConfig.resolve(rest)
+    if args.check_loss:
+        check_loss(stats, config.flatten())
+    else:
+        wall_clock_budget(args.minutes, stats)
+        count_tokens(stats)
     try:
-        train_main(TrainConfig.resolve(rest))
+        train_main(config)
+    except LossChecked:
+        print(json.dumps({k: stats.get(k) for k in ("loss_shimmed", "loss_reference", "loss_diff",
+                                                    "grad_diff", "ok", "error")}))
     finally:
         stats.pop("start", None)
         stats["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         with open(args.report, "w") as fh:
             json.dump(stats, fh)
+    return 0 if stats.get("ok", not args.check_loss) else 1
 
 
 if __name__ == "__main__":

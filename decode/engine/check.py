@@ -87,7 +87,7 @@ def engine_check(export_dir: Path, target, drafter=None, *, engine: str = "vllm"
                  target_dir: Optional[Path] = None, ours: Optional[list[dict]] = None,
                  ours_dtype: Optional[str] = None,
                  plain: bool = True, threads: Optional[int] = None,
-                 timeout: float = 1800) -> dict[str, Any]:
+                 timeout: float = 1800, serving: Optional[dict] = None) -> dict[str, Any]:
     """Run the engine check (module docstring); write engine_check.json + engine_check.md into
     out_dir and return {"summary", "markdown", "prompts"}.
 
@@ -98,13 +98,18 @@ def engine_check(export_dir: Path, target, drafter=None, *, engine: str = "vllm"
     `target`'s (the job decodes at bf16 and checks at float32: its outputs then part at ties).
     plain=False skips the engine's plain decode (no speed, no losslessness; acceptance only).
     target_dir: the target as an HF folder the engine loads (default: the target's own folder,
-    else written from `target`)."""
+    else written from `target`). serving: vLLM's entry for an export another trainer wrote (a
+    peer's: no `specdistill` block in its config.json), e.g. {"method": "eagle3"}; `drafter` is then
+    required (our reading of that export)."""
     from specdistill.export.folder import load_export
 
     if engine not in ENGINES:
         raise ValueError(f"engine={engine!r}: engines this check runs: {', '.join(ENGINES)}")
     export_dir, out_dir = Path(export_dir), Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if serving is not None and (drafter is None or engine != "vllm"):
+        raise ValueError(f"another trainer's export (serving={serving}) is checked in vllm "
+                         f"with its drafter given (engine={engine!r}, drafter={drafter is not None})")
     if drafter is None:  # 3. what the engine reads, read back by our decoder
         drafter = load_export(export_dir, target).to(target.device).eval()
     prompts = load_prompts(eval_kind, path=path, limit=limit)
@@ -115,8 +120,12 @@ def engine_check(export_dir: Path, target, drafter=None, *, engine: str = "vllm"
     summary: dict[str, Any] = {"engine": engine, "export": str(export_dir), "k": k, "dtype": dtype,
                                "eval": eval_kind, "prompts": len(prompts),
                                "max_new_tokens": max_new_tokens}
-    meta = json.loads((export_dir / "config.json").read_text())["specdistill"]
-    summary.update(drafter=meta["drafter"]["name"], format=meta["format"])
+    meta = json.loads((export_dir / "config.json").read_text()).get("specdistill")
+    if meta is None and serving is None:
+        raise ValueError(f"{export_dir}/config.json has no specdistill block: not written by "
+                         f"`python -m train.export`; pass serving= for another trainer's export")
+    summary.update(drafter=meta["drafter"]["name"] if meta else drafter.name,
+                   format=meta["format"] if meta else f"its own ({serving})")
     if ours:
         summary["ours_dtype"] = ours_dtype or dtype
     n_ctx = max(len(x) for x in ids) + max_new_tokens + 2 * k + 16
@@ -125,7 +134,7 @@ def engine_check(export_dir: Path, target, drafter=None, *, engine: str = "vllm"
         if engine == "vllm":
             run = run_vllm(vllm_python(cache), folder, export_dir, k, [x.tolist() for x in ids],
                            max_new, stop, dtype, max_model_len=n_ctx, logs=out_dir, plain=plain,
-                           threads=threads, timeout=timeout)
+                           threads=threads, timeout=timeout, serving=serving)
         else:
             from specdistill.decode.engine.llamacpp_engine import run_export
 

@@ -43,10 +43,11 @@ class Generation:
     accepted_per_pos: list[int] = field(default_factory=list)  # accepted at draft position i
 
 
-def speculative_config(export_dir: Path, k: int) -> dict[str, Any]:
+def speculative_config(export_dir: Path, k: int, serving: Optional[dict] = None) -> dict[str, Any]:
     """vLLM's speculative_config for an export folder written by export/folder.py; ValueError
-    naming the formats vLLM serves when this one is not among them."""
-    method = served_entry(export_dir, "vllm", "which vLLM does not serve; vLLM serves")
+    naming the formats vLLM serves when this one is not among them. serving: vLLM's entry for a
+    folder written by another trainer (a peer's, benchmarks/peers), e.g. {"method": "eagle3"}."""
+    method = serving or served_entry(export_dir, "vllm", "which vLLM does not serve; vLLM serves")
     return {**method, "model": str(Path(export_dir).resolve()), "num_speculative_tokens": int(k)}
 
 
@@ -151,12 +152,12 @@ def kv_cache_bytes(target_dir: Path, export_dir: Path, dtype: str, max_model_len
 def run_vllm(python: Path, target_dir: Path, export_dir: Path, k: int, prompts: list[list[int]],
              max_new_tokens: list[int], stop_ids: list[int], dtype: str, max_model_len: int,
              logs: Path, plain: bool = True, threads: int | None = None,
-             timeout: float = 1800) -> dict[str, Any]:
+             timeout: float = 1800, serving: Optional[dict] = None) -> dict[str, Any]:
     """Decode `prompts` (token ids) greedily in vLLM with the export, and plainly (plain=True),
     interleaved prompt by prompt. Returns {"loaded", "error", "version", "load_s", "plain",
     "spec"}; a failed load is a result ("loaded": False with vLLM's own error), not an exception,
     and so is an engine that loads and then fails while decoding ("loaded": True, "error")."""
-    spec_cfg = speculative_config(export_dir, k)
+    spec_cfg = speculative_config(export_dir, k, serving)
     env = worker_env(threads, timeout)
     base = {"model": str(target_dir), "dtype": dtype, "max_model_len": max_model_len, "seed": 0,
             "kv_cache_memory_bytes": kv_cache_bytes(target_dir, export_dir, dtype, max_model_len)}

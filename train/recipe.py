@@ -57,7 +57,7 @@ from specdistill.train.on_policy_heads import (
     score_own_drafts,
 )
 from specdistill.train.precision import features_storage, training_precision
-from specdistill.train.report import write_report
+from specdistill.train.report import write_eval_by_context, write_report
 from specdistill.train.resume import check_resume_config
 from specdistill.train.rundir import check_contents, check_disk_space, set_aside_unfinished, write_config
 from specdistill.train.runlock import RunLock
@@ -377,6 +377,7 @@ class DistillRecipe:
                 **{f"eval/acc_{i + 1}": a for i, a in enumerate(res["acceptance"])}}
         self.loggers.log(flat, self.step)
         self.last_eval = res
+        write_eval_by_context(self.run_dir, self.step, self.tcfg.eval_k, res["by_context"])
         write_report(self.run_dir)  # plots + report.md, for users without W&B
         return res
 

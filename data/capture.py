@@ -25,7 +25,7 @@ from omegaconf import MISSING
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from specdistill.cli.ranges import MAX_BATCH, MAX_COUNT, MAX_LAYERS, rng
+from specdistill.cli.ranges import MAX_BATCH, MAX_COUNT, MAX_LAYERS, MAX_TOKENS, rng
 from specdistill.data import quiet
 from specdistill.data.dataset import DataConfig, pad_batch
 from specdistill.target.identity import differences
@@ -37,14 +37,28 @@ log = logging.getLogger(__name__)
 
 @torch.inference_mode()
 def capture(target, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-            layers: Sequence[int]) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """Return (features (B, T, F) of `layers` or None, final hidden (B, T, H))."""
+            layers: Sequence[int], chunk: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Return (features (B, T, F) of `layers` or None, final hidden (B, T, H)).
+
+    chunk: rows longer than this many tokens go through the target `chunk` tokens at a time, each
+    chunk attending to the ones before it through a KV cache (as a chunked prefill), so the
+    forward holds every layer's hidden states of one chunk instead of the whole row; the
+    features equal the whole row's within float rounding (rows are right-padded, so positions
+    count from each row's first token either way). None: the whole row in one forward."""
     layers = tuple(layers)
-    out = target.forward(input_ids.to(target.device), layers=(*layers, -1), logits=False,
-                         attention_mask=attention_mask.to(target.device))
-    H = target.hidden_size
-    feats = out.features[..., :-H] if layers else None  # (B, T, F)
-    return feats, out.features[..., -H:]  # (B, T, H)
+    ids, mask = input_ids.to(target.device), attention_mask.to(target.device)
+    T, H = ids.shape[1], target.hidden_size
+    if chunk is None or T <= chunk:
+        out = target.forward(ids, layers=(*layers, -1), logits=False, attention_mask=mask).features
+    else:
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=target.config)
+        out = torch.cat([target.forward(ids[:, a:a + chunk], layers=(*layers, -1), logits=False,
+                                        cache=cache, attention_mask=mask[:, :a + chunk]).features
+                         for a in range(0, T, chunk)], dim=1)  # (B, T, F + H)
+    feats = out[..., :-H] if layers else None  # (B, T, F)
+    return feats, out[..., -H:]  # (B, T, H)
 
 
 @torch.inference_mode()
@@ -89,6 +103,10 @@ class CaptureConfig:
     # run the target's forward under torch.autocast in this dtype (None = the target's own dtype):
     # bfloat16 is ~2.8x faster on CPUs with AVX512-BF16/AMX, features within ~1% of fp32
     autocast: Optional[str] = None
+    # rows longer than this many tokens go through the target in chunks of it, over a KV cache
+    # (None = whole rows): the forward then holds one chunk's hidden states of every layer, not
+    # the row's (capture's docstring); the features are the same within float rounding
+    chunk: Optional[int] = rng(None, 16, MAX_TOKENS)
 
 
 def _manifest(cfg, target, n: int) -> dict:
@@ -221,7 +239,7 @@ def capture_split(target, rows, cfg, out: Path, progress: bool = True,
             batch = pad_batch([chunk[j] for j in part], pad_id=0)
             with autocast(target, cfg.autocast):
                 f, h = capture(target, batch["input_ids"], batch["attention_mask"],
-                               () if only_final else cfg.layers)
+                               () if only_final else cfg.layers, cfg.chunk)
             for i, j in enumerate(part):  # drop the padding again; stored in the rows' order
                 T = len(chunk[j]["input_ids"])
                 feats[j] = None if f is None else f[i, :T].cpu()

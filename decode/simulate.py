@@ -17,16 +17,49 @@ from specdistill.decode.accept import GREEDY
 from specdistill.drafters.base import DecodeState, Drafter
 
 
+# held-out positions by how much context precedes them: [start, end) token ranges (None: open)
+CONTEXT_BUCKETS = ((0, 512), (512, 2048), (2048, 8192), (8192, None))
+
+
+def sampled_positions(loss_mask: list[int], positions: int) -> torch.Tensor:
+    """The (ascending) positions t of a conversation the eval drafts at: up to `positions` evenly
+    spread over those whose next token is an assistant token."""
+    mask = torch.as_tensor(loss_mask)
+    cand = (mask[1:] == 1).nonzero().flatten()  # t such that token t+1 is an assistant token
+    if len(cand) == 0:
+        return cand
+    return cand[torch.linspace(0, len(cand) - 1, min(positions, len(cand))).long()].unique()
+
+
+def bucket_label(start: int, end: int | None) -> str:
+    """'0-512', '512-2k', '8k+': a context bucket's name in logs and reports."""
+    def k(n: int) -> str:
+        return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
+    return f"{k(start)}+" if end is None else f"{k(start)}-{k(end)}"
+
+
+def by_context(pairs: list[tuple[int, int]], at: list[int], k: int) -> list[dict[str, object]]:
+    """acceptance_summary of the (accepted, proposed) pairs drafted at positions `at`, per
+    CONTEXT_BUCKETS bucket that holds any: its label, range, positions, draft tokens proposed
+    and accepted, and the summary's acceptance, sim_tau, mean_accepted."""
+    out = []
+    for start, end in CONTEXT_BUCKETS:
+        got = [p for p, t in zip(pairs, at) if t >= start and (end is None or t < end)]
+        if got:
+            out.append({"bucket": bucket_label(start, end), "start": start, "end": end,
+                        "drafted": sum(n for _, n in got), "accepted": sum(a for a, _ in got),
+                        **acceptance_summary(got, k)})
+    return out
+
+
 @torch.inference_mode()
 def accepted_lengths(target, drafter: Drafter, input_ids: list[int], loss_mask: list[int], k: int,
                      positions: int) -> list[tuple[int, int]]:
     """(accepted, proposed) for up to `positions` assistant positions of one conversation."""
     ids = torch.as_tensor(input_ids, dtype=torch.long, device=target.device)
-    mask = torch.as_tensor(loss_mask)
-    cand = (mask[1:] == 1).nonzero().flatten()  # t such that token t+1 is an assistant token
-    if len(cand) == 0:
+    pick = sampled_positions(loss_mask, positions)
+    if len(pick) == 0:
         return []
-    pick = cand[torch.linspace(0, len(cand) - 1, min(positions, len(cand))).long()].unique()
     last = int(pick.max())
     # 1. One target forward over the prefix up to the last sampled position: features + cache,
     # and the LM head only at the sampled positions (a conversation's ~1 k positions cost a fifth
@@ -74,13 +107,17 @@ def acceptance_summary(pairs: list[tuple[int, int]], k: int) -> dict[str, object
 
 def simulate_acceptance(target, drafter: Drafter, conversations, k: int = 5,
                         positions: int = 8) -> dict[str, object]:
-    """Run `accepted_lengths` over conversations (rows with input_ids, loss_mask) and summarise."""
+    """Run `accepted_lengths` over conversations (rows with input_ids, loss_mask) and summarise,
+    overall and by the context before each position ("by_context": by_context's buckets)."""
     pairs: list[tuple[int, int]] = []
+    at: list[int] = []  # the position of each pair
     was_training = drafter.training
     drafter.eval()
     try:
         for row in conversations:
-            pairs += accepted_lengths(target, drafter, row["input_ids"], row["loss_mask"], k, positions)
+            got = accepted_lengths(target, drafter, row["input_ids"], row["loss_mask"], k, positions)
+            pairs += got  # drafted at the sampled positions, last first (accepted_lengths)
+            at += sampled_positions(row["loss_mask"], positions).flip(0).tolist()[:len(got)]
     finally:
         drafter.train(was_training)
-    return acceptance_summary(pairs, k)
+    return {**acceptance_summary(pairs, k), "by_context": by_context(pairs, at, k)}

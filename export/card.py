@@ -27,6 +27,17 @@ class CardFacts:
     # set when the exported drafter is NOT the one these measurements were taken with (the run's
     # best/ was damaged: store/rundir.py): which checkpoint it is and why
     fallback: Optional[str] = None
+    # the longest sequence trained on (the run's data.max_length: its rows are cut there)
+    trained_length: Optional[int] = None
+
+
+def context_warning(trained: int | None, context: int) -> str | None:
+    """The one line an export says when its target serves longer sequences than the drafter was
+    trained on (None when it was trained to the target's context, or the length is unknown)."""
+    if trained is None or trained >= context:
+        return None
+    return (f"trained on <= {trained} tokens; the target serves up to {context}; acceptance past "
+            f"{trained} is unmeasured")
 
 
 def card_tags(layout, drafter_cls) -> list[str]:
@@ -62,6 +73,21 @@ def _measured(facts: CardFacts) -> list[str]:
     return lines
 
 
+def _context(meta: dict[str, Any]) -> list[str]:
+    """The card's section on the sequence lengths trained and served (when the run recorded them)."""
+    ctx = meta.get("context")
+    if not ctx:
+        return []
+    trained, served = ctx["trained_max_length"], ctx["target_max_length"]
+    lines = ["## Context length", "",
+             f"Trained on sequences of at most {trained} tokens (the run's data.max_length); the "
+             f"target serves up to {served}.", ""]
+    warning = context_warning(trained, served)
+    if warning:
+        lines += [f"**Warning: {warning}.**", ""]
+    return lines
+
+
 def model_card(layout, drafter_cls, meta: dict[str, Any], facts: CardFacts | None,
                parity: dict[str, Any] | None, files: list[tuple[str, int]], license: str) -> str:
     """README.md text. layout: the ExportLayout written; drafter_cls: its drafter class; meta:
@@ -84,7 +110,7 @@ def model_card(layout, drafter_cls, meta: dict[str, Any], facts: CardFacts | Non
              f"with it is lossless: greedy output is token-identical to the target's, sampling "
              f"keeps its distribution.", "",
              "```bash", usage, "```", ""]
-    lines += _measured(facts)
+    lines += _measured(facts) + _context(meta)
     if parity is not None:
         lines += ["## Train/serve parity", "", parity["markdown"], ""]
     if facts.training_config:

@@ -19,6 +19,7 @@ Every tensor-layout export is
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any, Callable
 
@@ -34,13 +35,15 @@ from specdistill.drafters.base import (
     parse_config,
 )
 from specdistill.drafters.parts.layouts import EXPORT_DTYPES, ExportError, cast, torch_dtype
-from specdistill.export.card import CardFacts, model_card
+from specdistill.export.card import CardFacts, context_warning, model_card
 from specdistill.store.atomic import write_folder
 from specdistill.store.drafter import TargetMismatch, load_drafter
 from specdistill.store.manifest import verify, write_manifest
 from specdistill.store.rundir import DrafterSource
 
 VERSION = "0.1.0"
+
+log = logging.getLogger(__name__)
 
 
 def layout_for(fmt: str, dcfg: dict[str, Any]) -> tuple[type[Drafter], ExportLayout]:
@@ -253,7 +256,9 @@ def export_drafter(drafter: Drafter, drafter_cfg, target, fmt: str, out, *, dtyp
                    overwrite: bool = False, check: Callable[[Path], dict] | None = None) -> dict:
     """Write `drafter` in layout fmt into `out` (steps in the module docstring). facts: the run's
     measurements for the card; check(staging folder) may measure the export before it is
-    committed and returns the card's parity section. Returns {"path", "warnings", "parity"}."""
+    committed and returns the card's parity section. Returns {"path", "warnings", "parity",
+    "context"}: context is config.json's record of the lengths trained and served (None when
+    facts do not say what was trained), with the warning logged when the target serves longer."""
     dcfg, out = full_config(drafter_cfg), Path(out).expanduser()
     dt = torch_dtype(dtype)
     cls, layout = layout_for(fmt, dcfg)
@@ -262,8 +267,12 @@ def export_drafter(drafter: Drafter, drafter_cfg, target, fmt: str, out, *, dtyp
     _check_replaceable(out)
     meta = {"format": fmt, "drafter": dcfg, "target": target_meta(target), "base_model": base_model,
             "speculative_tokens": k, "specdistill_version": VERSION}
+    trained = facts.trained_length if facts is not None else None
+    if trained is not None:  # what the drafter's max_position_embeddings (the target's) rests on
+        meta["context"] = {"trained_max_length": int(trained), "target_max_length": target.max_length}
     ctx = ExportContext(target, dcfg, dtype, meta, k)
-    result: dict[str, Any] = {"path": out, "warnings": [], "parity": None}
+    result: dict[str, Any] = {"path": out, "warnings": [], "parity": None,
+                              "context": meta.get("context")}
 
     def fill(tmp: Path) -> None:
         if layout.save is not None:  # 1-3 in the layout's own save
@@ -282,6 +291,9 @@ def export_drafter(drafter: Drafter, drafter_cfg, target, fmt: str, out, *, dtyp
     except OSError as e:  # the staging folder sits next to out: name out, not the temp folder
         raise ExportError(f"cannot write the export to out={out}: {e.strerror} ({e.filename}); "
                           f"pick a writable out=") from e
+    short = context_warning(trained, target.max_length)
+    if short:  # one line; the card says it too
+        log.warning("export %s: %s", out, short)
     return result
 
 

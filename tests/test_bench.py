@@ -180,3 +180,23 @@ def test_cfg_walk_counts_stops_climbs_and_upward_reads():
         undo()
     assert traced == [("specdistill.train.fake", "a"), ("specdistill.train.fake", "a.b"),
                       ("specdistill.train.fake", "c")]
+
+
+def test_long_context_benchmark_trains_one_long_conversation_in_each_arm(tmp_path):
+    """benchmarks.long_context at a small length: each arm (whole rows, a window) is the real job
+    on one conversation cut at --tokens, in its own process, its peak memory read after the
+    setup and after the steps; the table's JSON says whether each arm kept to the goal."""
+    import json
+
+    from benchmarks import long_context
+
+    res = long_context.main(["--tokens", "300", "--windows", "none", "128", "--steps", "1",
+                             "--goal-gb", "100", "--out", str(tmp_path)])
+    runs = res["runs"]
+    assert [r["window"] for r in runs] == [None, 128]
+    for r in runs:
+        assert r["tokens"] == 300 and r["steps"] == 1 and r["drafter"] == "eagle3"
+        assert 0 < r["setup_peak_gb"] <= r["peak_gb"] < 100 and r["within_goal"]
+        metrics = tmp_path / f"window-{r['window'] or 'none'}" / "run" / "metrics.jsonl"
+        assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1]
+    assert json.loads((tmp_path / "long_context.json").read_text())["runs"] == runs

@@ -501,3 +501,36 @@ def test_overwrite_replaces_only_an_earlier_export(tmp_path, target):
     assert (mine / "notes.txt").read_text() == "keep me"
     with pytest.raises(ExportError, match=r"cannot write the export to out=/proc/specdistill-x"):
         export_drafter(src, cfg, target, "vllm", "/proc/specdistill-x/e")
+
+
+def test_export_states_the_length_it_was_trained_on(tmp_path, tiny_run, target, caplog):
+    """A run trained on rows shorter than its target serves (data.max_length=96, tiny context 4096)
+    is exported with that length in config.json and the card, and one warning line; an export
+    trained to the target's whole context has the field and no warning."""
+    import logging
+
+    from specdistill.export.card import CardFacts
+
+    cfg = OmegaConf.merge(OmegaConf.structured(ExportConfig), {
+        "run": str(tiny_run), "format": "hf", "out": str(tmp_path / "short")})
+    with caplog.at_level(logging.WARNING, logger="specdistill.export.folder"):
+        result = run_export(cfg)
+    line = ("trained on <= 96 tokens; the target serves up to 4096; acceptance past 96 is "
+            "unmeasured")
+    assert [r.getMessage() for r in caplog.records] == [f"export {tmp_path / 'short'}: {line}"]
+    meta = json.loads((tmp_path / "short" / "config.json").read_text())["specdistill"]
+    assert meta["context"] == result["context"] == {"trained_max_length": 96,
+                                                    "target_max_length": 4096}
+    card = (tmp_path / "short" / "README.md").read_text()
+    assert "## Context length" in card and f"**Warning: {line}.**" in card
+    caplog.clear()
+    src, dcfg = trained(target, EAGLE_ENGINE)  # this module's target: context 256
+    with caplog.at_level(logging.WARNING, logger="specdistill.export.folder"):
+        export_drafter(src, dcfg, target, "hf", tmp_path / "full",
+                       facts=CardFacts(trained_length=256))
+    assert caplog.records == []
+    meta = json.loads((tmp_path / "full" / "config.json").read_text())["specdistill"]
+    assert meta["context"] == {"trained_max_length": 256, "target_max_length": 256}
+    card = (tmp_path / "full" / "README.md").read_text()
+    assert "at most 256 tokens" in card and "Warning" not in card
+

@@ -242,3 +242,15 @@ def test_a_run_branches_into_a_later_phase_before_its_phase_began(tmp_path):
     assert [(r["step"], r.get("scored", 0) > 0) for r in rows[-2:]] == [(3, False), (4, True)]
     with pytest.raises(UserError, match=r"trainer.on_policy_heads_start: 0.5 -> 0.75"):
         run(make_cfg(tmp_path, chats, *common, "resume=true", "trainer.on_policy_heads_start=0.75"))
+
+
+def test_windows_are_refused_with_on_policy_heads(target):
+    """trainer.window with the on-policy heads: the target would score a window's drafts without
+    the row before it, so the pair is refused naming both settings."""
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(on_policy_heads_start=0.5, window=1024)
+    with pytest.raises(ValueError, match=r"trainer.window=1024 with trainer.on_policy_heads_start"):
+        check_on_policy_heads(cfg, build_drafter({"name": "eagle3"}, target))
+    check_on_policy_heads(SimpleNamespace(on_policy_heads_start=None, window=1024),
+                          build_drafter({"name": "eagle3"}, target))

@@ -67,6 +67,14 @@ def test_training_run_writes_the_report(tiny_run):
     # what was trained on: the data report written at the job's start
     assert "## Training data" in report and "| turns trained |" in report
     assert (tiny_run / "data_report.json").is_file()
+    # the latest eval by context length: rows of <= 96 tokens put every position in 0-512
+    ctx = json.loads((tiny_run / "eval_by_context.json").read_text())
+    assert ctx["step"] == 4 and [b["bucket"] for b in ctx["buckets"]] == ["0-512"]
+    rows = [json.loads(line) for line in open(tiny_run / "metrics.jsonl")]
+    sim = [r for r in rows if r.get("step") == 4 and "eval/sim_tau" in r][-1]
+    assert ctx["buckets"][0]["sim_tau"] == pytest.approx(sim["eval/sim_tau"])
+    assert "## Simulated acceptance by context length (step 4, k=3)" in report
+    assert f"| 0-512 | {ctx['buckets'][0]['positions']} | " in report
     for name in ("acceptance_by_position", "accepted_length", "tau", "loss"):
         assert (tiny_run / "plots" / f"{name}.png").read_bytes()[:8] == PNG
 

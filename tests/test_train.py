@@ -286,3 +286,65 @@ def test_max_minutes_out_of_range_is_refused(tmp_path, chat_file):
         check_ranges(make_cfg(tmp_path, chat_file, "trainer.max_minutes=0"), TrainConfig)
     r = run(make_cfg(tmp_path, chat_file, "trainer.max_steps=2", "trainer.max_minutes=60"))
     assert r.step == 2 and not r.stopped_early  # a budget not reached changes nothing
+
+
+def test_window_trains_long_rows_in_windows_of_the_whole_rows_features(tmp_path, chat_file):
+    """trainer.window: a micro-batch longer than the window is trained window by window, each with
+    the target's features and teacher of the WHOLE rows sliced (not a forward over the window
+    alone), its loss weighted by its share of the trained tokens; a step runs and spans with
+    nothing trained are skipped."""
+    from specdistill.train.batches import row_windows
+
+    trained = torch.tensor([[0] * 40 + [1] * 60, [0] * 70 + [1] * 10 + [0] * 20])
+    spans = row_windows(trained, 32)  # 0-31: nothing trained, skipped
+    assert [(c.start, c.stop) for c, _ in spans] == [(32, 64), (64, 96), (96, 100)]
+    assert [n for _, n in spans] == pytest.approx([24 / 70, 42 / 70, 4 / 70])
+    assert row_windows(trained, 100) == [(slice(0, 100), 1.0)] == row_windows(trained, None)
+    cfg = make_cfg(tmp_path, chat_file, "trainer.max_steps=2", "trainer.window=64",
+                   "trainer.eval_every=0", "trainer.save_every=0", "drafter=eagle3",
+                   "drafter.draft_vocab_size=512")
+    r = DistillRecipe(cfg)
+    r.setup()
+    raw = next(r.batches)
+    raw = {**raw, **{k: torch.cat([raw[k]] * 3, dim=1) for k in  # rows of 3 x T tokens
+                     ("input_ids", "attention_mask", "loss_mask")}}
+    T = raw["input_ids"].shape[1]
+    assert T > 128
+    r.offline = None  # the longer rows were never captured: online features of the whole rows
+    whole = r.make_batch(raw)
+    got = list(r.make_batches(raw))
+    want = row_windows(raw["loss_mask"] * raw["attention_mask"], 64)
+    assert len(got) == len(want) >= 3 and [last for _, _, last in got] == [False] * (len(got) - 1) + [True]
+    for (batch, share, _), (cut, n) in zip(got, want):
+        assert batch.input_ids.shape[1] <= 64 and share == n
+        assert torch.equal(batch.input_ids, raw["input_ids"][:, cut])
+        torch.testing.assert_close(batch.features, whole.features[:, cut])
+        read = ~batch.target_logits[..., 0].isnan()
+        torch.testing.assert_close(batch.target_logits[read], whole.target_logits[:, cut][read])
+    if cut.start >= 64:  # a later window alone would give other features (the row before it)
+        alone = r.make_batch({k: raw[k][:, cut] for k in ("input_ids", "attention_mask", "loss_mask")})
+        assert not torch.allclose(alone.features, whole.features[:, cut], atol=1e-3)
+    r.train()
+    assert r.step == 2 and all(torch.isfinite(p).all() for p in r.params)
+    r.cleanup()
+
+
+def test_a_chunked_capture_gives_the_whole_rows_features(tiny_target_cfg):
+    """capture(chunk=): right-padded rows through the target a chunk at a time over a KV cache
+    give the features and final states of one whole-row forward (within float rounding), with a
+    chunk that does not divide the length; without a cache the later chunks would differ."""
+    from specdistill.target.model import load_target
+
+    target = load_target(tiny_target_cfg, training=True)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 1000, (2, 150), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 97:] = 0  # the second row is padded after 97 tokens
+    whole_f, whole_h = capture(target, ids, mask, [1, 2])
+    for chunk in (16, 64, 149):
+        f, h = capture(target, ids, mask, [1, 2], chunk=chunk)
+        real = mask.bool()
+        torch.testing.assert_close(f[real], whole_f[real], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(h[real], whole_h[real], rtol=1e-4, atol=1e-5)
+    alone_f, _ = capture(target, ids[:, 64:], mask[:, 64:], [1, 2])  # a chunk without the cache
+    assert not torch.allclose(alone_f[0], whole_f[0, 64:], atol=1e-3)

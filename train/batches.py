@@ -79,3 +79,21 @@ def first_conversations(dataset, n: int | None):
         raise ValueError(f"trainer.train_conversations={n} but the train split has {len(dataset)} "
                          f"conversations; lower it, or raise data.max_conversations")
     return dataset.select(range(n))
+
+
+def row_windows(trained: torch.Tensor, window: int | None) -> list[tuple[slice, float]]:
+    """trainer.window: the consecutive spans of at most `window` positions a (B, T) micro-batch
+    trains in, each with its share of the batch's trained positions (`trained`: 1 where a loss
+    reads the token), so the windows' losses weighted by their shares average as the whole rows'
+    would; spans with nothing trained are left out. One span, share 1, when the rows fit (or
+    window is None). A drafter's anchors within its draft depth of a window's end lose the steps
+    past it (a few per window)."""
+    T = trained.shape[1]
+    if window is None or T <= window:
+        return [(slice(0, T), 1.0)]
+    cuts = [slice(a, min(a + window, T)) for a in range(0, T, window)]
+    counts = [float(trained[:, c].sum()) for c in cuts]
+    total = sum(counts)
+    if not total:  # nothing trained (a loss of 0 either way): one forward of the first window
+        return [(cuts[0], 1.0)]
+    return [(c, n / total) for c, n in zip(cuts, counts) if n]  # a span with no loss: skipped

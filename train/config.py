@@ -46,6 +46,11 @@ class TrainerConfig:
     # sort each run of this many global batches by length before batching (0 = plain shuffle):
     # batches of similar lengths pad less (train/batches.py)
     group_by_length: int = rng(0, 0, MAX_COUNT)
+    # train rows longer than this many tokens in consecutive windows of it, one forward and backward
+    # each (None = whole rows): the drafter's training forward is what grows with a row's length
+    # (EAGLE-3's test-time-training attention and per-step logits: ~6 GB at 4k tokens on the tiny
+    # target, BENCHMARKS.md "Long context"); each window keeps the target's features of the whole row
+    window: Optional[int] = rng(None, 64, MAX_TOKENS)
     lr: float = rng(3e-4, 0, 1, lo_open=True)  # peak learning rate (AdamW)
     weight_decay: float = rng(0.0, 0, 1)  # AdamW weight decay
     # linear warm-up, then cosine decay to min_lr_ratio * lr
@@ -69,6 +74,9 @@ class TrainerConfig:
     # storage of the captured layers' features: float32 | bfloat16 | auto (bfloat16 when precision is
     # bf16: the drafter reads them at bf16 anyway; train/precision.py features_storage)
     capture_features_dtype: Optional[str] = "float32"
+    # the target's training forwards over rows longer than this many tokens go in chunks of it over
+    # a KV cache (None = whole rows): data/capture.py capture; the same features within rounding
+    capture_chunk: Optional[int] = rng(None, 16, MAX_TOKENS)
     # offline: a `python -m specdistill.data.capture` out folder (None = auto, in the cache)
     features_dir: Optional[str] = None
     # train on the first N conversations of the train split only (None = all): data-scaling studies

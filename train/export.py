@@ -128,7 +128,8 @@ def read_run(path) -> RunInfo:
         return info
     info.config = source.run_config
     info.facts = CardFacts(training_config=info.config, fallback=source.fallback,
-                           simulated=last_simulated_eval(run_dir / "metrics.jsonl"))
+                           simulated=last_simulated_eval(run_dir / "metrics.jsonl"),
+                           trained_length=((info.config or {}).get("data") or {}).get("max_length"))
     if (run_dir / "final_eval" / "result.json").is_file():
         result = json.loads((run_dir / "final_eval" / "result.json").read_text())
         info.facts.final, info.final_rows = result["summary"], result["prompts"]

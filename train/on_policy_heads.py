@@ -51,6 +51,10 @@ def check_on_policy_heads(tcfg, drafter) -> None:
         raise ValueError(f"trainer.on_policy_heads_start: drafter {drafter.name!r} does not draft "
                          f"step by step on its own tokens (no forward_own); use eagle3, or set "
                          f"trainer.on_policy_heads_start=null")
+    if tcfg.on_policy_heads_start is not None and getattr(tcfg, "window", None) is not None:
+        raise ValueError(f"trainer.window={tcfg.window} with trainer.on_policy_heads_start: the "
+                         f"target would score the drafts of a window without the row before it; "
+                         f"set one of them to null")
 
 
 def in_phase(start: float | None, max_steps: int, step: int) -> bool:

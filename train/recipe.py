@@ -41,7 +41,7 @@ from specdistill.store import rundir as runs
 from specdistill.target.model import cache_root, load_target
 from specdistill.train import checkpoint as ckpt
 from specdistill.train.backends import build_backend
-from specdistill.train.batches import BatchIterator, first_conversations
+from specdistill.train.batches import BatchIterator, first_conversations, row_windows
 from specdistill.train.config import TrainConfig
 from specdistill.train.distributed import peer_failure_message
 from specdistill.train.final_eval import final_eval, prepare_engine, publish
@@ -57,7 +57,7 @@ from specdistill.train.on_policy_heads import (
     score_own_drafts,
 )
 from specdistill.train.precision import features_storage, training_precision
-from specdistill.train.report import write_report
+from specdistill.train.report import write_eval_by_context, write_report
 from specdistill.train.resume import check_resume_config
 from specdistill.train.rundir import check_contents, check_disk_space, set_aside_unfinished, write_config
 from specdistill.train.runlock import RunLock
@@ -194,7 +194,7 @@ class DistillRecipe:
         if file is None:
             return own
         ccfg = CaptureConfig(layers=layers, autocast=tcfg.capture_autocast,
-                             features_dtype=tcfg.capture_features_dtype)
+                             features_dtype=tcfg.capture_features_dtype, chunk=tcfg.capture_chunk)
         folder = Path(tcfg.features_dir) if tcfg.features_dir else capture_dir(
             cache_root(self.cfg.target), self.target, file.train, file.cache_path.name, layers,
             ccfg.autocast, ccfg.features_dtype)
@@ -267,6 +267,22 @@ class DistillRecipe:
         return train_batch(raw, feats, self.target, final, getattr(self.drafter, "d2t", None),
                            self.backend.device)
 
+    def make_batches(self, raw: dict[str, torch.Tensor]):
+        """The micro-batch's TrainBatches: the whole rows, or with trainer.window, rows longer than
+        it in consecutive windows of it (the target's features of the whole rows, sliced: each
+        window keeps its full-context features; the drafter's own attention sees the window).
+        Yields (batch, its share of the micro-batch's trained tokens, whether it is the last)."""
+        spans = row_windows(raw["loss_mask"] * raw["attention_mask"], self.tcfg.window)
+        if len(spans) == 1:
+            yield self.make_batch(raw), 1.0, True
+            return
+        feats, final = self.target_outputs(raw)
+        d2t = getattr(self.drafter, "d2t", None)
+        for i, (cut, share) in enumerate(spans):
+            part = {k: raw[k][:, cut] for k in ("input_ids", "attention_mask", "loss_mask")}
+            yield (train_batch(part, None if feats is None else feats[:, cut], self.target,
+                               final[:, cut], d2t, self.backend.device), share, i == len(spans) - 1)
+
     def target_outputs(self, raw: dict[str, torch.Tensor]):
         """(features of the drafter's layers or None, final hidden): read from the offline capture,
         or the target's forward (online capture)."""
@@ -275,7 +291,7 @@ class DistillRecipe:
             return self.offline.batch(idx, [self.train_ds[i] for i in idx], raw["input_ids"].shape[1])
         with autocast(self.target, self.tcfg.capture_autocast):  # as an offline capture's
             feats, final = capture(self.target, raw["input_ids"], raw["attention_mask"],
-                                   self.drafter.feature_layers)
+                                   self.drafter.feature_layers, self.tcfg.capture_chunk)
         return None if feats is None else feats.to(self.target.dtype), final.to(self.target.dtype)
 
     def train_step(self) -> dict[str, float]:
@@ -289,35 +305,44 @@ class DistillRecipe:
                 raw = self.on_policy(raw, self.step, micro)
                 share = self.on_policy.last / tcfg.grad_accum  # logged: the realised fraction
                 totals["on_policy"] = totals.get("on_policy", 0.0) + share
-            batch = self.make_batch(raw)
-            tokens += int(batch.attention_mask.sum())
-            own = own_steps(tcfg, self.step)  # > 0 in the on-policy phase of the heads
-            with torch.autocast(self.backend.device.type, dtype=torch.bfloat16,
-                                enabled=tcfg.precision == "bf16"):
-                if own:  # the drafter drafts on its own tokens; the target scores the drafts
-                    preds = own_drafts(self.model, batch, tcfg, own, anchor_generator(
-                        self.cfg.seed, self.step, micro, self.backend.rank))
-                    totals["scored"] = totals.get("scored", 0.0) + score_own_drafts(
-                        self.target, batch, preds, getattr(self.drafter, "d2t", None),
-                        tcfg.capture_autocast)
-                else:
-                    preds = self.model(batch)
-                loss, parts = drafter_loss(self.drafter, preds, batch, tcfg.loss,
-                                           tcfg.loss_temperature, tcfg.feature_weight)
-            if not torch.isfinite(loss):
-                raise NonFiniteLoss(f"loss is {loss.item()} at step {self.step} (micro-batch {micro}); "
-                                    f"stopping. The last good checkpoint is kept in "
-                                    f"{self.run_dir / 'checkpoints'}; lower trainer.lr or use "
-                                    f"trainer.precision=fp32, then resume=true.")
-            self.backend.backward(loss / tcfg.grad_accum, sync=micro == tcfg.grad_accum - 1)
-            for name, v in {"loss": loss, **parts}.items():
-                totals[name] = totals.get(name, 0.0) + float(v.detach()) / tcfg.grad_accum
+            for batch, share, last in self.make_batches(raw):  # whole rows, or trainer.window's
+                tokens += int(batch.attention_mask.sum())
+                sync = micro == tcfg.grad_accum - 1 and last
+                self._micro_step(batch, micro, share / tcfg.grad_accum, sync, totals)
         grad_norm = self.backend.step(self.optimizer, self.params, tcfg.grad_clip)
         totals["loss"] = float(self.backend.mean(torch.tensor(totals["loss"])))  # over all ranks
         self.scheduler.step()
         self.step += 1
         return {**totals, "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0],
                 "tokens": tokens}
+
+    def _micro_step(self, batch: TrainBatch, micro: int, weight: float, sync: bool,
+                    totals: dict[str, float]) -> None:
+        """Forward, loss and backward of one (window of a) micro-batch, its loss scaled by `weight`
+        (1 / grad_accum, times the window's share of the micro-batch's trained tokens); the
+        loss and its parts are added to `totals` with the same weight."""
+        tcfg = self.tcfg
+        own = own_steps(tcfg, self.step)  # > 0 in the on-policy phase of the heads
+        with torch.autocast(self.backend.device.type, dtype=torch.bfloat16,
+                            enabled=tcfg.precision == "bf16"):
+            if own:  # the drafter drafts on its own tokens; the target scores the drafts
+                preds = own_drafts(self.model, batch, tcfg, own, anchor_generator(
+                    self.cfg.seed, self.step, micro, self.backend.rank))
+                totals["scored"] = totals.get("scored", 0.0) + score_own_drafts(
+                    self.target, batch, preds, getattr(self.drafter, "d2t", None),
+                    tcfg.capture_autocast)
+            else:
+                preds = self.model(batch)
+            loss, parts = drafter_loss(self.drafter, preds, batch, tcfg.loss,
+                                       tcfg.loss_temperature, tcfg.feature_weight)
+        if not torch.isfinite(loss):
+            raise NonFiniteLoss(f"loss is {loss.item()} at step {self.step} (micro-batch {micro}); "
+                                f"stopping. The last good checkpoint is kept in "
+                                f"{self.run_dir / 'checkpoints'}; lower trainer.lr or use "
+                                f"trainer.precision=fp32, then resume=true.")
+        self.backend.backward(loss * weight, sync=sync)
+        for name, v in {"loss": loss, **parts}.items():
+            totals[name] = totals.get(name, 0.0) + float(v.detach()) * weight
 
     def train(self) -> None:
         tcfg = self.tcfg
@@ -377,6 +402,7 @@ class DistillRecipe:
                 **{f"eval/acc_{i + 1}": a for i, a in enumerate(res["acceptance"])}}
         self.loggers.log(flat, self.step)
         self.last_eval = res
+        write_eval_by_context(self.run_dir, self.step, self.tcfg.eval_k, res["by_context"])
         write_report(self.run_dir)  # plots + report.md, for users without W&B
         return res
 

@@ -7,7 +7,9 @@ Reads only what the run already wrote, so it works on a finished, crashed or res
 a user without W&B the same picture:
   * metrics.jsonl          loss (total and per component) and simulated evals (eval/sim_tau, eval/acc_i);
   * final_eval/result.json the real decoder's summary (tau, per-position acceptance, accepted-length
-                           histogram, speedup) and final_eval/result.md, its table.
+                           histogram, speedup) and final_eval/result.md, its table;
+  * eval_by_context.json   the latest simulated eval split by the context before each drafted
+                           position (0-512, 512-2k, 2k-8k, 8k+ tokens: the buckets that hold any).
 Writes <run_dir>/plots/{acceptance_by_position,accepted_length,tau,loss}.png and <run_dir>/report.md.
 """
 from __future__ import annotations
@@ -60,6 +62,35 @@ def implied_length_distribution(acc: list[float]) -> list[float]:
         out.append(run * (1 - a))
         run *= a
     return out + [run]
+
+
+BY_CONTEXT = "eval_by_context.json"
+
+
+def write_eval_by_context(run_dir: Path, step: int, k: int, buckets: list[dict[str, Any]]) -> None:
+    """The latest simulated eval by context bucket (decode/simulate.py by_context), as JSON."""
+    path = Path(run_dir) / BY_CONTEXT
+    tmp = path.with_suffix(f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps({"step": step, "k": k, "buckets": buckets}, indent=1))
+    os.replace(tmp, path)
+
+
+def context_table(run_dir: Path) -> list[str]:
+    """The report's section on held-out acceptance by context length (empty without the file)."""
+    path = Path(run_dir) / BY_CONTEXT
+    if not path.is_file():
+        return []
+    got = json.loads(path.read_text())
+    lines = [f"## Simulated acceptance by context length (step {got['step']}, k={got['k']})", "",
+             "Held-out positions by the tokens before them: a drafter trained on shorter rows than "
+             "it serves shows it here.", "",
+             "| context tokens | positions | drafted | accepted | accepted / drafted | sim tau |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for b in got["buckets"]:
+        rate = b["accepted"] / b["drafted"] if b["drafted"] else None
+        lines.append(f"| {b['bucket']} | {b['positions']} | {b['drafted']} | {b['accepted']} | "
+                     f"{_num(rate)} | {_num(b['sim_tau'])} |")
+    return lines + [""]
 
 
 def read_final(run_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
@@ -289,6 +320,7 @@ def _markdown(run_dir: Path, rows, evals, final_md: str | None, shown) -> str:
         lines += [f"| {s} | {t:.3f} | " + " | ".join(f"{a:.3f}" for a in acc) + " |"
                   for s, t, acc in evals]
         lines.append("")
+    lines += context_table(run_dir)
     if shown:
         lines += ["## Plots", ""] + [f"![{cap}]({PLOTS}/{name})" for name, cap in shown] + [""]
     return "\n".join(lines)

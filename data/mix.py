@@ -45,8 +45,8 @@ def mix_chat_data(file: ChatData, own: ChatData) -> ChatData:
     eval_ = datasets.concatenate_datasets([_with_store_index(file.eval), own.eval])
     log.info("mix: %d train / %d eval conversations with the file's answers, %d / %d with the target's",
              len(file.train), len(file.eval), len(own.train), len(own.eval))
-    return ChatData(train=train, eval=eval_, counts=counts, cache_path=own.cache_path,
-                    report=file.report)  # the file's rows (the target's are reported by data.selfgen)
+    report = file.report.merged(own.report) if file.report and own.report else file.report or own.report
+    return ChatData(train=train, eval=eval_, counts=counts, cache_path=own.cache_path, report=report)
 
 
 class MixedFeatures:

@@ -53,6 +53,35 @@ class DataReport:
         for kind in KINDS:
             self.tokens[kind] = self.tokens.get(kind, 0) + stats.get(kind, 0)
 
+    @classmethod
+    def generated(cls, trained_tokens: list[int]) -> "DataReport":
+        """The report of rows the target wrote itself (data.selfgen): one answer turn per row, all of
+        its trained tokens counted as `answer` (a thinking target's think block included: the store
+        keeps no split by kind)."""
+        n = len(trained_tokens)
+        report = cls(read=n, conversations=n, rows=n, turns=n)
+        report.tokens["answer"] = int(sum(trained_tokens))
+        return report
+
+    def merged(self, other: "DataReport") -> "DataReport":
+        """This report and `other` added up (a mix: the file's rows and the target's own)."""
+        both = DataReport.from_dict(json.loads(json.dumps(self.to_dict())))
+        both.read += other.read
+        both.conversations += other.conversations
+        both.rows += other.rows
+        both.turns += other.turns
+        both.own_context += other.own_context
+        both.extra_tokens += other.extra_tokens
+        for reason, n in other.dropped.items():
+            both.dropped[reason] = both.dropped.get(reason, 0) + n
+        for reason, first in other.first.items():
+            both.first.setdefault(reason, first)
+        for reason, n in other.turns_dropped.items():
+            both.drop_turns(reason, n)
+        for kind, n in other.tokens.items():
+            both.tokens[kind] = both.tokens.get(kind, 0) + n
+        return both
+
     def drop_turns(self, reason: str, n: int) -> None:
         self.turns_dropped[reason] = self.turns_dropped.get(reason, 0) + n
 

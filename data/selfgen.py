@@ -41,6 +41,7 @@ from safetensors.torch import save_file
 from specdistill.data.capture import pad_features
 from specdistill.data.dataset import FEATURES, ChatData, SelfGenSettings, split_by_id
 from specdistill.data.sharegpt import Counts, iter_conversations
+from specdistill.data.report import DataReport
 from specdistill.data.reuse import reuse_line
 from specdistill.target.identity import differences
 from specdistill.target.prepack import prepacked
@@ -266,7 +267,9 @@ class SelfGenStore:
     def chat_data(self, eval_fraction: float, seed: int) -> ChatData:
         """The rows as ChatData (split by id hash like every data source), with `store_index`."""
         recs = {"id": [], "input_ids": [], "loss_mask": [], "length": [], "store_index": []}
+        trained = []
         for n, cid, ids, mask, _ in self.rows():
+            trained.append(int(mask.sum()))
             recs["id"].append(cid)
             recs["input_ids"].append(ids.tolist())
             recs["loss_mask"].append(mask.tolist())
@@ -276,7 +279,8 @@ class SelfGenStore:
         ds = datasets.Dataset.from_dict(recs, features=feats)
         train, eval_ = split_by_id(ds, eval_fraction, seed)
         counts = Counts(read=len(ds), kept=len(ds))
-        return ChatData(train=train, eval=eval_, counts=counts, cache_path=self.folder)
+        return ChatData(train=train, eval=eval_, counts=counts, cache_path=self.folder,
+                        report=DataReport.generated(trained))
 
     def features(self, layers: Sequence[int]) -> "SelfGenFeatures":
         return SelfGenFeatures(self, layers)

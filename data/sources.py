@@ -12,6 +12,7 @@ data.selfgen.mix: the file's answers and the target's to later prompts together 
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -19,6 +20,8 @@ from specdistill.data.dataset import ChatData, load_chat_dataset
 from specdistill.data.mix import mix_chat_data
 from specdistill.data.regenerate import self_distilled
 from specdistill.data.selfgen import SelfGenStore, build_selfgen
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -48,5 +51,6 @@ def training_data(target, data_cfg, feature_layers: Callable[[], Sequence[int]],
     store = build_selfgen(target, data_cfg, feature_layers(), progress=progress,
                           after=file.counts.read if file is not None else 0)
     own = store.chat_data(data_cfg.eval_fraction, data_cfg.seed)
+    log.info("data report, the target's own answers: %s", own.report.summary())
     return TrainingData(data=own if file is None else mix_chat_data(file, own), captured=file,
                         selfgen=store)

@@ -2,6 +2,7 @@
 hidden states a separate capture would compute, the store resumes and refuses what it was not made
 from, and training on it reads those features."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -93,6 +94,11 @@ def test_training_reads_the_rows_and_features_the_target_wrote(tmp_path):
     torch.testing.assert_close(final[m], h2[m], atol=1e-4, rtol=0)
     answers = [json.loads(x) for x in (store / "answers.jsonl").read_text().splitlines()]
     assert len(answers) == 12 and answers[0]["conversations"][-1]["from"] == "gpt"
+    # the run's data report counts the target's own rows: one answer turn each, every trained token
+    report = json.loads((Path(r.cfg.run_dir) / "data_report.json").read_text())
+    all_rows = [r.split_ds[i] for i in range(len(r.split_ds))] + [r.eval_ds[i] for i in range(len(r.eval_ds))]
+    assert report["conversations"] == report["rows"] == report["turns"] == 12
+    assert report["tokens"]["answer"] == sum(sum(x["loss_mask"]) for x in all_rows) > 0
 
 
 def test_an_interrupted_store_resumes_and_another_setting_is_refused(tmp_path, monkeypatch):
@@ -145,6 +151,9 @@ def test_a_mix_trains_on_the_files_rows_then_the_targets_answers_to_later_prompt
     n_file = sum(x["store_index"] < 0 for x in [r.split_ds[i] for i in range(len(r.split_ds))])
     assert all(r.split_ds[i]["store_index"] < 0 for i in range(n_file))  # file rows first
     assert json.loads((r.selfgen.folder / "COMPLETE").read_text())["skipped_records"] == 9
+    report = json.loads((Path(r.cfg.run_dir) / "data_report.json").read_text())  # file + own rows
+    assert report["conversations"] == 8 + 6 and report["read"] == 9 + 6
+    assert report["tokens"]["answer"] == sum(sum(x["loss_mask"]) for x in rows)
     # each row's features are its own: a file row's from the capture, an own row's from the store
     from specdistill.data.capture import capture
     from specdistill.data.dataset import pad_batch

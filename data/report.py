@@ -14,6 +14,7 @@ target serves them (data/chat.py): they are trained in a row of their own, costi
 """
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -65,7 +66,7 @@ class DataReport:
 
     def merged(self, other: "DataReport") -> "DataReport":
         """This report and `other` added up (a mix: the file's rows and the target's own)."""
-        both = DataReport.from_dict(json.loads(json.dumps(self.to_dict())))
+        both = copy.deepcopy(self)
         both.read += other.read
         both.conversations += other.conversations
         both.rows += other.rows

@@ -54,10 +54,12 @@ def by_context(pairs: list[tuple[int, int]], at: list[int], k: int) -> list[dict
 
 @torch.inference_mode()
 def accepted_lengths(target, drafter: Drafter, input_ids: list[int], loss_mask: list[int], k: int,
-                     positions: int) -> list[tuple[int, int]]:
-    """(accepted, proposed) for up to `positions` assistant positions of one conversation."""
+                     positions: int, pick: torch.Tensor | None = None) -> list[tuple[int, int]]:
+    """(accepted, proposed) for up to `positions` assistant positions of one conversation, one pair
+    per position of `pick` (default: sampled_positions) in descending position order."""
     ids = torch.as_tensor(input_ids, dtype=torch.long, device=target.device)
-    pick = sampled_positions(loss_mask, positions)
+    if pick is None:
+        pick = sampled_positions(loss_mask, positions)
     if len(pick) == 0:
         return []
     last = int(pick.max())
@@ -115,9 +117,10 @@ def simulate_acceptance(target, drafter: Drafter, conversations, k: int = 5,
     drafter.eval()
     try:
         for row in conversations:
-            got = accepted_lengths(target, drafter, row["input_ids"], row["loss_mask"], k, positions)
-            pairs += got  # drafted at the sampled positions, last first (accepted_lengths)
-            at += sampled_positions(row["loss_mask"], positions).flip(0).tolist()[:len(got)]
+            pick = sampled_positions(row["loss_mask"], positions)
+            pairs += accepted_lengths(target, drafter, row["input_ids"], row["loss_mask"], k,
+                                      positions, pick)
+            at += pick.flip(0).tolist()  # accepted_lengths' order: last position first
     finally:
         drafter.train(was_training)
     return {**acceptance_summary(pairs, k), "by_context": by_context(pairs, at, k)}

@@ -31,9 +31,12 @@ def target():
     from conftest import TINY_MODEL
     from specdistill.target.model import TargetConfig
 
-    return load_target(TargetConfig(path="tiny", random_init=True, tokenizer="packaged:smollm2",
-                                    model_config={**TINY_MODEL, "num_hidden_layers": 4}, seed=0,
-                                    dtype="float32"))
+    t = load_target(TargetConfig(path="tiny", random_init=True, tokenizer="packaged:smollm2",
+                                 model_config={**TINY_MODEL, "num_hidden_layers": 4}, seed=0,
+                                 dtype="float32"))
+    with torch.no_grad():  # a trained norm's weight, not init's ones (post / w must differ)
+        F.final_norm(t).weight.uniform_(0.5, 3.0, generator=torch.Generator().manual_seed(1))
+    return t
 
 
 @pytest.fixture(scope="module")
@@ -73,9 +76,41 @@ def test_speculators_files_hold_aux_layers_and_the_prenorm_state(convs, rows, tm
         assert hs["token_ids"].tolist() == row["input_ids"] == lines[i]["input_ids"]
         assert lines[i]["loss_mask"] == row["loss_mask"]
         assert hs["hidden_states"].shape == (T, 4, H)
-        assert torch.equal(hs["hidden_states"][:, :3].flatten(1), c["aux"])  # its flatten(1)
-        assert torch.equal(hs["hidden_states"][:, 3], c["pre"])  # the LAST entry: pre-norm
-        assert not torch.allclose(hs["hidden_states"][:, 3], c["post"], atol=1e-2)
+        assert hs["hidden_states"].dtype == torch.bfloat16  # what its collate casts to
+        assert torch.equal(hs["hidden_states"][:, :3].flatten(1), c["aux"].bfloat16())  # flatten(1)
+        assert torch.equal(hs["hidden_states"][:, 3], c["pre"].bfloat16())  # the LAST entry
+        assert not torch.allclose(hs["hidden_states"][:, 3].float(), c["post"], atol=1e-2)
+
+
+def test_speculators_norm_of_the_last_entry_is_the_captured_post_norm_state(convs, target):
+    """speculators reads the last entry only through the verifier's norm: its image there is the
+    very post-norm state our trainer and SpecForge read, up to eps / (2 mean(x^2)) relative
+    (~1e-4 at this random target's small states; ~1e-7 at SmolLM2's last layer)."""
+    norm = F.final_norm(target)
+    for c in convs:
+        with torch.inference_mode():
+            again = norm(c["pre"])
+        assert torch.allclose(again, c["post"], rtol=1e-3, atol=1e-5)
+        assert not torch.allclose(c["pre"], c["post"], atol=1e-2)  # not the post-norm state itself
+
+
+def test_a_norm_that_post_over_w_does_not_invert_takes_the_target_forward(target, rows, tmp_path):
+    """A final norm whose weight has a zero (post / w is not finite): the pre-norm state comes from
+    a target forward instead, and still norms to the capture."""
+    capture_split(target, rows, CaptureConfig(layers=LAYERS), tmp_path, progress=False)
+    norm = F.final_norm(target)
+    keep = norm.weight.detach().clone()
+    try:
+        with torch.no_grad():
+            norm.weight[0] = 0.0
+        capture_split(target, rows, CaptureConfig(layers=LAYERS), tmp_path / "z", progress=False)
+        got = list(F.conversations(target, rows, OfflineFeatures(tmp_path / "z", LAYERS, target), None))
+        for c, row in zip(got, rows):
+            assert torch.isfinite(c["pre"]).all()
+            assert torch.equal(c["pre"], F.prenorm_last(target, torch.tensor(row["input_ids"]), None))
+    finally:
+        with torch.no_grad():
+            norm.weight.copy_(keep)
 
 
 def test_specforge_files_hold_aux_layers_and_the_postnorm_state(convs, rows, target, tmp_path):
@@ -228,6 +263,49 @@ def test_a_check_is_ok_only_when_the_shim_says_so_and_exits_zero(tmp_path):
     assert LC.check_line("speculators", got).startswith("- loss check, speculators: did not run")
 
 
+# -- the replay of every arm ------------------------------------------------------------------------
+def test_the_replay_adds_humaneval_to_a_finished_run_and_pairs_the_gap_over_all_prompts(tmp_path,
+                                                                                     monkeypatch):
+    """A run replayed on MT-bench only, rerun with --humaneval: each arm replays the HumanEval
+    answers only (its MT-bench replay is kept), the gap over all prompts pairs prompt by prompt
+    (ours gains on HumanEval only, so the all-prompt gap is the MT-bench gap diluted), and the
+    table gains the two columns."""
+    from benchmarks.peers import replay as R
+
+    answers = {"mtbench": [{"n": 2}, {"n": 4}], "humaneval": [{"n": 8}]}
+    monkeypatch.setattr(R, "replay_answers", lambda target, n, tokens, out, kind="mtbench":
+                        answers[kind][:n])
+    monkeypatch.setattr("specdistill.target.model.load_target", lambda cfg, training: None)
+    monkeypatch.setattr(R, "load_arm_drafter", lambda name, res, target, aux: name)
+    replayed = []
+
+    def fake_replay(target, drafter, rows, k, tokens):  # ours accepts one more token per answer
+        replayed.append((drafter, len(rows)))
+        per = [[r["n"], 2 * r["n"] + (drafter == "ours"), 0, 0] for r in rows]
+        tau, se = R.ratio_se([p[1] for p in per], [p[0] for p in per])
+        return {"tau": tau, "tau_se": se, "rounds": sum(p[0] for p in per), "per_prompt": per}
+
+    monkeypatch.setattr(R, "replay_drafter", fake_replay)
+    args = Namespace(out=tmp_path, prompts=2, tokens=16, k=2, set=[], humaneval=0,
+                     arms=["ours", "speculators-close"])
+    results = {"ours": {"train": {}}, "speculators-close": {"train": {}}}
+    R.replay_all(args, results, {"aux_layers": LAYERS})
+    assert replayed == [("ours", 2), ("speculators-close", 2)]
+    assert "gap_to_ours_all" not in results["speculators-close"]
+    args.humaneval = 1
+    R.replay_all(args, results, {"aux_layers": LAYERS})
+    assert replayed[2:] == [("ours", 1), ("speculators-close", 1)]  # HumanEval only, once each
+    peer = results["speculators-close"]
+    assert peer["gap_to_ours"][0] == pytest.approx(2.0 - (12 + 2) / 6)
+    assert peer["gap_to_ours_all"][0] == pytest.approx(2.0 - (28 + 3) / 14)
+    R.replay_all(args, results, {"aux_layers": LAYERS})
+    assert len(replayed) == 4  # a rerun replays nothing again
+    lines = R.table(results, args).splitlines()
+    assert "replay tau (1 HumanEval)" in lines[0] and "all 3 prompts" in lines[0]
+    assert lines[0].count("|") == lines[1].count("|") == lines[3].count("|") == 11
+    assert lines[2].split("|")[-3].strip() == "2.125 +- nan"  # ours: 17 tokens in 8 rounds
+
+
 # -- the engine check of every arm: our side ---------------------------------------------------------
 def test_the_table_holds_the_engine_columns_and_the_loss_checks_and_no_check_is_an_arm():
     from benchmarks.peers import replay as R
@@ -264,7 +342,7 @@ def test_the_table_holds_the_engine_columns_and_the_loss_checks_and_no_check_is_
 @pytest.fixture
 def engine_args(tmp_path):
     return Namespace(out=tmp_path, arms=["ours", "speculators-close", "specforge-close"], k=2,
-                     prompts=3, tokens=16,
+                     prompts=5, engine_prompts=3, tokens=16,
                      set=["target=tiny", "target.model_config.num_hidden_layers=4"])
 
 

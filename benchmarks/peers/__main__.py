@@ -5,6 +5,7 @@ minutes on the same cores, every drafter measured in our greedy replay.
     python -m benchmarks.peers --out runs/peers/bench --conversations 48 --minutes 3 --prompts 20
     python -m benchmarks.peers --arms ours speculators-close --minutes 1     # a subset
     python -m benchmarks.peers --engine ...   # and every arm's drafter in vLLM CPU (step 6)
+    python -m benchmarks.peers --humaneval 20 ...   # the replay on HumanEval prompts too
 
 Steps (each skipped when its output exists, so a rerun continues):
   1. install each peer in its own virtualenv under <cache>/peers/ (venvs.py);
@@ -16,7 +17,8 @@ Steps (each skipped when its output exists, so a rerun continues):
      `nice -n 10` (arms.py; the peers through their CPU shims: speculators_cpu.py, specforge_cpu.py);
   4. rebuild each drafter from the layout it exported for vLLM (imports.py) and replay it greedily
      on the target's own answers to --prompts MT-bench prompts (k = --k): tau +- its standard error
-     over prompts, and each arm's paired gap to ours;
+     over prompts, and each arm's paired gap to ours; with --humaneval N, also N HumanEval
+     prompts: their tau, and the paired gap over all the replayed prompts;
   5. <out>/peers.json and <out>/peers.md: the table;
   6. with --engine: each arm's exported drafter in our vLLM CPU engine check (engine.py): loads,
      speculative == plain, tau, tokens/s, in the same files.
@@ -46,12 +48,16 @@ def parse_args(argv=None):
     ap.add_argument("--conversations", type=int, default=48, help="data.max_conversations")
     ap.add_argument("--minutes", type=float, default=3.0, help="training-loop wall minutes per arm")
     ap.add_argument("--prompts", type=int, default=20, help="MT-bench prompts of the replay")
+    ap.add_argument("--humaneval", type=int, default=0,
+                    help="HumanEval prompts replayed too (their tau, and the gap over all prompts)")
     ap.add_argument("--tokens", type=int, default=128, help="answer tokens per prompt")
     ap.add_argument("--k", type=int, default=2, help="draft length of the replay")
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
     ap.add_argument("--set", nargs="*", default=[], help="more overrides of our job (all arms' data)")
     ap.add_argument("--engine", action="store_true",
                     help="after the replay, every arm's drafter in the vLLM CPU engine check")
+    ap.add_argument("--engine-prompts", type=int, default=20,
+                    help="MT-bench prompts of the engine check (the first of the replay's)")
     return ap.parse_args(argv)
 
 

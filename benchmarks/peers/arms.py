@@ -36,18 +36,20 @@ def speculators_args(data: Path, target_dir: Path, save: Path, close: bool) -> l
     8192 packed tokens, its EAGLE-3 norms) or as close to our default recipe as it allows (1 TTT
     step, AdamW 1e-3 with 30 warm-up steps and a cosine, 8192-token draft vocabulary, our
     architecture: no extra norms; 4 conversations' worth of packed tokens). Both: the schedule
-    over 600 steps (our default job's length), the features from files only."""
+    over 600 steps (our default job's length), the features from files only, and 4096 packed
+    tokens a step: at its default 8192, its full-vocabulary logits of 3 TTT steps and their
+    gradients pass 20 GB (measured by its loss check), more than this 24 GB machine can give."""
     base = ["--speculator-type", "eagle3", "--verifier-name-or-path", str(target_dir),
             "--data-path", str(data), "--save-path", str(save), "--target-layer-ids", "2", "15",
             "27", "--loss-implementation", "eager", "--draft-attn-impl", "sdpa", "--num-workers",
-            "0", "--on-missing", "raise", "--epochs", "1000", "--scheduler-total-steps", "600"]
+            "0", "--on-missing", "raise", "--epochs", "1000", "--scheduler-total-steps", "600",
+            "--total-seq-len", "4096"]
     if not close:
         return base
     return base + ["--ttt-steps", "1", "--optimizer", "adamw", "--lr", "1e-3",
                    "--scheduler-type", "cosine", "--scheduler-warmup-steps", "30",
                    "--draft-vocab-size", "8192",
-                   "--no-norm-before-residual", "--no-norm-before-fc", "--no-norm-output",
-                   "--total-seq-len", "4096"]
+                   "--no-norm-before-residual", "--no-norm-before-fc", "--no-norm-output"]
 
 
 def run_arm(cmd: list[str], log_file: Path, env: dict | None = None, nice: int = 10) -> dict:
@@ -104,7 +106,8 @@ def train_arm(name: str, args, overrides: list[str], data: dict, pythons: dict, 
                "--report", str(report), "--", *speculators_args(
                    args.out / "data" / "speculators", target_dir, run_dir, flavour == "close")]
         what = ("1 TTT step, AdamW 1e-3 cosine/600, vocab 8192, our norms, 4096 packed tokens"
-                if flavour == "close" else "its defaults: 3 TTT steps, muon 1e-3, full vocab, its norms")
+                if flavour == "close" else "its defaults (3 TTT steps, muon 1e-3, full vocab, its norms) "
+                "but 4096 packed tokens (8192 passes 20 GB)")
     else:
         from benchmarks.peers.specforge_cpu import specforge_command
 

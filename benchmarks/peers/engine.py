@@ -66,7 +66,7 @@ def engine_all(args, results: dict, data: dict) -> None:
             drafter = load_arm_drafter(name, res, target, data["aux_layers"])
             folder, serving = arm_export(name, res, drafter, target, out, args.k)
             log.info("engine check: %s (%s)", name, folder)
-            got = engine_check(folder, target, drafter, engine="vllm", limit=args.prompts,
+            got = engine_check(folder, target, drafter, engine="vllm", limit=args.engine_prompts,
                                max_new_tokens=args.tokens, k=args.k, out_dir=out, cache=cache,
                                target_dir=served, serving=serving)
             res["engine"] = engine_result(got["summary"])

@@ -54,24 +54,36 @@ def load_arm_drafter(name: str, res: dict, target, aux_layers):
 
 
 def replay_all(args, results: dict, data: dict) -> None:
+    """Each arm's replay on the MT-bench answers (res["replay"]) and, with args.humaneval, on
+    the HumanEval answers (res["replay_humaneval"]); each arm's paired gap to ours on MT-bench
+    (res["gap_to_ours"]) and over every replayed prompt (res["gap_to_ours_all"])."""
     from specdistill.target.model import load_target
 
     from benchmarks.replaying import compose
 
     target = load_target(compose(list(args.set)).target, training=True)
-    answers = replay_answers(target, args.prompts, args.tokens, args.out)
+    sets = {"replay": replay_answers(target, args.prompts, args.tokens, args.out)}
+    if getattr(args, "humaneval", 0):
+        sets["replay_humaneval"] = replay_answers(target, args.humaneval, args.tokens, args.out,
+                                                  kind="humaneval")
     for name, res in arms(results).items():
-        if "replay" in res or name not in args.arms:
+        if name not in args.arms or not any(key not in res for key in sets):
             continue
         try:
             drafter = load_arm_drafter(name, res, target, data["aux_layers"])
-            res["replay"] = replay_drafter(target, drafter, answers, args.k, args.tokens)
+            for key, answers in sets.items():
+                if key not in res:
+                    res[key] = replay_drafter(target, drafter, answers, args.k, args.tokens)
         except Exception as e:  # recorded in the table, the other arms go on
             res["replay_error"] = f"{type(e).__name__}: {e}"
-    ours = results.get("ours", {}).get("replay")
-    for res in arms(results).values():
-        if ours and res.get("replay") and res["replay"] is not ours:
-            res["gap_to_ours"] = paired_gap(res["replay"], ours, "tau")
+    ours = results.get("ours", {})
+    for name, res in arms(results).items():
+        if name == "ours" or not res.get("replay") or not ours.get("replay"):
+            continue
+        res["gap_to_ours"] = paired_gap(res["replay"], ours["replay"], "tau")
+        if len(sets) > 1 and all(res.get(k) and ours.get(k) for k in sets):
+            both = [{"per_prompt": [p for k in sets for p in r[k]["per_prompt"]]} for r in (res, ours)]
+            res["gap_to_ours_all"] = paired_gap(both[0], both[1], "tau")
 
 
 def arms(results: dict) -> dict:
@@ -90,19 +102,33 @@ def table(results: dict, args) -> str:
     from benchmarks.peers.losscheck import check_line
 
     engine = any("engine" in r for r in arms(results).values())
+    he = next((r["replay_humaneval"] for r in arms(results).values() if r.get("replay_humaneval")),
+              None)
+    he_n = len(he["per_prompt"]) if he else 0
     lines = [f"| arm | set | training min | steps | target tokens/s | peak RSS (MB) | replay tau "
              f"(k={args.k}, {args.prompts} MT-bench x {args.tokens}) | gap to ours (paired) |"
+             + (f" replay tau ({he_n} HumanEval) | gap to ours, all {args.prompts + he_n} prompts |"
+                if he else "")
              + (" vLLM loads | vLLM spec == plain | tau vLLM / our replay on its text | vLLM "
                 "tokens/s plain / spec |" if engine else ""),
-             "|---|---|---:|---:|---:|---:|---:|---:|" + ("---|---:|---:|---:|" if engine else "")]
+             "|---|---|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if he else "")
+             + ("---|---:|---:|---:|" if engine else "")]
+
+    def tau(r):
+        return f"{r['tau']:.3f} +- {r['tau_se']:.3f}" if r else "—"
+
+    def gap(g):
+        return f"{g[0]:+.3f} +- {g[1]:.3f}" if g else "—"
+
     for name, res in arms(results).items():
         t, r = res.get("train", {}), res.get("replay")
-        tau = f"{r['tau']:.3f} +- {r['tau_se']:.3f}" if r else res.get("replay_error", "—")
-        gap = res.get("gap_to_ours")
-        gap = f"{gap[0]:+.3f} +- {gap[1]:.3f}" if gap else "—"
         lines.append(f"| {name} | {t.get('what', '')} | {_fmt(t.get('train_minutes'))} | "
                      f"{t.get('steps', '—')} | {_fmt(t.get('tokens_per_s'), 0)} | "
-                     f"{_fmt(t.get('peak_rss_mb'), 0)} | {tau} | {gap} |"
+                     f"{_fmt(t.get('peak_rss_mb'), 0)} | "
+                     f"{tau(r) if r else res.get('replay_error', '—')} | "
+                     f"{gap(res.get('gap_to_ours'))} |"
+                     + (f" {tau(res.get('replay_humaneval'))} | {gap(res.get('gap_to_ours_all'))} |"
+                        if he else "")
                      + ("".join(f" {c} |" for c in engine_cells(res.get("engine"))) if engine else ""))
     checks = results.get(LOSS_CHECK) or {}
     if checks:

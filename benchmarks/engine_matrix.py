@@ -168,9 +168,10 @@ def table_row(r: dict) -> str:
     if r.get("verdict") == "failed while decoding":
         return (f"{head} yes, then the {r.get('failed_engine')} engine failed: "
                 f"{_cell(r.get('error'))} | | | | | | |")
-    ties = r["spec_differs_at_near_tie"]
+    ties, eties = r["spec_differs_at_near_tie"], r.get("spec_differs_at_engine_tie") or 0
     same = ("—" if r["spec_equals_plain"] is None else
-            f"{r['spec_equals_plain']}/{r['prompts']}" + (f" (+{ties} near-tie)" if ties else ""))
+            f"{r['spec_equals_plain']}/{r['prompts']}" + (f" (+{ties} near-tie)" if ties else "")
+            + (f" (+{eties} engine tie)" if eties else ""))
     pos = " / ".join(f"{_f(a, '.2f')}:{_f(b, '.2f')}"
                      for a, b in zip(r["accept_per_pos_engine"], r["accept_per_pos_replay"]))
     speed = (f"{_f(r['engine_plain_tokens_per_s'], '.1f')} / {_f(r['engine_spec_tokens_per_s'], '.1f')}"

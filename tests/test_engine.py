@@ -49,6 +49,35 @@ def test_the_verdict_passes_equal_acceptance_and_fails_an_engine_that_accepts_le
     assert lossy["verdict"] == "fail" and any("beyond a near-tie" in p for p in lossy["problems"])
 
 
+def _diff(position, margin, top=26.6, near_tie=False):
+    return {"position": position, "margin": margin, "top_logit": top, "ulp": 1.9e-6,
+            "near_tie": near_tie}
+
+
+def test_a_difference_where_the_engines_plain_output_also_parts_from_ours_is_an_engine_tie():
+    """Seen with llama.cpp (quantised matmuls): at one token the engine's speculative, the
+    engine's plain and our decoder's outputs picked three tokens 0.003 apart at logit 26.6. The
+    same token and margins within 0.1% of the top logit is an engine tie, said apart; another
+    token, a wider margin, or no difference from ours is lossy."""
+    tie = chk.engine_tie(_diff(29, -0.0030), _diff(29, 0.0035))
+    assert tie
+    assert not chk.engine_tie(_diff(29, -0.0030), _diff(30, 0.0035))  # another token
+    assert not chk.engine_tie(_diff(29, -0.5), _diff(29, 0.0035))  # a bug moves whole logits
+    assert not chk.engine_tie(_diff(29, -0.0030), None)  # the engine's plain output is ours
+    assert not chk.engine_tie(_diff(29, 1e-6, near_tie=True), _diff(29, 0.0035))  # counted there
+    row = _row(40, 30, 40, 30, same=False)
+    row["spec_vs_plain_difference"] = {**_diff(29, -0.0030), "engine_tie": True}
+    s = chk._summarise([row, _row(40, 30, 40, 30)], k=2, ours={})
+    assert s["verdict"] == "pass" and s["spec_differs_at_engine_tie"] == 1
+    assert s["spec_equals_plain"] == 1 and s["spec_differs_at_near_tie"] == 0
+    md = chk.check_markdown({**s, "engine": "llamacpp", "drafter": "dspark", "format": "vllm",
+                             "k": 2, "dtype": "float32", "prompts": 2, "eval": "mtbench",
+                             "max_new_tokens": 8, "loaded": True})
+    assert "1/2 (0 more at near-ties, 1 more where the engine's plain output also parts" in md
+    del row["spec_vs_plain_difference"]["engine_tie"]
+    assert chk._summarise([row], k=2, ours={})["verdict"] == "fail"
+
+
 def test_nothing_measured_is_not_a_number():
     s = chk._summarise([_row(0, 0, 0, 0)], k=2, ours={})
     assert s["tau_engine"] is None and s["tau_replay"] is None and s["verdict"] == "fail"

@@ -99,10 +99,12 @@ def _turns(obj: dict[str, Any], where: str) -> list[str]:
 
 
 def load_prompts(kind: str, path: Optional[str] = None, limit: Optional[int] = None,
-                 turns: int = 1) -> list[Prompt]:
+                 turns: int = 1, offset: int = 0) -> list[Prompt]:
     """Prompts of `kind` (a PROMPT_SETS name), keeping the first `turns` user turns.
 
-    `path` overrides the packaged file (required for jsonl); `limit` keeps the first N prompts.
+    `path` overrides the packaged file (required for jsonl); `offset` skips the first N prompts
+    (e.g. a confidence calibration fitted on prompts an eval of the first ones never sees);
+    `limit` keeps the next N.
     """
     if kind not in PROMPT_SETS:
         raise ValueError(f"unknown prompt set {kind!r}; use one of {KINDS}.")
@@ -110,14 +112,19 @@ def load_prompts(kind: str, path: Optional[str] = None, limit: Optional[int] = N
         raise ValueError(f"turns={turns}: keep at least one turn.")
     if limit is not None and limit < 0:
         raise ValueError(f"limit={limit}: must be >= 0 or None.")
+    if offset < 0:
+        raise ValueError(f"offset={offset}: must be >= 0.")
     spec = PROMPT_SETS[kind]
     if spec.asset is None and not path:
         raise ValueError(f"prompt set {kind!r} needs a path to a JSONL file.")
     file = Path(path).expanduser() if path else asset_path(spec.asset)
-    prompts = []
+    prompts, seen = [], 0
     for lineno, obj in _read_jsonl(file):
         if limit is not None and len(prompts) >= limit:
             break
+        seen += 1
+        if seen <= offset:
+            continue
         where = f"{file}:{lineno}"
         pid = obj.get(spec.id_field, None if spec.id_required else lineno)
         category = obj.get(spec.category_field) if spec.category_field else None
@@ -126,6 +133,9 @@ def load_prompts(kind: str, path: Optional[str] = None, limit: Optional[int] = N
         prompts.append(Prompt(id=str(pid), category=category, turns=_turns(obj, where)[:turns]))
     if not prompts:  # nothing decoded would be measured: never a tau of nothing
         raise PromptFormatError(f"{file}: no prompt to decode ("
-                                + ("limit=0" if limit == 0 else "the file holds no record")
-                                + "); give a file with one JSON object per line")
+                                + ("limit=0" if limit == 0 else
+                                   f"offset={offset} skips all {seen} records" if offset and seen
+                                   else "the file holds no record")
+                                + "); give a file with one JSON object per line"
+                                + (" or a smaller offset" if offset and seen else ""))
     return prompts

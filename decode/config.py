@@ -37,6 +37,8 @@ class EvalConfig:
     kind: str = "mtbench"  # mtbench | humaneval | jsonl
     path: Optional[str] = None  # the JSONL file for kind=jsonl
     limit: Optional[int] = rng(None, 1, MAX_COUNT)  # only the first N prompts (None = all)
+    # skip the first N prompts (a calibration fitted on prompts an eval of the first ones never sees)
+    offset: int = rng(0, 0, MAX_COUNT)
     turns: int = rng(1, 1, 2)  # MT-bench: 1 = first turns only, 2 = both turns
 
 
@@ -63,6 +65,10 @@ class DecodeConfig:
     # slot confidences of a drafter without a trained confidence head: none (verify every draft;
     # verify_survival > 0 is then refused) | draft_prob (the draft's top probability)
     survival_fallback: str = "none"
+    # fit the trained confidence head to this decode's observed acceptance (Platt scaling,
+    # decode/survival.py fit_platt) and write the drafter with it folded into the head's weights to
+    # <run_dir>/calibrated/ (a drafter folder: ckpt= it, export it); batch_size 1 chains only
+    calibrate: bool = False
     compare_plain: bool = True  # also decode plainly: speedup and a token-identity check (greedy)
     seed: int = rng(0, *SEED)  # sampling seed
     # tokens of the first prompt (batched: of the first batch_size prompts, as one batch) decoded

@@ -157,7 +157,7 @@ def evaluate_drafter(target, drafter: Drafter | None, *, eval_kind: str = "mtben
                      compare_plain: bool = True, seed: int = 0,
                      exact_verify: bool | str = "auto", out_dir: Path | None = None,
                      warmup_tokens: int = 16, verify_survival: float = 0.0,
-                     survival_fallback: str = "none") -> dict:
+                     survival_fallback: str = "none", offset: int = 0) -> dict:
     """Decode every prompt (and turn) speculatively, and plainly when compare_plain; return
     {"summary", "markdown", "prompts"} and write result.json + result.md into out_dir.
     exact_verify: both decodes with decode/exact.py's exact kernels (greedy chains then match
@@ -165,11 +165,13 @@ def evaluate_drafter(target, drafter: Drafter | None, *, eval_kind: str = "mtben
     warmup_tokens: first, both modes decode that many tokens of the first prompt, untimed and
     discarded (first-use costs: a GPU's kernel loading and library handles, CPU prepacking), with
     their own random stream, so the measured prompts and their samples are the same as without.
-    verify_survival, survival_fallback: confidence-driven chain cuts (decode/survival.py)."""
+    verify_survival, survival_fallback: confidence-driven chain cuts (decode/survival.py).
+    The result also holds "slot_confidence": every round's (verified slots' confidences, drafts
+    accepted), the pairs a confidence calibration is fitted to (not written to result.json)."""
     sampling = sampling or SamplingParams()
     exact_verify = resolve_exact(exact_verify, target.dtype, tree)
     cut = dict(verify_survival=verify_survival, survival_fallback=survival_fallback)
-    prompts = load_prompts(eval_kind, path=path, limit=limit, turns=turns)
+    prompts = load_prompts(eval_kind, path=path, limit=limit, turns=turns, offset=offset)
     spec_results, plain_results, rows = [], [], []
 
     def decode_both(ids: torch.Tensor, n: int, generator: torch.Generator):
@@ -203,8 +205,11 @@ def evaluate_drafter(target, drafter: Drafter | None, *, eval_kind: str = "mtben
     plain_m = RunMetrics.from_results(plain_results) if plain_results else None
     summary = summarise(target, drafter, rows, spec_m, plain_m, eval_kind=eval_kind,
                         n_prompts=len(prompts), k=k, tree=tree, sampling=sampling,
-                        max_new_tokens=max_new_tokens, exact_verify=exact_verify, extra=cut)
-    return write_results(summary, rows, results_markdown(summary, spec_m), out_dir)
+                        max_new_tokens=max_new_tokens, exact_verify=exact_verify,
+                        extra={**cut, **({"offset": offset} if offset else {})})
+    result = write_results(summary, rows, results_markdown(summary, spec_m), out_dir)
+    result["slot_confidence"] = [x for r in spec_results for x in r.slot_confidence]
+    return result
 
 
 def headline(spec_m: RunMetrics, plain_tokens_per_s: float | None) -> dict:
@@ -319,6 +324,8 @@ def setup_run(cfg: DictConfig) -> tuple[Path, Any, Drafter | None, SamplingParam
     # the values and tree=true now, the drafter's head once it is loaded
     check_survival(None, cfg.verify_survival, cfg.survival_fallback, cfg.tree)
     source = cfg_source(cfg) if cfg.ckpt else None  # missing or damaged: refused before any work
+    if cfg.get("calibrate"):
+        check_calibrate(cfg, source)
     run_dir = Path(cfg.run_dir)
     clash = present(run_dir, ("config.yaml", "result.json", "result.md", "checkpoints"))
     if clash:  # another job's folder (python -m decode refused it before Hydra ran)
@@ -329,11 +336,70 @@ def setup_run(cfg: DictConfig) -> tuple[Path, Any, Drafter | None, SamplingParam
     target = load_target(cfg.target)
     drafter = load_decode_drafter(cfg, target, source)
     check_survival(drafter if cfg.k > 0 else None, cfg.verify_survival, cfg.survival_fallback)
+    if cfg.get("calibrate") and not getattr(drafter, "accept_prob_head", False):
+        raise ValueError(f"calibrate=true fits a trained confidence head; drafter {drafter.name!r} "
+                         f"has none (DSpark's: drafter=dspark); set calibrate=false")
     if drafter is not None:
         drafter.to(target.device).eval()
         cast_drafter(drafter, target, decode_drafter_dtype(cfg.drafter_dtype, target))
     sampling = SamplingParams(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
     return run_dir, target, drafter, sampling
+
+
+def check_calibrate(cfg: DictConfig, source) -> None:
+    """calibrate=true needs a chain decode of a saved drafter folder (ValueError: what to change)."""
+    if source is None or source.is_export:
+        raise ValueError("calibrate=true writes a calibrated drafter folder: give ckpt= a training "
+                         "run dir or one of its checkpoints (then export the calibrated folder), "
+                         + ("not an export folder" if source is not None else "not ckpt=null"))
+    if cfg.tree or cfg.k < 1:
+        raise ValueError(f"calibrate=true fits the confidences of chain drafts: use tree=false and "
+                         f"k >= 1 (got tree={cfg.tree}, k={cfg.k})")
+    if cfg.get("batch_size", 1) > 1 or cfg.get("batch_mode", "verify_all") in ("budgeted",
+                                                                               "adaptive"):
+        raise ValueError("calibrate=true runs one sequence at a time: use batch_size=1 and "
+                         "batch_mode=verify_all")
+
+
+def write_calibrated(cfg: DictConfig, target, source, result: dict, run_dir: Path) -> dict:
+    """Fit Platt scaling (decode/survival.py) to the decode's (confidence, accepted) pairs, fold
+    it into a fresh copy of the saved drafter (its own dtype, not the decode's cast) and write it
+    to <run_dir>/calibrated/ with calibration.json; returns what result.json records of it."""
+    from specdistill.decode.survival import calibration_pairs, ece, fit_platt, platt
+    from specdistill.export.folder import load_resolved
+    from specdistill.store.drafter import save_drafter
+    from specdistill.store.rundir import write_atomic
+
+    pairs = calibration_pairs(result["slot_confidence"])
+    pred, hit = [c for _, c, _ in pairs], [h for _, _, h in pairs]
+    a, b = fit_platt(pred, hit)
+    fresh = load_resolved(source, target, None)
+    fresh.rescale_confidence(a, b)
+    info = {"a": a, "b": b, "pairs": len(pairs), "accepted": int(sum(hit)),
+            "temperature": cfg.temperature, "k": cfg.k, "eval": cfg.eval.kind,
+            "offset": cfg.eval.offset, "prompts": result["summary"]["prompts"],
+            "ece_before": ece(pred, hit), "ece_after_in_sample": ece(platt(pred, a, b), hit),
+            "source": str(source.folder), "folder": str(run_dir / "calibrated")}
+    meta = json.loads((source.folder / "drafter.json").read_text())
+
+    def fill(tmp: Path) -> None:
+        save_drafter(fresh, meta, tmp)
+        (tmp / "calibration.json").write_text(json.dumps(info, indent=1))
+
+    write_atomic(run_dir / "calibrated", fill)
+    log.info("confidence calibration: sigmoid(%.4f * logit + %.4f) fitted to %d verified slots "
+             "(%d accepted) at T=%s; ECE on them %.3f -> %.3f; the drafter with it: %s", a, b,
+             len(pairs), info["accepted"], cfg.temperature, info["ece_before"],
+             info["ece_after_in_sample"], info["folder"])
+    return info
+
+
+def calibration_markdown(info: dict) -> str:
+    return (f"Confidence calibration fitted here: c' = sigmoid({info['a']:.4f} * logit(c) + "
+            f"{info['b']:.4f}) on {info['pairs']} verified slots ({info['accepted']} accepted, "
+            f"T={info['temperature']}, k={info['k']}); ECE on these slots {info['ece_before']:.3f} "
+            f"-> {info['ece_after_in_sample']:.3f} (in sample: measure it on other prompts with "
+            f"ckpt={info['folder']}). The calibrated drafter: {info['folder']}")
 
 
 def finish_run(result: dict, run_dir: Path) -> None:
@@ -356,5 +422,11 @@ def run(cfg: DictConfig) -> None:
                               exact_verify=cfg.exact_verify, out_dir=run_dir,
                               warmup_tokens=cfg.warmup_tokens,
                               verify_survival=cfg.verify_survival,
-                              survival_fallback=cfg.survival_fallback)
+                              survival_fallback=cfg.survival_fallback, offset=cfg.eval.offset)
+    if cfg.calibrate:
+        summary = result["summary"]
+        summary["confidence_recalibration"] = write_calibrated(cfg, target, cfg_source(cfg), result,
+                                                               run_dir)
+        result = write_results(summary, result["prompts"], result["markdown"] + "\n\n"
+                               + calibration_markdown(summary["confidence_recalibration"]), run_dir)
     finish_run(result, run_dir)

@@ -29,6 +29,15 @@ Calibration (`calibration`): every verified slot the chain reached (all earlier 
 is one (predicted c_i, accepted or not) pair. Per slot: the mean prediction and the observed rate;
 over all pairs: the expected calibration error with equal-width bins,
 ECE = sum_b (n_b / N) |mean predicted_b - observed rate_b|.
+
+Recalibration (`fit_platt`, the decode job's `calibrate=true`): a head trained on one signal
+(DSpark's: 1 - TV(q, p), the acceptance probability of sampling at temperature 1) is served under
+another (greedy decoding accepts on argmax agreement), and a short training leaves it off. Platt
+scaling fits c' = sigmoid(a * logit(c) + b) to the observed acceptance of a decode's pairs
+(maximum likelihood, Newton's method on the two parameters) and the drafter folds (a, b) into its
+head's weights (`Drafter.rescale_confidence`), so every reader of the head, engines included,
+gets the calibrated confidences. Monotone in c: it changes which slots a threshold keeps, never
+the order of the slots' scores, and losslessness is untouched (module docstring above).
 """
 from __future__ import annotations
 
@@ -117,6 +126,40 @@ def ece(pred: Sequence[float], hit: Sequence[bool], bins: int = ECE_BINS) -> flo
         p, o, n = sums.get(b, (0.0, 0.0, 0))
         sums[b] = (p + c, o + float(h), n + 1)
     return sum(abs(p - o) / total for p, o, n in sums.values())
+
+
+MIN_CALIBRATION_PAIRS = 50  # fewer: (a, b) would follow the noise
+
+
+def fit_platt(pred: Sequence[float], hit: Sequence[bool], iters: int = 50,
+              ridge: float = 1e-6) -> tuple[float, float]:
+    """(a, b) maximising the likelihood of hit under sigmoid(a * logit(pred) + b) (Newton's
+    method, float64; pred clamped into (1e-6, 1 - 1e-6)). Refuses too few pairs or pairs of one
+    outcome only (ValueError, what to do in it)."""
+    n, ones = len(pred), int(sum(bool(h) for h in hit))
+    if n < MIN_CALIBRATION_PAIRS or ones in (0, n):
+        raise ValueError(f"a confidence calibration needs >= {MIN_CALIBRATION_PAIRS} verified "
+                         f"slots with both outcomes; this decode has {n} ({ones} accepted): "
+                         f"decode more prompts (eval.limit) or longer answers (max_new_tokens)")
+    c = torch.tensor(pred, dtype=torch.float64).clamp(1e-6, 1 - 1e-6)
+    x = torch.stack([torch.log(c / (1 - c)), torch.ones_like(c)], 1)  # (n, 2): logit, 1
+    y = torch.tensor([float(h) for h in hit], dtype=torch.float64)
+    w = torch.tensor([1.0, 0.0], dtype=torch.float64)  # the identity: a = 1, b = 0
+    for _ in range(iters):
+        p = torch.sigmoid(x @ w)
+        grad = x.T @ (p - y)
+        hess = (x * (p * (1 - p))[:, None]).T @ x + ridge * torch.eye(2, dtype=torch.float64)
+        step = torch.linalg.solve(hess, grad)
+        w = w - step
+        if float(step.abs().max()) < 1e-10:
+            break
+    return float(w[0]), float(w[1])
+
+
+def platt(pred: Sequence[float], a: float, b: float) -> list[float]:
+    """The calibrated confidences sigmoid(a * logit(c) + b) of pred."""
+    c = torch.tensor(pred, dtype=torch.float64).clamp(1e-6, 1 - 1e-6)
+    return torch.sigmoid(a * torch.log(c / (1 - c)) + b).tolist()
 
 
 def calibration(rounds: Sequence[tuple[Sequence[float], int]], source: str,

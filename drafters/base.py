@@ -246,6 +246,13 @@ class Drafter(nn.Module):
     def reset(self) -> None:
         """Forget per-prompt state (caches) before a new prompt."""
 
+    def rescale_confidence(self, a: float, b: float) -> None:
+        """Make the trained confidence head give sigmoid(a * z + b) where it gave sigmoid(z), in its
+        own weights (a calibration fitted to observed acceptance, decode/survival.py fit_platt;
+        engines that read the head then serve the calibrated confidences). Drafters with
+        accept_prob_head implement it."""
+        raise NotImplementedError(f"drafter {self.name!r} has no trained confidence head to calibrate")
+
     def propose(
         self,
         state: DecodeState,

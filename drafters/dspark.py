@@ -129,6 +129,12 @@ class DSparkConfidenceHead(nn.Module):
         """(..., H), (..., r) -> (...) logits."""
         return self.proj(torch.cat([h, e.to(h.dtype)], -1)).squeeze(-1)
 
+    @torch.no_grad()
+    def rescale(self, a: float, b: float) -> None:
+        """logit -> a * logit + b, in the layer's own weight and bias (the engines' tensors)."""
+        self.proj.weight.mul_(a)
+        self.proj.bias.mul_(a).add_(b)
+
 
 # == Exports: speculators 0.9.0 (`dspark`, DSparkDraftModel) and vLLM's DSpark loader            ==
 # == (qwen3_dspark.py Qwen3DSparkForCausalLM on DFlash's z-lab layout). The tensors are DFlash's   ==
@@ -325,6 +331,12 @@ class DSpark(DFlash):
         c = self.cfg
         return SlotObjective(c.loss_ce, c.loss_l1, c.loss_confidence if c.confidence_head else 0.0,
                              c.confidence_target)
+
+    def rescale_confidence(self, a: float, b: float) -> None:
+        if self.confidence_head is None:
+            raise ValueError("dspark: confidence_head=false, there is no confidence head to "
+                             "calibrate")
+        self.confidence_head.rescale(a, b)
 
     def heads(self, h: torch.Tensor, prev: torch.Tensor):
         """Normed slot states h (..., n, H) and each draft's previous token prev (..., n) ->

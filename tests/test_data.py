@@ -466,6 +466,12 @@ def test_mtbench_and_humaneval_prompts():
     assert he[0].turns[0].startswith("from typing import List")
     assert [p.id for p in load_prompts("humaneval", limit=3)] == ["HumanEval/0", "HumanEval/1",
                                                                    "HumanEval/2"]
+    # offset skips the first N: a calibration's prompts never overlap an eval of the first ones
+    assert [p.id for p in load_prompts("humaneval", offset=2, limit=2)] == ["HumanEval/2",
+                                                                           "HumanEval/3"]
+    assert [p.id for p in load_prompts("mtbench", offset=78)] == ["159", "160"]
+    with pytest.raises(PromptFormatError, match="offset=80 skips all 80 records"):
+        load_prompts("mtbench", offset=80)
 
 
 def test_jsonl_prompts(tmp_path):

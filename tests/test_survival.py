@@ -2,6 +2,7 @@
 survival-cut decoder stays lossless (greedy identical to plain decoding, sampled outputs keep the
 target's distribution), the calibration numbers against a hand computation, and the settings'
 checks."""
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -220,3 +221,79 @@ def test_batched_sampled_survival_cut_draws_as_alone():
                          generator=torch.Generator().manual_seed(7 + i), verify_survival=0.5)
         assert res.tokens.tolist() == alone.tokens.tolist() and res.drafted == alone.drafted
     assert any(m == 1 for r in out.results for m in r.drafted)  # the cut happened
+
+
+# -- recalibration (fit_platt, the decode job's calibrate=true) -------------------------------------
+def test_platt_scaling_recovers_a_known_miscalibration_and_refuses_too_little():
+    """Pairs drawn from sigmoid(0.6 z - 0.8) while the head says sigmoid(z): the fit finds (0.6,
+    -0.8), and the refitted confidences' ECE falls from ~0.16 to the sampling noise."""
+    from specdistill.decode.survival import fit_platt, platt
+
+    g = torch.Generator().manual_seed(0)
+    z = 2 * torch.randn(20000, generator=g)
+    hit = (torch.rand(20000, generator=g) < torch.sigmoid(0.6 * z - 0.8)).tolist()
+    pred = torch.sigmoid(z).tolist()
+    a, b = fit_platt(pred, hit)
+    assert abs(a - 0.6) < 0.05 and abs(b + 0.8) < 0.05, (a, b)
+    assert ece(pred, hit) > 0.1 and ece(platt(pred, a, b), hit) < 0.02
+    a, b = fit_platt(torch.sigmoid(0.6 * z - 0.8).tolist(), hit)  # calibrated already: identity
+    assert abs(a - 1) < 0.05 and abs(b) < 0.05, (a, b)
+    with pytest.raises(ValueError, match="both outcomes.*eval.limit"):
+        fit_platt(pred[:100], [False] * 100)
+    with pytest.raises(ValueError, match=">= 50 verified slots"):
+        fit_platt(pred[:10], hit[:10])
+
+
+def test_calibrate_folds_the_fit_into_a_drafter_folder_that_reloads_calibrated(tmp_path):
+    """write_calibrated: the pairs of a decode -> (a, b) -> a copy of the saved DSpark whose head
+    gives sigmoid(a z + b) where the saved one gave sigmoid(z), written as a verified drafter
+    folder (ckpt= it) with calibration.json; the saved drafter itself is untouched."""
+    from eagle3_engines import perturbed_drafter, tiny8_target
+    from omegaconf import OmegaConf
+
+    from specdistill.decode.evaluate import calibration_markdown, write_calibrated
+    from specdistill.export.folder import load_resolved
+    from specdistill.store.drafter import save_drafter
+    from specdistill.store.rundir import resolve_drafter, write_atomic
+
+    target = tiny8_target()
+    d = perturbed_drafter(target, "dspark", 1, markov_rank=8)
+    cfg = {"name": "dspark", "markov_rank": 8}
+    write_atomic(tmp_path / "ckpt", lambda tmp: save_drafter(d, cfg, tmp))
+    g = torch.Generator().manual_seed(1)
+    rounds = []  # confidences too high: acceptance follows sigmoid(0.5 z - 1)
+    for _ in range(400):
+        z = 2 * torch.randn(3, generator=g)
+        n = 0
+        while n < 3 and float(torch.rand(1, generator=g)) < float(torch.sigmoid(0.5 * z[n] - 1)):
+            n += 1
+        rounds.append((torch.sigmoid(z).tolist(), n))
+    run = OmegaConf.create({"temperature": 0.0, "k": 3, "eval": {"kind": "mtbench", "offset": 20}})
+    source = resolve_drafter(tmp_path / "ckpt")
+    info = write_calibrated(run, target, source, {"slot_confidence": rounds,
+                                                   "summary": {"prompts": 40}}, tmp_path / "run")
+    assert abs(info["a"] - 0.5) < 0.15 and abs(info["b"] + 1) < 0.3, info
+    assert info["ece_after_in_sample"] < info["ece_before"]
+    assert "calibrated" in calibration_markdown(info) and info["offset"] == 20
+    again = load_resolved(resolve_drafter(tmp_path / "run" / "calibrated"), target)
+    saved = load_resolved(resolve_drafter(tmp_path / "ckpt"), target)
+    h, e = torch.randn(5, target.hidden_size), torch.randn(5, 8)
+    with torch.no_grad():
+        z0, z1 = saved.confidence_head(h, e), again.confidence_head(h, e)
+    assert torch.allclose(z1, info["a"] * z0 + info["b"], atol=1e-5)
+    assert json.loads((tmp_path / "run" / "calibrated" / "calibration.json").read_text())["a"] == info["a"]
+    assert torch.equal(saved.confidence_head.proj.weight, d.confidence_head.proj.weight)
+
+
+def test_calibrate_is_refused_where_it_cannot_fit(tmp_path):
+    """One line, exit 2, before any work: no checkpoint; and a drafter without a confidence head."""
+    out = subprocess.run([sys.executable, "-m", "decode", "target=tiny", "drafter=ngram",
+                          "eval.limit=1", f"run_dir={tmp_path / 'run'}", "calibrate=true"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 2, out.stderr[-2000:]
+    err = [ln for ln in out.stderr.splitlines() if "error:" in ln]
+    assert len(err) == 1 and "calibrate=true" in err[0] and "ckpt=" in err[0], out.stderr[-2000:]
+    from specdistill.drafters.base import Drafter
+
+    with pytest.raises(NotImplementedError, match="no trained confidence head"):
+        Drafter(10).rescale_confidence(1.0, 0.0)

@@ -52,7 +52,8 @@ def evaluate_batched(target, drafter: Drafter | None, *, batch_size: int, batch_
                      compare_plain: bool = True, seed: int = 0, tree: bool = False,
                      exact_verify: bool | str = False, out_dir: Path | None = None,
                      cache_dir: str | None = None, warmup_tokens: int = 16,
-                     verify_survival: float = 0.0, survival_fallback: str = "none") -> dict:
+                     verify_survival: float = 0.0, survival_fallback: str = "none",
+                     offset: int = 0) -> dict:
     """Decode every prompt (and turn) batch_size at a time in `batch_mode`; return {"summary",
     "markdown", "prompts"} and write result.json + result.md into out_dir. exact_verify: both
     decodes with exact kernels per row (decode/batched/exact.py; greedy outputs then equal unbatched
@@ -66,7 +67,7 @@ def evaluate_batched(target, drafter: Drafter | None, *, batch_size: int, batch_
     (decode/survival.py); batch_mode=adaptive scores widths by it."""
     sampling = sampling or SamplingParams()
     exact_verify = bool(parse_exact(exact_verify))  # auto (None) = off when batched
-    prompts = load_prompts(eval_kind, path=path, limit=limit, turns=turns)
+    prompts = load_prompts(eval_kind, path=path, limit=limit, turns=turns, offset=offset)
     answers: list[list[list[int]]] = [[] for _ in prompts]
     spec_batches, plain_batches, spec_results, rows = [], [], [], []
     cut = dict(verify_survival=verify_survival, survival_fallback=survival_fallback)
@@ -141,5 +142,6 @@ def run_batched(cfg) -> None:
         min_confidence=cfg.min_confidence, compare_plain=cfg.compare_plain, seed=cfg.seed,
         tree=cfg.tree, exact_verify=cfg.exact_verify, out_dir=run_dir,
         cache_dir=str(cache_root(cfg.target)), warmup_tokens=cfg.warmup_tokens,
-        verify_survival=cfg.verify_survival, survival_fallback=cfg.survival_fallback)
+        verify_survival=cfg.verify_survival, survival_fallback=cfg.survival_fallback,
+        offset=cfg.eval.offset)
     finish_run(result, run_dir)

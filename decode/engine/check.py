@@ -110,7 +110,8 @@ def engine_check(export_dir: Path, target, drafter=None, *, engine: str = "vllm"
                  target_dir: Optional[Path] = None, ours: Optional[list[dict]] = None,
                  ours_dtype: Optional[str] = None,
                  plain: bool = True, threads: Optional[int] = None,
-                 timeout: float = 1800, serving: Optional[dict] = None) -> dict[str, Any]:
+                 timeout: float = 1800, serving: Optional[dict] = None,
+                 offset: int = 0) -> dict[str, Any]:
     """Run the engine check (module docstring); write engine_check.json + engine_check.md into
     out_dir and return {"summary", "markdown", "prompts"}.
 
@@ -135,7 +136,7 @@ def engine_check(export_dir: Path, target, drafter=None, *, engine: str = "vllm"
                          f"with its drafter given (engine={engine!r}, drafter={drafter is not None})")
     if drafter is None:  # 3. what the engine reads, read back by our decoder
         drafter = load_export(export_dir, target).to(target.device).eval()
-    prompts = load_prompts(eval_kind, path=path, limit=limit)
+    prompts = load_prompts(eval_kind, path=path, limit=limit, offset=offset)
     ids = [render(target, p.turns[:1], []) for p in prompts]  # 1.
     max_new = [min(max_new_tokens, target.max_length - len(x)) for x in ids]  # what fits
     stop = sorted(target.eos_token_ids)
@@ -349,9 +350,10 @@ def run(cfg) -> None:
         drafter = load_export(export, target).to(target.device).eval()
         ours = evaluate_drafter(target, drafter, eval_kind=cfg.eval.kind, path=cfg.eval.path,
                                 limit=cfg.eval.limit, max_new_tokens=cfg.max_new_tokens, k=k,
-                                exact_verify=False, out_dir=out / "ours")["prompts"]
+                                exact_verify=False, out_dir=out / "ours",
+                                offset=cfg.eval.offset)["prompts"]
     result = engine_check(export, target, engine=cfg.engine, eval_kind=cfg.eval.kind,
-                          path=cfg.eval.path, limit=cfg.eval.limit,
+                          path=cfg.eval.path, limit=cfg.eval.limit, offset=cfg.eval.offset,
                           max_new_tokens=cfg.max_new_tokens, k=k, out_dir=out,
                           cache=cache_root(cfg.target), ours=ours, threads=cfg.threads,
                           timeout=cfg.timeout_s)

@@ -432,3 +432,20 @@ def test_the_benchmark_checks_each_peers_loss_once_and_runs_the_engine_on_reques
     assert engined == ([["ours", "specforge-default", "speculators-close"]] if engine else [])
     M.main(argv)  # a rerun continues: each peer is checked once
     assert len(checked) == 2
+
+
+def test_an_arms_peak_memory_is_its_own_not_the_parents_it_was_forked_from(tmp_path):
+    """run_arm samples the child's VmHWM: a parent holding 400 MB that starts a child which
+    touches 100 MB reports the child's ~100 MB (plus its interpreter), not the parent's 400 MB
+    that getrusage's ru_maxrss carries across fork + exec."""
+    import sys
+
+    from benchmarks.peers.arms import run_arm
+
+    held = bytearray(400 * 2 ** 20)
+    held[::4096] = b"x" * len(held[::4096])  # resident
+    got = run_arm([sys.executable, "-c", "import time; b = bytearray(100 * 2 ** 20); "
+                   "b[::4096] = b'y' * len(b[::4096]); time.sleep(1.5)"], tmp_path / "log",
+                  nice=0, every=0.1)
+    assert got["rc"] == 0 and 100 <= got["peak_rss_mb"] < 300, got
+    del held

@@ -52,16 +52,37 @@ def speculators_args(data: Path, target_dir: Path, save: Path, close: bool) -> l
                    "--no-norm-before-residual", "--no-norm-before-fc", "--no-norm-output"]
 
 
-def run_arm(cmd: list[str], log_file: Path, env: dict | None = None, nice: int = 10) -> dict:
-    """Run `cmd` under `nice`; its wall seconds and its process tree's peak RSS (MB)."""
-    t0 = time.monotonic()
+def tree_hwm_mb(pid: int) -> float:
+    """Largest VmHWM (peak resident set, MB) of process `pid` and its descendants now (0 when
+    gone). VmHWM belongs to the process's own address space since its exec, unlike getrusage's
+    ru_maxrss, which Linux carries across fork + exec: a child forked from a parent holding
+    11 GB reports 11 GB whatever it uses itself."""
+    best, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    best = max(best, int(line.split()[1]) / 1024)
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+    return best
+
+
+def run_arm(cmd: list[str], log_file: Path, env: dict | None = None, nice: int = 10,
+            every: float = 0.5) -> dict:
+    """Run `cmd` under `nice`; its wall seconds and its process tree's peak RSS (MB: the largest
+    VmHWM seen, sampled every `every` s; tree_hwm_mb says why not getrusage)."""
+    t0, peak = time.monotonic(), 0.0
     with open(log_file, "w") as fh:
         child = subprocess.Popen(["nice", "-n", str(nice), *cmd], stdout=fh, stderr=subprocess.STDOUT,
                                  env={**os.environ, **(env or {})})
-        _, status, usage = os.wait4(child.pid, 0)
-        child.returncode = os.waitstatus_to_exitcode(status)
-    return {"rc": child.returncode, "wall_s": time.monotonic() - t0,
-            "peak_rss_mb": usage.ru_maxrss / 1024}
+        while child.poll() is None:
+            peak = max(peak, tree_hwm_mb(child.pid))
+            time.sleep(every)
+    return {"rc": child.returncode, "wall_s": time.monotonic() - t0, "peak_rss_mb": peak}
 
 
 def ours_report(run_dir: Path) -> dict:

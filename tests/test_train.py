@@ -275,6 +275,23 @@ def test_max_minutes_stops_cleanly_with_a_checkpoint(tmp_path, chat_file, caplog
     rows = [json.loads(line) for line in open(Path(cfg.run_dir) / "metrics.jsonl")]
     assert any(row.get("step") == 1 and row.get("train_minutes", 0) > 0 for row in rows)
     assert "trainer.max_minutes=1e-05 reached" in caplog.text
+    said = [r.getMessage() for r in caplog.records if "cut the recipe short" in r.getMessage()]
+    assert len(said) == 1 and "learning rate stood at" in said[0]
+    assert "on-policy heads phase" not in said[0]  # this recipe has none
+    assert "trainer.max_steps to the steps that fit (about 1" in said[0]
+
+
+def test_a_budget_that_stops_before_the_on_policy_phase_says_so(tmp_path, chat_file, caplog):
+    """trainer.max_minutes stops a run whose on-policy heads phase starts at 90% of max_steps:
+    the stop names the phase that never ran and the max_steps that would fit it."""
+    cfg = make_cfg(tmp_path, chat_file, "drafter=eagle3", "drafter.draft_vocab_size=256",
+                   "drafter.ttt_length=1", "trainer.max_steps=40", "trainer.max_minutes=0.00001",
+                   "trainer.on_policy_heads_start=0.9", "trainer.eval_every=0",
+                   "trainer.save_every=0", "trainer.log_every=20")
+    with caplog.at_level("INFO", logger=recipe_mod.__name__):
+        run(cfg)
+    said = [r.getMessage() for r in caplog.records if "cut the recipe short" in r.getMessage()]
+    assert len(said) == 1 and "on-policy heads phase" in said[0] and "from step 36" in said[0]
 
 
 def test_max_minutes_out_of_range_is_refused(tmp_path, chat_file):

@@ -52,6 +52,7 @@ from specdistill.train.on_policy import OnPolicyMixer
 from specdistill.train.on_policy_heads import (
     anchor_generator,
     check_on_policy_heads,
+    in_phase,
     own_drafts,
     own_steps,
     score_own_drafts,
@@ -359,6 +360,7 @@ class DistillRecipe:
                 log.info("trainer.max_minutes=%s reached after %.2f min at step %d of %d: stopping "
                          "here with an eval and a checkpoint", tcfg.max_minutes,
                          metrics["train_minutes"], self.step, tcfg.max_steps)
+                self._say_what_the_budget_cut()
             if self.step % tcfg.log_every == 0 or self.step == tcfg.max_steps or self.stopped_early:
                 dt = time.perf_counter() - t0
                 self.loggers.log({**metrics, "target_tokens_per_s": seen * self.backend.world_size
@@ -372,6 +374,25 @@ class DistillRecipe:
                 self.save_checkpoint()
             if self.stopped_early:
                 break
+
+    def _say_what_the_budget_cut(self) -> None:
+        """A run stopped by trainer.max_minutes keeps its schedules' plan of max_steps: say what
+        of the recipe did not happen (the on-policy phase, the LR decay) and the max_steps that
+        would fit it into the minutes."""
+        tcfg, cut = self.tcfg, []
+        start = tcfg.on_policy_heads_start
+        if start is not None and not in_phase(start, tcfg.max_steps, self.step - 1):
+            cut.append(f"the on-policy heads phase (trainer.on_policy_heads_start={start}: from "
+                       f"step {math.ceil(start * tcfg.max_steps)}) never ran")
+        lr = self.optimizer.param_groups[0]["lr"] / tcfg.lr if tcfg.lr else 1.0
+        if lr > tcfg.min_lr_ratio + 0.05:
+            cut.append(f"the learning rate stood at {lr:.0%} of trainer.lr (the cosine ends at "
+                       f"{tcfg.min_lr_ratio:.0%} at step {tcfg.max_steps})")
+        if cut:
+            log.warning("trainer.max_minutes cut the recipe short: %s. For the whole recipe in "
+                        "these minutes set trainer.max_steps to the steps that fit (about %d at "
+                        "this run's pace, fewer with an on-policy phase, whose steps cost more)",
+                        "; ".join(cut), self.step)
 
     def _out_of_time(self, start: float) -> bool:
         """trainer.max_minutes has passed since `start` (on any rank: all ranks stop together)."""

@@ -6,6 +6,7 @@ minutes on the same cores, every drafter measured in our greedy replay.
     python -m benchmarks.peers --arms ours speculators-close --minutes 1     # a subset
     python -m benchmarks.peers --engine ...   # and every arm's drafter in vLLM CPU (step 6)
     python -m benchmarks.peers --humaneval 20 ...   # the replay on HumanEval prompts too
+    python -m benchmarks.peers --schedule-steps ours=166 speculators-close=161 ...  # fitted schedules
 
 Steps (each skipped when its output exists, so a rerun continues):
   1. install each peer in its own virtualenv under <cache>/peers/ (venvs.py);
@@ -54,11 +55,23 @@ def parse_args(argv=None):
     ap.add_argument("--k", type=int, default=2, help="draft length of the replay")
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
     ap.add_argument("--set", nargs="*", default=[], help="more overrides of our job (all arms' data)")
+    ap.add_argument("--schedule-steps", nargs="*", default=[], metavar="ARM=STEPS",
+                    help="an arm's schedule (ours: trainer.max_steps, so its on-policy phase and "
+                         "LR decay fall inside the minutes; a peer's scheduler total steps) sized "
+                         "to the steps it reaches in --minutes")
     ap.add_argument("--engine", action="store_true",
                     help="after the replay, every arm's drafter in the vLLM CPU engine check")
     ap.add_argument("--engine-prompts", type=int, default=20,
                     help="MT-bench prompts of the engine check (the first of the replay's)")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    try:
+        args.schedule_steps = {a: int(n) for a, n in (x.split("=") for x in args.schedule_steps)}
+    except ValueError:
+        ap.error(f"--schedule-steps takes ARM=STEPS pairs, got {args.schedule_steps}")
+    bad = [a for a, n in args.schedule_steps.items() if a not in ARMS or n < 1]
+    if bad:
+        ap.error(f"--schedule-steps: {bad} are not arms with >= 1 step; the arms: {', '.join(ARMS)}")
+    return args
 
 
 def main(argv=None) -> None:

@@ -31,23 +31,25 @@ class Arm:
     args: list[str] = field(default_factory=list)
 
 
-def speculators_args(data: Path, target_dir: Path, save: Path, close: bool) -> list[str]:
+def speculators_args(data: Path, target_dir: Path, save: Path, close: bool,
+                     total_steps: int = 600) -> list[str]:
     """`speculators train` flags: its defaults (3 TTT steps, muon at lr 1e-3, full vocabulary,
     8192 packed tokens, its EAGLE-3 norms) or as close to our default recipe as it allows (1 TTT
     step, AdamW 1e-3 with 30 warm-up steps and a cosine, 8192-token draft vocabulary, our
     architecture: no extra norms; 4 conversations' worth of packed tokens). Both: the schedule
-    over 600 steps (our default job's length), the features from files only, and 4096 packed
+    over `total_steps` (600: our default job's length; --schedule-steps fits it to the minutes), the features from files only, and 4096 packed
     tokens a step: at its default 8192, its full-vocabulary logits of 3 TTT steps and their
     gradients pass 20 GB (measured by its loss check), more than this 24 GB machine can give."""
     base = ["--speculator-type", "eagle3", "--verifier-name-or-path", str(target_dir),
             "--data-path", str(data), "--save-path", str(save), "--target-layer-ids", "2", "15",
             "27", "--loss-implementation", "eager", "--draft-attn-impl", "sdpa", "--num-workers",
-            "0", "--on-missing", "raise", "--epochs", "1000", "--scheduler-total-steps", "600",
+            "0", "--on-missing", "raise", "--epochs", "1000", "--scheduler-total-steps", str(total_steps),
             "--total-seq-len", "4096"]
     if not close:
         return base
     return base + ["--ttt-steps", "1", "--optimizer", "adamw", "--lr", "1e-3",
-                   "--scheduler-type", "cosine", "--scheduler-warmup-steps", "30",
+                   "--scheduler-type", "cosine", "--scheduler-warmup-steps",
+                   str(min(30, total_steps // 10)),
                    "--draft-vocab-size", "8192",
                    "--no-norm-before-residual", "--no-norm-before-fc", "--no-norm-output"]
 
@@ -112,9 +114,13 @@ def train_arm(name: str, args, overrides: list[str], data: dict, pythons: dict, 
     runs.mkdir(parents=True, exist_ok=True)
     run_dir, log_file = runs / name, runs / f"{name}.log"
     env = {"OMP_NUM_THREADS": str(os.cpu_count() or 1)}  # every arm: all cores, said the same way
+    steps = (getattr(args, "schedule_steps", None) or {}).get(name)  # its schedule fitted to the minutes
+    fitted = f"; schedule over {steps} steps" if steps else ""
     if name == "ours":
-        got = run_arm(ours_cmd(overrides, args.minutes, run_dir), log_file, env)
-        out = {**got, **ours_report(run_dir), "what": "default recipe (conf/budget/default_eagle3.yaml)"}
+        extra = [f"trainer.max_steps={steps}"] if steps else []
+        got = run_arm(ours_cmd(overrides + extra, args.minutes, run_dir), log_file, env)
+        out = {**got, **ours_report(run_dir),
+               "what": "default recipe (conf/budget/default_eagle3.yaml)" + fitted}
         out["drafter"] = str(run_dir / "best") if (run_dir / "best").exists() else None
         return out
     peer, flavour = name.split("-")
@@ -125,17 +131,19 @@ def train_arm(name: str, args, overrides: list[str], data: dict, pythons: dict, 
         target_dir = target_folder(cfg)
         cmd = [str(pythons[peer]), str(HERE / "speculators_cpu.py"), "--minutes", str(args.minutes),
                "--report", str(report), "--", *speculators_args(
-                   args.out / "data" / "speculators", target_dir, run_dir, flavour == "close")]
+                   args.out / "data" / "speculators", target_dir, run_dir, flavour == "close",
+                   steps or 600)]
         what = ("1 TTT step, AdamW 1e-3 cosine/600, vocab 8192, our norms, 4096 packed tokens"
                 if flavour == "close" else "its defaults (3 TTT steps, muon 1e-3, full vocab, its norms) "
                 "but 4096 packed tokens (8192 passes 20 GB)")
     else:
         from benchmarks.peers.specforge_cpu import specforge_command
 
-        cmd, what = specforge_command(pythons[peer], args, run_dir, report, flavour == "close", cfg)
+        cmd, what = specforge_command(pythons[peer], args, run_dir, report, flavour == "close", cfg,
+                                      steps or 600)
     got = run_arm(cmd, log_file, env)
     rep = json.loads(report.read_text()) if report.is_file() else {}
-    out = {**got, "what": what, "steps": rep.get("steps"),
+    out = {**got, "what": what + fitted, "steps": rep.get("steps"),
            "train_minutes": rep.get("train_s", 0) / 60, "tokens": rep.get("tokens"),
            "tokens_per_s": rep.get("tokens", 0) / rep["train_s"] if rep.get("train_s") else None,
            "stopped_by_budget": rep.get("stopped_by_budget", False),

@@ -133,7 +133,7 @@ def train_arm(name: str, args, overrides: list[str], data: dict, pythons: dict, 
                "--report", str(report), "--", *speculators_args(
                    args.out / "data" / "speculators", target_dir, run_dir, flavour == "close",
                    steps or 600)]
-        what = ("1 TTT step, AdamW 1e-3 cosine/600, vocab 8192, our norms, 4096 packed tokens"
+        what = ("1 TTT step, AdamW 1e-3 cosine, vocab 8192, our norms, 4096 packed tokens"
                 if flavour == "close" else "its defaults (3 TTT steps, muon 1e-3, full vocab, its norms) "
                 "but 4096 packed tokens (8192 passes 20 GB)")
     else:

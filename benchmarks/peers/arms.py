@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks.peers.procstat import vm_hwm_mb
+
 HERE = Path(__file__).resolve().parent
 # the default job at the benchmark's data size: its recipe (conf/budget/default_eagle3.yaml),
 # offline features from the same capture, no evals or engine check inside the timed run
@@ -55,17 +57,13 @@ def speculators_args(data: Path, target_dir: Path, save: Path, close: bool,
 
 
 def tree_hwm_mb(pid: int) -> float:
-    """Largest VmHWM (peak resident set, MB) of process `pid` and its descendants now (0 when
-    gone). VmHWM belongs to the process's own address space since its exec, unlike getrusage's
-    ru_maxrss, which Linux carries across fork + exec: a child forked from a parent holding
-    11 GB reports 11 GB whatever it uses itself."""
+    """Largest VmHWM (MB) of process `pid` and its descendants now (0 when gone): each process's
+    own peak since its exec (procstat.py says why not getrusage)."""
     best, todo = 0.0, [pid]
     while todo:
         p = todo.pop()
+        best = max(best, vm_hwm_mb(p) or 0.0)
         try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    best = max(best, int(line.split()[1]) / 1024)
             for task in Path(f"/proc/{p}/task").iterdir():
                 todo += [int(c) for c in (task / "children").read_text().split()]
         except (FileNotFoundError, ProcessLookupError, PermissionError):

@@ -38,11 +38,15 @@ import argparse
 import importlib.util
 import json
 import os
-import resource
 import sys
 import time
 import types
 from pathlib import Path
+
+try:  # this checkout's package, or (run as a script in the peer's virtualenv) this folder
+    from benchmarks.peers.procstat import own_peak_rss_mb
+except ImportError:
+    from procstat import own_peak_rss_mb
 
 SMOLLM2_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                   "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_scaling",
@@ -63,18 +67,6 @@ def eager_loss() -> None:
     mod = types.ModuleType("specforge.core.loss")
     mod.LogSoftmaxLoss = LogSoftmaxLoss
     sys.modules["specforge.core.loss"] = mod
-
-
-def own_peak_rss_mb() -> float:
-    """This process's peak RSS since its exec (VmHWM); getrusage's ru_maxrss also counts the
-    image it was forked from (Linux keeps it across exec), e.g. a benchmark parent's 11 GB."""
-    try:
-        for line in open("/proc/self/status"):
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 LOSS_TOL = 1e-5  # |shimmed - reference| / max(|reference|, 1) allowed, and the same for gradients

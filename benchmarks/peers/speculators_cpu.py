@@ -29,25 +29,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import sys
 import time
 
 import torch
 
+try:  # this checkout's package, or (run as a script in the peer's virtualenv) this folder
+    from benchmarks.peers.procstat import own_peak_rss_mb
+except ImportError:
+    from procstat import own_peak_rss_mb
+
 LOSS_TOL = 1e-5  # |shimmed - reference| / max(|reference|, 1) allowed, and the same for gradients
-
-
-def own_peak_rss_mb() -> float:
-    """This process's peak RSS since its exec (VmHWM); getrusage's ru_maxrss also counts the
-    image it was forked from (Linux keeps it across exec), e.g. a benchmark parent's 11 GB."""
-    try:
-        for line in open("/proc/self/status"):
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 class LossChecked(Exception):

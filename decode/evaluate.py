@@ -310,9 +310,10 @@ def decode_drafter_dtype(setting: str, target) -> torch.dtype:
     return DTYPES[setting]
 
 
-def setup_run(cfg: DictConfig) -> tuple[Path, Any, Drafter | None, SamplingParams]:
+def setup_run(cfg: DictConfig) -> tuple[Path, Any, Drafter | None, SamplingParams, Any]:
     """A decode job's start: check the settings, make the run dir (with config.yaml), load the
-    target and the drafter (cast to drafter_dtype). Returns (run_dir, target, drafter, sampling)."""
+    target and the drafter (cast to drafter_dtype). Returns (run_dir, target, drafter, sampling,
+    the verified ckpt folder or None)."""
     from specdistill.cli.paths import present
     from specdistill.cli.ranges import check_ranges
     from specdistill.decode.config import DecodeConfig
@@ -343,7 +344,7 @@ def setup_run(cfg: DictConfig) -> tuple[Path, Any, Drafter | None, SamplingParam
         drafter.to(target.device).eval()
         cast_drafter(drafter, target, decode_drafter_dtype(cfg.drafter_dtype, target))
     sampling = SamplingParams(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
-    return run_dir, target, drafter, sampling
+    return run_dir, target, drafter, sampling, source
 
 
 def check_calibrate(cfg: DictConfig, source) -> None:
@@ -413,7 +414,7 @@ def finish_run(result: dict, run_dir: Path) -> None:
 
 def run(cfg: DictConfig) -> None:
     """`python -m decode` with batch_size=1: one sequence at a time (> 1: batched/evaluate.py)."""
-    run_dir, target, drafter, sampling = setup_run(cfg)
+    run_dir, target, drafter, sampling, source = setup_run(cfg)
     result = evaluate_drafter(target, drafter, eval_kind=cfg.eval.kind, path=cfg.eval.path,
                               limit=cfg.eval.limit, turns=cfg.eval.turns,
                               max_new_tokens=cfg.max_new_tokens, k=cfg.k, tree=cfg.tree,
@@ -425,8 +426,7 @@ def run(cfg: DictConfig) -> None:
                               survival_fallback=cfg.survival_fallback, offset=cfg.eval.offset)
     if cfg.calibrate:
         summary = result["summary"]
-        summary["confidence_recalibration"] = write_calibrated(cfg, target, cfg_source(cfg), result,
-                                                               run_dir)
+        summary["confidence_recalibration"] = write_calibrated(cfg, target, source, result, run_dir)
         result = write_results(summary, result["prompts"], result["markdown"] + "\n\n"
                                + calibration_markdown(summary["confidence_recalibration"]), run_dir)
     finish_run(result, run_dir)

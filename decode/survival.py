@@ -141,8 +141,8 @@ def fit_platt(pred: Sequence[float], hit: Sequence[bool], iters: int = 50,
         raise ValueError(f"a confidence calibration needs >= {MIN_CALIBRATION_PAIRS} verified "
                          f"slots with both outcomes; this decode has {n} ({ones} accepted): "
                          f"decode more prompts (eval.limit) or longer answers (max_new_tokens)")
-    c = torch.tensor(pred, dtype=torch.float64).clamp(1e-6, 1 - 1e-6)
-    x = torch.stack([torch.log(c / (1 - c)), torch.ones_like(c)], 1)  # (n, 2): logit, 1
+    z = torch.logit(torch.tensor(pred, dtype=torch.float64), eps=1e-6)
+    x = torch.stack([z, torch.ones_like(z)], 1)  # (n, 2): logit, 1
     y = torch.tensor([float(h) for h in hit], dtype=torch.float64)
     w = torch.tensor([1.0, 0.0], dtype=torch.float64)  # the identity: a = 1, b = 0
     for _ in range(iters):
@@ -158,8 +158,8 @@ def fit_platt(pred: Sequence[float], hit: Sequence[bool], iters: int = 50,
 
 def platt(pred: Sequence[float], a: float, b: float) -> list[float]:
     """The calibrated confidences sigmoid(a * logit(c) + b) of pred."""
-    c = torch.tensor(pred, dtype=torch.float64).clamp(1e-6, 1 - 1e-6)
-    return torch.sigmoid(a * torch.log(c / (1 - c)) + b).tolist()
+    return torch.sigmoid(a * torch.logit(torch.tensor(pred, dtype=torch.float64), eps=1e-6)
+                         + b).tolist()
 
 
 def calibration(rounds: Sequence[tuple[Sequence[float], int]], source: str,

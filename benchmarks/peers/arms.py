@@ -39,14 +39,14 @@ def speculators_args(data: Path, target_dir: Path, save: Path, close: bool,
     8192 packed tokens, its EAGLE-3 norms) or as close to our default recipe as it allows (1 TTT
     step, AdamW 1e-3 with 30 warm-up steps and a cosine, 8192-token draft vocabulary, our
     architecture: no extra norms; 4 conversations' worth of packed tokens). Both: the schedule
-    over `total_steps` (600: our default job's length; --schedule-steps fits it to the minutes), the features from files only, and 4096 packed
-    tokens a step: at its default 8192, its full-vocabulary logits of 3 TTT steps and their
+    over `total_steps` (600: our default job's length; --schedule-steps fits it to the minutes),
+    the features from files only, and 4096 packed tokens a step: at its default 8192, its full-vocabulary logits of 3 TTT steps and their
     gradients pass 20 GB (measured by its loss check), more than this 24 GB machine can give."""
     base = ["--speculator-type", "eagle3", "--verifier-name-or-path", str(target_dir),
             "--data-path", str(data), "--save-path", str(save), "--target-layer-ids", "2", "15",
             "27", "--loss-implementation", "eager", "--draft-attn-impl", "sdpa", "--num-workers",
-            "0", "--on-missing", "raise", "--epochs", "1000", "--scheduler-total-steps", str(total_steps),
-            "--total-seq-len", "4096"]
+            "0", "--on-missing", "raise", "--epochs", "1000", "--scheduler-total-steps",
+            str(total_steps), "--total-seq-len", "4096"]
     if not close:
         return base
     return base + ["--ttt-steps", "1", "--optimizer", "adamw", "--lr", "1e-3",

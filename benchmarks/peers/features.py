@@ -11,8 +11,9 @@ reads. The peers want the same numbers arranged their way:
   So what it needs is a state whose norm is the captured post-norm state, not the layer's own
   output: `prenorm_preimage` gives post / w (w the norm's weight), whose RMS is 1 up to the norm's
   eps, so that norm(post / w) = post up to eps / (2 mean(x^2)) relative (x the layer's output),
-  checked for every conversation (a target forward for one that is off by more than 1e-3). One true pre-norm forward (`prenorm_last`, a forward pre-hook on
-  the final norm) checks that the capture is of this target.
+  checked for every conversation (a target forward for one that is off by more than 1e-3). One
+  true pre-norm forward (`prenorm_last`, a forward pre-hook on the final norm) checks that the
+  capture is of this target.
 - SpecForge 0.2.0 reads `.ckpt` files (torch.save) with `input_ids`, `loss_mask`,
   `aux_hidden_state` (T, 3H) and the POST-norm `hidden_state` (T, H)
   (specforge/algorithms/eagle3/data.py): the capture as is, with a batch axis.

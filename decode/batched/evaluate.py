@@ -134,7 +134,7 @@ def run_batched(cfg) -> None:
     if cfg.batch_mode not in MODES:
         raise ValueError(f"batch_size={cfg.batch_size} needs batch_mode in {MODES} (got "
                          f"{cfg.batch_mode!r})")
-    run_dir, target, drafter, sampling = setup_run(cfg)
+    run_dir, target, drafter, sampling, _ = setup_run(cfg)
     result = evaluate_batched(
         target, drafter, batch_size=cfg.batch_size, batch_mode=cfg.batch_mode,
         eval_kind=cfg.eval.kind, path=cfg.eval.path, limit=cfg.eval.limit, turns=cfg.eval.turns,

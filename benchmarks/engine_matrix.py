@@ -160,6 +160,8 @@ def _cell(text) -> str:
 
 def table_row(r: dict) -> str:
     """One check as a markdown table row."""
+    from specdistill.decode.engine.check import spec_plain_cell
+
     head = f"| {r['drafter']} | `{r['format']}` | {r['k']} |"
     if not r.get("exported"):
         return f"{head} not exported: {_cell(r['error'])} | | | | | | |"
@@ -168,10 +170,7 @@ def table_row(r: dict) -> str:
     if r.get("verdict") == "failed while decoding":
         return (f"{head} yes, then the {r.get('failed_engine')} engine failed: "
                 f"{_cell(r.get('error'))} | | | | | | |")
-    ties, eties = r["spec_differs_at_near_tie"], r.get("spec_differs_at_engine_tie") or 0
-    same = ("—" if r["spec_equals_plain"] is None else
-            f"{r['spec_equals_plain']}/{r['prompts']}" + (f" (+{ties} near-tie)" if ties else "")
-            + (f" (+{eties} engine tie)" if eties else ""))
+    same = spec_plain_cell(r)
     pos = " / ".join(f"{_f(a, '.2f')}:{_f(b, '.2f')}"
                      for a, b in zip(r["accept_per_pos_engine"], r["accept_per_pos_replay"]))
     speed = (f"{_f(r['engine_plain_tokens_per_s'], '.1f')} / {_f(r['engine_spec_tokens_per_s'], '.1f')}"

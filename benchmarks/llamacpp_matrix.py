@@ -127,6 +127,8 @@ def _f(x, fmt: str = ".3f") -> str:
 
 def write_table(rows: list[dict], out: Path, prompts: int, tokens: int) -> str:
     """<out>/llamacpp.md (+ .json): one line per (drafter, format, k)."""
+    from specdistill.decode.engine.check import spec_plain_cell
+
     lines = [f"llama.cpp engine check, SmolLM2-135M-Instruct, {prompts} MT-bench first turns x "
              f"{tokens} new tokens, greedy, f32 GGUF and KV caches", "",
              "| drafter | format | k | loaded | spec == plain | tau llama.cpp | tau replayed "
@@ -141,9 +143,8 @@ def write_table(rows: list[dict], out: Path, prompts: int, tokens: int) -> str:
         pos = " ".join(f"{_f(a)}/{_f(b)}" for a, b in zip(r["accept_per_pos_engine"],
                                                           r["accept_per_pos_replay"]))
         lines.append(
-            f"| {r['drafter']} | {r['format']} | {r['k']} | yes | {r['spec_equals_plain']}/"
-            f"{r['prompts']} (+{r['spec_differs_at_near_tie']} near-tie"
-            f"{_engine_ties(r)}) | {_f(r['tau_engine'])} "
+            f"| {r['drafter']} | {r['format']} | {r['k']} | yes | {spec_plain_cell(r)} "
+            f"| {_f(r['tau_engine'])} "
             f"| {_f(r['tau_replay'])} | {_f(r['tau_ratio'])} | {_f(r.get('tau_ours_decoder'))} "
             f"| {r.get('engine_plain_equals_ours', '-')}/{r['prompts']} | {pos} "
             f"| {_f(r['engine_plain_tokens_per_s'], '.1f')} / "
@@ -190,8 +191,3 @@ if __name__ == "__main__":
     main()
 
 
-def _engine_ties(r: dict) -> str:
-    """", +N engine tie" when the check counted speculative outputs that part from the engine's
-    plain output where its plain output also parts from ours (decode/engine/check.py engine_tie)."""
-    n = r.get("spec_differs_at_engine_tie") or 0
-    return f", +{n} engine tie" if n else ""

@@ -74,6 +74,10 @@ def test_a_difference_where_the_engines_plain_output_also_parts_from_ours_is_an_
                              "k": 2, "dtype": "float32", "prompts": 2, "eval": "mtbench",
                              "max_new_tokens": 8, "loaded": True})
     assert "1/2 (0 more at near-ties, 1 more where the engine's plain output also parts" in md
+    assert chk.spec_plain_cell({**s, "prompts": 2}) == "1/2 (+1 engine tie)"  # every table's cell
+    assert chk.spec_plain_cell({"spec_equals_plain": 18, "prompts": 20, "spec_differs_at_near_tie": 1,
+                                "spec_differs_at_engine_tie": 1}) == "18/20 (+1 near-tie, +1 engine tie)"
+    assert chk.spec_plain_cell({"spec_equals_plain": None, "prompts": 20}) == "-"  # plain not run
     del row["spec_vs_plain_difference"]["engine_tie"]
     assert chk._summarise([row], k=2, ours={})["verdict"] == "fail"
 

@@ -454,9 +454,11 @@ def test_an_arms_peak_memory_is_its_own_not_the_parents_it_was_forked_from(tmp_p
 def test_schedule_steps_fit_each_arms_schedule_to_its_minutes(tmp_path, monkeypatch):
     """--schedule-steps ours=166 speculators-close=161: our arm runs trainer.max_steps=166 (its
     on-policy phase and LR decay inside the minutes), speculators' scheduler spans 161 steps
-    (its warm-up a tenth of them at most); an arm not named keeps 600; bad pairs are refused."""
+    (its warm-up a tenth of them at most); an arm not named keeps our default job's length
+    (trainer.max_steps of the composed config: one place says it); bad pairs are refused."""
     from benchmarks.peers import arms as A
     from benchmarks.peers.__main__ import parse_args
+    from benchmarks.replaying import compose
 
     args = parse_args(["--out", str(tmp_path), "--minutes", "1", "--schedule-steps", "ours=166",
                        "speculators-close=161"])
@@ -466,15 +468,19 @@ def test_schedule_steps_fit_each_arms_schedule_to_its_minutes(tmp_path, monkeypa
         "rc": 0, "wall_s": 0.0, "peak_rss_mb": 0.0})
     monkeypatch.setattr(A, "ours_report", lambda run_dir: {})
     monkeypatch.setattr(A, "target_folder", lambda cfg: tmp_path / "target")
+    cfg = compose(["trainer.max_steps=321"])  # the default job, at a length only it could give
     for name in ("ours", "speculators-close", "speculators-default"):
-        got = A.train_arm(name, args, [], {}, {"speculators": Path("/py")}, None)
+        got = A.train_arm(name, args, [], {}, {"speculators": Path("/py")}, cfg)
         assert ("schedule over" in got["what"]) == (name != "speculators-default")
     assert "trainer.max_steps=166" in cmds["ours"]
     spec = cmds["speculators-close"]
     assert spec[spec.index("--scheduler-total-steps") + 1] == "161"
     assert spec[spec.index("--scheduler-warmup-steps") + 1] == "16"
     dflt = cmds["speculators-default"]
-    assert dflt[dflt.index("--scheduler-total-steps") + 1] == "600"
+    assert dflt[dflt.index("--scheduler-total-steps") + 1] == "321"
+    assert "--scheduler-total-steps" not in A.speculators_args(tmp_path, tmp_path, tmp_path, False)
+    with pytest.raises(ValueError, match="total_steps"):  # the close arm's warm-up needs a length
+        A.speculators_args(tmp_path, tmp_path, tmp_path, True)
     for bad in (["ours=x"], ["nobody=3"], ["ours=0"]):
         with pytest.raises(SystemExit):
             parse_args(["--schedule-steps", *bad])

@@ -91,7 +91,7 @@ def test_the_report_leads_with_the_verdict_and_how_to_serve(tmp_path):
     (run / "final_eval" / "result.json").write_text(json.dumps({"summary": summary, "prompts": []}))
     (run / "final_eval" / "engine").mkdir()
     engine = {"engine": "vllm", "format": "vllm", "k": 2, "tau_engine": 1.371, "tau_replay": 1.372,
-              "engine_speedup": 1.27, "spec_equals_plain": 19, "spec_differs_at_near_tie": 1,
+              "engine_speedup": 1.27, "spec_equals_plain": 19, "spec_differs_at_near_tie": 1, "prompts": 20,
               "verdict": "pass"}
     (run / "final_eval" / "engine" / "engine_check.json").write_text(
         json.dumps({"summary": engine, "prompts": []}))
@@ -100,7 +100,7 @@ def test_the_report_leads_with_the_verdict_and_how_to_serve(tmp_path):
     head = report.split("## Verdict", 1)[1].split("\n## ", 1)[0]
     assert report.index("## Verdict") < report.index("## Simulated acceptance")
     assert "| ours (bfloat16, k=2) | 1.401 | 1.26x | yes |" in head
-    assert "| vllm (vllm) | 1.371 (ours replayed 1.372) | 1.27x | 19 identical, 1 near-tie |" in head
+    assert "| vllm (vllm) | 1.371 (ours replayed 1.372) | 1.27x | 19/20 (+1 near-tie) |" in head
     assert "check: **pass**" in head
     assert f"specdistill export run={run} format=vllm out=exports/run-vllm" in head
     assert "vllm serve packaged:smollm2 --speculative-config" in head and '"method": "eagle3"' in head

@@ -284,10 +284,9 @@ def verdict(run_dir: Path, final: dict[str, Any] | None, engine: dict[str, Any] 
     if engine is not None:
         name = engine.get("engine", "engine")
         if engine.get("verdict") in ("pass", "fail"):
-            n, same = engine.get("spec_equals_plain"), engine.get("spec_differs_at_near_tie") or 0
-            ties = engine.get("spec_differs_at_engine_tie") or 0
-            loss = "-" if n is None else f"{n} identical, {same} near-tie" + (
-                f", {ties} engine tie" if ties else "")
+            from specdistill.decode.engine.check import spec_plain_cell
+
+            loss = spec_plain_cell(engine)  # n/N identical to plain, ties said apart
             lines.append(f"| {name} ({engine.get('format')}) | {_num(engine.get('tau_engine'))} "
                          f"(ours replayed {_num(engine.get('tau_replay'))}) | "
                          f"{_num(engine.get('engine_speedup'), '.2f', 'x')} | {loss} | check: "

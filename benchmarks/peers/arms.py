@@ -34,19 +34,23 @@ class Arm:
 
 
 def speculators_args(data: Path, target_dir: Path, save: Path, close: bool,
-                     total_steps: int = 600) -> list[str]:
+                     total_steps: int | None = None) -> list[str]:
     """`speculators train` flags: its defaults (3 TTT steps, muon at lr 1e-3, full vocabulary,
     8192 packed tokens, its EAGLE-3 norms) or as close to our default recipe as it allows (1 TTT
     step, AdamW 1e-3 with 30 warm-up steps and a cosine, 8192-token draft vocabulary, our
     architecture: no extra norms; 4 conversations' worth of packed tokens). Both: the schedule
-    over `total_steps` (600: our default job's length; --schedule-steps fits it to the minutes),
-    the features from files only, and 4096 packed tokens a step: at its default 8192, its full-vocabulary logits of 3 TTT steps and their
-    gradients pass 20 GB (measured by its loss check), more than this 24 GB machine can give."""
+    over `total_steps` (train_arm: our default job's trainer.max_steps, or --schedule-steps fitted
+    to the minutes; None: the peer's own, for a loss check), the features from files only, and
+    4096 packed tokens a step: at its default 8192, its full-vocabulary logits of 3 TTT steps and
+    their gradients pass 20 GB (measured by its loss check), more than this 24 GB machine can give."""
+    if close and not total_steps:
+        raise ValueError("the close arm warms up for min(30, total_steps // 10): give total_steps")
     base = ["--speculator-type", "eagle3", "--verifier-name-or-path", str(target_dir),
             "--data-path", str(data), "--save-path", str(save), "--target-layer-ids", "2", "15",
             "27", "--loss-implementation", "eager", "--draft-attn-impl", "sdpa", "--num-workers",
-            "0", "--on-missing", "raise", "--epochs", "1000", "--scheduler-total-steps",
-            str(total_steps), "--total-seq-len", "4096"]
+            "0", "--on-missing", "raise", "--epochs", "1000", "--total-seq-len", "4096"]
+    if total_steps is not None:
+        base += ["--scheduler-total-steps", str(total_steps)]
     if not close:
         return base
     return base + ["--ttt-steps", "1", "--optimizer", "adamw", "--lr", "1e-3",
@@ -113,6 +117,7 @@ def train_arm(name: str, args, overrides: list[str], data: dict, pythons: dict, 
     run_dir, log_file = runs / name, runs / f"{name}.log"
     env = {"OMP_NUM_THREADS": str(os.cpu_count() or 1)}  # every arm: all cores, said the same way
     steps = (getattr(args, "schedule_steps", None) or {}).get(name)  # its schedule fitted to the minutes
+    total = steps or int(cfg.trainer.max_steps)  # else our default job's length, for every arm
     fitted = f"; schedule over {steps} steps" if steps else ""
     if name == "ours":
         extra = [f"trainer.max_steps={steps}"] if steps else []
@@ -130,7 +135,7 @@ def train_arm(name: str, args, overrides: list[str], data: dict, pythons: dict, 
         cmd = [str(pythons[peer]), str(HERE / "speculators_cpu.py"), "--minutes", str(args.minutes),
                "--report", str(report), "--", *speculators_args(
                    args.out / "data" / "speculators", target_dir, run_dir, flavour == "close",
-                   steps or 600)]
+                   total)]
         what = ("1 TTT step, AdamW 1e-3 cosine, vocab 8192, our norms, 4096 packed tokens"
                 if flavour == "close" else "its defaults (3 TTT steps, muon 1e-3, full vocab, its norms) "
                 "but 4096 packed tokens (8192 passes 20 GB)")
@@ -138,7 +143,7 @@ def train_arm(name: str, args, overrides: list[str], data: dict, pythons: dict, 
         from benchmarks.peers.specforge_cpu import specforge_command
 
         cmd, what = specforge_command(pythons[peer], args, run_dir, report, flavour == "close", cfg,
-                                      steps or 600)
+                                      total)
     got = run_arm(cmd, log_file, env)
     rep = json.loads(report.read_text()) if report.is_file() else {}
     out = {**got, "what": what + fitted, "steps": rep.get("steps"),

@@ -256,20 +256,23 @@ def draft_config(target_dir: Path, draft_vocab: int) -> dict:
 
 
 def run_files(target: Path, data: Path, run_dir: Path, close: bool,
-              total_steps: int = 600) -> tuple[Path, Path]:
+              total_steps: int | None = None) -> tuple[Path, Path]:
     """(run.yaml, draft_config.json) of a SpecForge run in `run_dir` on `target` (a linked_target
     folder) and the offline files in `data`: its defaults (7 TTT steps, lr 1e-4, batch 1,
     32,000-token draft vocabulary) or as close to our default recipe as it allows (1 TTT step,
     lr 1e-3 with 30 warm-up steps, batch 4, 8192-token vocabulary). Both: cosine over
-    `total_steps` (600: our default job's length), offline features, CPU settings."""
+    `total_steps` (our default job's length or the fitted one; None: its own, for a loss check),
+    offline features, CPU settings."""
     import yaml
 
     run_dir.mkdir(parents=True, exist_ok=True)
     dcfg = run_dir / "draft_config.json"
     dcfg.write_text(json.dumps(draft_config(target, 8192 if close else 32000), indent=1))
-    training = {"strategy": "eagle3", "num_epochs": 1000, "total_steps": total_steps,
-                "fsdp_sharding": "NO_SHARD", "attention_backend": "sdpa", "save_interval": 0,
+    training = {"strategy": "eagle3", "num_epochs": 1000,
+                **({"total_steps": total_steps} if total_steps else {}), "fsdp_sharding": "NO_SHARD", "attention_backend": "sdpa", "save_interval": 0,
                 "log_interval": 5, "dist_timeout": 60}
+    if close and not total_steps:
+        raise ValueError("the close arm warms up for 30 of its total_steps: give total_steps")
     if close:
         training.update({"ttt_length": 1, "learning_rate": 1e-3, "warmup_ratio": 30 / total_steps,
                          "batch_size": 4})
@@ -286,7 +289,7 @@ def run_files(target: Path, data: Path, run_dir: Path, close: bool,
 
 
 def specforge_command(python: Path, args, run_dir: Path, report: Path, close: bool, cfg,
-                      total_steps: int = 600):
+                      total_steps: int):
     """(command, one-line description) of a SpecForge arm (run_files: its defaults or close;
     its schedule over `total_steps`)."""
     from benchmarks.peers.arms import target_folder

@@ -298,6 +298,19 @@ def _f(x, fmt: str = ".3f") -> str:
     return "not measured" if x is None else format(x, fmt)
 
 
+def spec_plain_cell(s: dict) -> str:
+    """The check's losslessness in one table cell, the same in every table that quotes a check
+    (engine and llama.cpp matrices, the run report): "n/N" outputs where the engine's speculative
+    decoding equals its plain decoding, then "+t near-tie" and "+e engine tie" where there are any
+    (outputs that part only there: not lossy); "-" when plain decoding was not run."""
+    n = s.get("spec_equals_plain")
+    if n is None:
+        return "-"
+    more = [f"+{c} {what}" for c, what in ((s.get("spec_differs_at_near_tie") or 0, "near-tie"),
+                                           (s.get("spec_differs_at_engine_tie") or 0, "engine tie")) if c]
+    return f"{n}/{s['prompts']}" + (f" ({', '.join(more)})" if more else "")
+
+
 def check_markdown(s: dict) -> str:
     """The check as a table: loaded, losslessness, tau engine vs ours, speed."""
     head = (f"### {s['engine']} {s.get('engine_version') or ''}: {s.get('drafter')} as "

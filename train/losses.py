@@ -56,6 +56,9 @@ def forward_kl(draft_logits, target_logits, temperature=1.0, d2t=None) -> torch.
     return _ForwardKL.apply(draft_logits, target_logits, temperature)  # (N,)
 
 
+LOSS_CHUNK_ROWS = 1024  # rows of the (N, Vd) loss worked on at once: 32 MB fp32 at Vd = 8192
+
+
 class _ForwardKL(torch.autograd.Function):
     """forward_kl at half the plain formula's price (BENCHMARKS.md "Head and teacher only where
     the loss reads them"). With x = z / temperature (the draft logits), lse = logsumexp(x) and p'
@@ -63,28 +66,55 @@ class _ForwardKL(torch.autograd.Function):
     sums as row-wise dot products; the gradient in one expression, d/dz = (q sum p' - p') /
     temperature with q = exp(x - lse) formed only in the backward (sum p' = 1 up to rounding: the
     exact gradient of the formula). Autograd through the plain formula (float copy, log_softmax,
-    clamp, difference, product, sum) walks and keeps several more (N, Vd) tensors."""
+    clamp, difference, product, sum) walks and keeps several more (N, Vd) tensors.
+
+    Rows are worked on LOSS_CHUNK_ROWS at a time, and the backward keeps only its inputs and two
+    numbers a row (lse, sum p'), recomputing p' and x from them: no (N, Vd) fp32 temporary at all,
+    where the whole-tensor version made four at the step's memory peak (the fp32 copy of the
+    draft logits, the teacher's log-softmax, its clamp, p') and kept two for the backward
+    (BENCHMARKS.md "Our trainer's memory against the peers'"). Every row's arithmetic is the
+    same as the whole-tensor version's."""
 
     @staticmethod
     def forward(ctx, draft_logits, target_logits, temperature):
         at_least_fp32 = torch.promote_types(draft_logits.dtype, torch.float32)  # fp64 stays fp64
-        x, t = draft_logits.to(at_least_fp32), target_logits.to(at_least_fp32)
-        if temperature != 1:
-            x, t = x / temperature, t / temperature
-        lse = torch.logsumexp(x, -1, keepdim=True)  # (N, 1)
-        log_p = F.log_softmax(t, -1).clamp_min(LOG_FLOOR)  # (N, Vd): 0 * log 0 stays 0
-        p = log_p.exp()
-        mass = p.sum(-1, keepdim=True)  # (N, 1)
-        loss = _rowdot(p, log_p) - _rowdot(p, x) + lse * mass  # (N, 1)
-        ctx.save_for_backward(x, lse, p, mass)
-        ctx.temperature, ctx.dtype = temperature, draft_logits.dtype
+        n = draft_logits.shape[0]
+        loss = draft_logits.new_empty((n, 1), dtype=at_least_fp32)
+        lse, mass = torch.empty_like(loss), torch.empty_like(loss)
+        for a in range(0, n, LOSS_CHUNK_ROWS):
+            b = min(a + LOSS_CHUNK_ROWS, n)
+            x = _scaled(draft_logits[a:b], at_least_fp32, temperature)
+            log_p = _teacher_log_probs(target_logits[a:b], at_least_fp32, temperature)
+            p = log_p.exp()
+            lse[a:b] = torch.logsumexp(x, -1, keepdim=True)  # (rows, 1)
+            mass[a:b] = p.sum(-1, keepdim=True)  # (rows, 1)
+            loss[a:b] = _rowdot(p, log_p) - _rowdot(p, x) + lse[a:b] * mass[a:b]
+        ctx.save_for_backward(draft_logits, target_logits, lse, mass)
+        ctx.temperature = temperature
         return loss.view(-1).clamp_min_(0.0)  # KL >= 0: rounding of the three terms can dip below
 
     @staticmethod
     def backward(ctx, grad):
-        x, lse, p, mass = ctx.saved_tensors
-        q = (x - lse).exp_()  # (N, Vd)
-        return q.mul_(mass).sub_(p).mul_(grad[:, None] / ctx.temperature).to(ctx.dtype), None, None
+        draft_logits, target_logits, lse, mass = ctx.saved_tensors
+        at_least_fp32, temperature = lse.dtype, ctx.temperature
+        out = torch.empty_like(draft_logits)
+        for a in range(0, out.shape[0], LOSS_CHUNK_ROWS):
+            b = min(a + LOSS_CHUNK_ROWS, out.shape[0])
+            q = (_scaled(draft_logits[a:b], at_least_fp32, temperature) - lse[a:b]).exp_()
+            p = _teacher_log_probs(target_logits[a:b], at_least_fp32, temperature).exp_()
+            out[a:b] = q.mul_(mass[a:b]).sub_(p).mul_(grad[a:b, None] / temperature)
+        return out, None, None
+
+
+def _scaled(logits: torch.Tensor, dtype: torch.dtype, temperature: float) -> torch.Tensor:
+    """logits / temperature in `dtype` (a new tensor, or `logits` itself: never written to)."""
+    x = logits.to(dtype)
+    return x / temperature if temperature != 1 else x
+
+
+def _teacher_log_probs(logits: torch.Tensor, dtype: torch.dtype, temperature: float) -> torch.Tensor:
+    """log softmax(logits / temperature) in `dtype`, clamped at LOG_FLOOR (0 * log 0 stays 0)."""
+    return F.log_softmax(_scaled(logits, dtype, temperature), -1).clamp_min_(LOG_FLOOR)
 
 
 def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from specdistill.drafters.base import TrainBatch
 from specdistill.drafters.parts.anchors import counted
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: the loss keeps the teacher's rows for its backward
 def teacher_logits(target, final_hidden: torch.Tensor, d2t: torch.Tensor | None,
                    at: torch.Tensor) -> torch.Tensor:
     """target_logits (B, T, V | Vd) computed only at the (B, T) bool anchors `at`, the ones a loss
@@ -36,5 +36,5 @@ def train_batch(raw: dict[str, torch.Tensor], feats: torch.Tensor | None, target
                        target_logits=torch.empty(0),
                        features=None if feats is None else feats.to(device).clone())
     at = counted(batch, 0).to(final_hidden.device)  # (B, T)
-    batch.target_logits = teacher_logits(target, final_hidden, d2t, at).to(device).clone()
+    batch.target_logits = teacher_logits(target, final_hidden, d2t, at).to(device)  # no copy on CPU
     return batch

@@ -29,6 +29,52 @@ def test_freed_holes_in_the_heap_go_back_to_the_os():
     assert int(dropped_kb) > 150_000  # most of the 190 MB of holes left the process
 
 
+AFTER_A_LARGE_FREE = """
+import sys
+from specdistill.train.memory import mmap_large_blocks
+def anon():
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("RssAnon"))
+setting = mmap_large_blocks(int(sys.argv[1])) if sys.argv[1] != "none" else None
+big = bytearray(b"1") * (20 << 20)  # mmapped; freeing it lifts glibc's dynamic threshold to 20 MB
+del big
+blocks, kept = [], []
+for _ in range(30):  # 120 MB of 4 MB blocks, each written, with a kept 1 KB block after each
+    blocks.append(bytearray(b"1") * (4 << 20))
+    kept.append(bytearray(1024))
+before = anon()
+del blocks
+print(setting, before - anon())
+"""
+
+
+def test_a_fixed_mmap_threshold_hands_freed_blocks_back_to_the_os():
+    """trainer.mmap_threshold_mb: with glibc's own threshold, 4 MB blocks allocated after a 20 MB
+    block was freed come from the heap and stay resident when freed; at 1 MB they are mmapped
+    and leave the process when freed."""
+    def freed_kb(arg):
+        out = subprocess.run([sys.executable, "-c", AFTER_A_LARGE_FREE, arg], capture_output=True,
+                             text=True, check=True).stdout.split()
+        return out[0], int(out[1])
+
+    setting, with_it = freed_kb("1")
+    if setting != "True":
+        pytest.skip("not glibc: mallopt is not there")
+    _, without = freed_kb("none")
+    assert with_it > 100_000  # most of the 120 MB left the process at once
+    assert with_it > without + 60_000  # glibc's own threshold kept them in the heap
+
+
+def test_the_mmap_threshold_setting_is_applied_or_said(tmp_path, chat_file, monkeypatch, caplog):
+    from specdistill.train import recipe
+
+    got = []
+    monkeypatch.setattr(recipe, "mmap_large_blocks", lambda mb: got.append(mb) or False)
+    run(make_cfg(tmp_path, chat_file, "trainer.max_steps=1", "trainer.mmap_threshold_mb=2",
+                 "trainer.eval_every=0", "trainer.save_every=0"))
+    assert got == [2]
+    assert "trainer.mmap_threshold_mb=2 is ignored: no glibc" in caplog.text
+
+
 def test_the_trainer_releases_free_memory_every_log_every_steps(tmp_path, chat_file, monkeypatch):
     from specdistill.train import recipe
 

@@ -51,6 +51,12 @@ class TrainerConfig:
     # (EAGLE-3's test-time-training attention and per-step logits: ~6 GB at 4k tokens on the tiny
     # target, BENCHMARKS.md "Long context"); each window keeps the target's features of the whole row
     window: Optional[int] = rng(None, 64, MAX_TOKENS)
+    # blocks of at least this many MB are mmapped by glibc and handed back to the OS when freed
+    # (mallopt M_MMAP_THRESHOLD; None = glibc's own threshold, which rises to 32 MB as large
+    # blocks are freed and then keeps a step's freed tensors in its heap): 1 held the peers'
+    # benchmark recipe's peak 16% lower (2.23 GB against 2.65) with teacher-forced steps ~0.92x
+    # (BENCHMARKS.md "Our trainer's memory"); not glibc: said and ignored (train/memory.py)
+    mmap_threshold_mb: Optional[int] = rng(None, 1, 32)
     lr: float = rng(3e-4, 0, 1, lo_open=True)  # peak learning rate (AdamW)
     weight_decay: float = rng(0.0, 0, 1)  # AdamW weight decay
     # linear warm-up, then cosine decay to min_lr_ratio * lr

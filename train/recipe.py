@@ -47,7 +47,7 @@ from specdistill.train.distributed import peer_failure_message
 from specdistill.train.final_eval import final_eval, prepare_engine, publish
 from specdistill.train.loggers import Loggers
 from specdistill.train.losses import drafter_loss
-from specdistill.train.memory import drop_training_state, release_free_memory
+from specdistill.train.memory import drop_training_state, mmap_large_blocks, release_free_memory
 from specdistill.train.on_policy import OnPolicyMixer
 from specdistill.train.on_policy_heads import (
     anchor_generator,
@@ -108,6 +108,7 @@ class DistillRecipe:
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         self._resolve_precision(str(cfg.target.device))
+        self._cap_heap(self.tcfg.mmap_threshold_mb)
         self.backend = build_backend(self.tcfg, cfg.target.device, cfg.get("deepspeed"))
         self._prepare_run_dir()
         self.loggers = Loggers(cfg.logger, self.run_dir, self.backend.is_main, config=cfg)
@@ -125,6 +126,18 @@ class DistillRecipe:
         self._write_config()  # 7. only now: a failed setup leaves the run's config.yaml as it was
         log.info("drafter %s: %.2f M trainable parameters", cfg.drafter.name,
                  sum(p.numel() for p in self.params) / 1e6)
+
+    @staticmethod
+    def _cap_heap(threshold_mb: int | None) -> None:
+        """trainer.mmap_threshold_mb: blocks from that size on are mmapped and unmapped when freed."""
+        if threshold_mb is None:
+            return
+        if mmap_large_blocks(threshold_mb):
+            log.info("trainer.mmap_threshold_mb=%d: blocks of %d MB or more are mmapped and "
+                     "handed back to the OS when freed (glibc mallopt)", threshold_mb, threshold_mb)
+        else:
+            log.warning("trainer.mmap_threshold_mb=%d is ignored: no glibc malloc in this process "
+                        "(macOS, musl, Windows); the allocator keeps its own policy", threshold_mb)
 
     def _resolve_precision(self, device: str) -> None:
         """trainer.precision / capture_autocast = auto -> bf16 where `device` runs it natively."""

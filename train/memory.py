@@ -36,6 +36,7 @@ def _glibc():
     try:
         libc = ctypes.CDLL("libc.so.6")
         libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+        libc.mallopt.argtypes, libc.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
         return libc
     except (OSError, AttributeError):  # musl and others: no malloc_trim
         return None
@@ -58,20 +59,17 @@ def release_free_memory(*mapped, collect: bool = False) -> bool:
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
 
 
-def mmap_large_blocks(threshold_mb: int | None) -> bool:
+def mmap_large_blocks(threshold_mb: int) -> bool:
     """Have glibc mmap every block of at least `threshold_mb` MB (and unmap it when freed) for
     the rest of the process: a fixed M_MMAP_THRESHOLD, which also turns off glibc's dynamic one.
     That one rises to the size of each mmapped block freed (up to 32 MB), after which a training
     step's tensors below it come from the heap and stay there, fragmented, until malloc_trim
     (BENCHMARKS.md "Our trainer's memory": the peak 16% lower at 1 MB, teacher-forced steps ~0.92x:
-    more page faults). None: glibc's default, nothing set. True when set; False (and a warning
-    from the caller) where there is no glibc."""
-    if threshold_mb is None:
-        return False
+    more page faults). True when set; False (and a warning from the caller) where there is no
+    glibc."""
     libc = _glibc()
     if libc is None:
         return False
-    libc.mallopt.argtypes, libc.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return bool(libc.mallopt(M_MMAP_THRESHOLD, int(threshold_mb) << 20))
 
 

@@ -265,14 +265,16 @@ def run_files(target: Path, data: Path, run_dir: Path, close: bool,
     offline features, CPU settings."""
     import yaml
 
+    if close and not total_steps:
+        raise ValueError("the close arm warms up for 30 of its total_steps: give total_steps")
     run_dir.mkdir(parents=True, exist_ok=True)
     dcfg = run_dir / "draft_config.json"
     dcfg.write_text(json.dumps(draft_config(target, 8192 if close else 32000), indent=1))
-    training = {"strategy": "eagle3", "num_epochs": 1000,
-                **({"total_steps": total_steps} if total_steps else {}), "fsdp_sharding": "NO_SHARD", "attention_backend": "sdpa", "save_interval": 0,
-                "log_interval": 5, "dist_timeout": 60}
-    if close and not total_steps:
-        raise ValueError("the close arm warms up for 30 of its total_steps: give total_steps")
+    training = {"strategy": "eagle3", "num_epochs": 1000, "fsdp_sharding": "NO_SHARD",
+                "attention_backend": "sdpa", "save_interval": 0, "log_interval": 5,
+                "dist_timeout": 60}
+    if total_steps:
+        training["total_steps"] = total_steps
     if close:
         training.update({"ttt_length": 1, "learning_rate": 1e-3, "warmup_ratio": 30 / total_steps,
                          "batch_size": 4})

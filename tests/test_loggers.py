@@ -36,7 +36,11 @@ def wandb_records(run_dir: Path, until: str | None = None, timeout: float = 15.0
 
 def _read_wandb(run_dir: Path) -> list:
     """Records of run-*.wandb files: a W&B header, then a LevelDB-style log (32 KiB blocks of
-    [crc32 u32, length u16, type u8, data] fragments), each record a protobuf `Record`."""
+    [crc32 u32, length u16, type u8, data] fragments, the crc32 over the type byte then the data),
+    each record a protobuf `Record`. W&B's writer may be mid-record when this reads: a fragment cut
+    short or failing its checksum ends the read there, and the caller reads again."""
+    import zlib
+
     from wandb.proto import wandb_internal_pb2 as pb
 
     out = []
@@ -47,10 +51,11 @@ def _read_wandb(run_dir: Path) -> list:
             if 32768 - pos % 32768 < 7:  # block trailer too short for a header: skip it
                 pos += 32768 - pos % 32768
                 continue
-            _, n, kind = struct.unpack("<IHB", raw[pos:pos + 7])
-            if kind == 0 and n == 0:
-                break
-            buf += raw[pos + 7:pos + 7 + n]
+            crc, n, kind = struct.unpack("<IHB", raw[pos:pos + 7])
+            data = raw[pos + 7:pos + 7 + n]
+            if (kind == 0 and n == 0) or len(data) < n or zlib.crc32(data, zlib.crc32(bytes([kind]))) != crc:
+                break  # the end, or a fragment still being written
+            buf += data
             pos += 7 + n
             if kind in (1, 4):  # FULL or LAST fragment
                 rec = pb.Record()
@@ -114,6 +119,26 @@ def test_wandb_offline_run_holds_scalars_config_histogram_and_bar_charts(tmp_pat
     assert json.loads(table.read_text())["data"] == [[0, 3], [1, 5], [2, 2]]
     tags = next(r.run.tags for r in recs if r.WhichOneof("record_type") == "run")
     assert set(tags) == {"unit", "drafter:eagle", "target:tiny"}
+
+
+def test_wandb_reader_stops_at_a_record_still_being_written(tmp_path):
+    """The file as a reader may catch it while W&B writes: cut anywhere, it reads a prefix of the
+    whole file's records and never fails on the half-written one."""
+    (tmp_path / "run").mkdir()
+    lg = Loggers(["wandb"], tmp_path / "run", True)
+    lg.log({"loss": 1.0, "pad": 1.0}, 1)
+    lg.close()
+    recs = wandb_records(tmp_path / "run", until="train/loss")
+    whole = next((tmp_path / "run").glob("wandb/offline-run-*/run-*.wandb")).read_bytes()
+    cut = tmp_path / "cut" / "wandb" / "offline-run-x" / "run-x.wandb"
+    cut.parent.mkdir(parents=True)
+    lengths = set()
+    for end in range(8, len(whole), max(1, len(whole) // 97)):
+        cut.write_bytes(whole[:end])
+        part = _read_wandb(tmp_path / "cut")
+        assert [r.SerializeToString() for r in part] == [r.SerializeToString() for r in recs[:len(part)]]
+        lengths.add(len(part))
+    assert len(lengths) > 3 and max(lengths) < len(recs)
 
 
 def test_wandb_resumed_run_keeps_its_id(tmp_path):

@@ -143,7 +143,7 @@ def test_another_trainers_export_is_loaded_with_the_reader_it_is_given(tmp_path,
                       tmp_path / "logs", serving={"method": "eagle3"})
     assert run["loaded"] and run["speculative_config"]["method"] == "eagle3"
     assert run["spec"][0].drafts > 0
-    with pytest.raises(ValueError, match="checked in vllm with its drafter given"):
+    with pytest.raises(ValueError, match="checked with our reading of it given as drafter="):
         chk.engine_check(peer, None, engine="vllm", out_dir=tmp_path / "o", cache=tmp_path,
                          serving={"method": "eagle3"})
 

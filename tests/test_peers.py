@@ -187,6 +187,53 @@ def test_a_peer_export_is_rebuilt_exactly(target, engine, tmp_path):
                            back.propose(state, 3, greedy).tokens)
 
 
+@pytest.mark.parametrize("head", ["vanilla", "gated"])
+def test_a_speculators_dspark_export_is_rebuilt_exactly(target, head, tmp_path):
+    """speculators' DSpark layout (our export of it, stripped of our block, its draft vocabulary
+    in another order: the head's and the Markov W2's rows with it) comes back as our DSpark with
+    the same weights, drafts and confidences."""
+    from safetensors.torch import save_file
+
+    from benchmarks.peers.imports import import_dspark
+    from specdistill.export.folder import export_drafter
+
+    torch.manual_seed(0)
+    cfg = {"name": "dspark", "aux_layers": LAYERS, "draft_vocab_size": 64, "block_size": 4,
+           "num_layers": 2, "markov_rank": 8, "markov_head_type": head}
+    ours = build_drafter(cfg, target)
+    ours.draft_vocab.set(torch.randperm(target.vocab_size)[:64].sort().values)
+    for p in ours.parameters():
+        p.data.normal_(0, 0.05)
+    out = Path(export_drafter(ours, cfg, target, "speculators", tmp_path / "ours", k=4)["path"])
+    config = json.loads((out / "config.json").read_text())
+    config.pop("specdistill")
+    tensors = load_file(str(out / "model.safetensors"))
+    d2t = offsets_to_d2t(tensors["d2t"])
+    perm = torch.randperm(len(d2t))  # the peer's own order of the same vocabulary
+    tensors["d2t"] = d2t_to_offsets(d2t[perm])
+    for name in ("lm_head.weight", "markov_head.markov_w2.weight"):
+        tensors[name] = tensors[name][perm]
+    peer = tmp_path / "peer"
+    peer.mkdir()
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(peer / "model.safetensors"))
+    (peer / "config.json").write_text(json.dumps(config))
+    back = import_peer(peer, target, LAYERS)
+    assert type(back).__name__ == "DSpark" and back.cfg.markov_head_type == head
+    for name, v in ours.state_dict().items():
+        assert torch.equal(back.state_dict()[name], v), name
+    ids = torch.randint(5, 1000, (12,))
+    feats = target.forward(ids[None], layers=tuple(LAYERS), logits=False).features[0, :-1]
+    state = DecodeState(tokens=ids, features=feats)
+    greedy = SamplingParams(temperature=0.0)
+    with torch.inference_mode():
+        a, b = ours.eval().propose(state, 4, greedy), back.propose(state, 4, greedy)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.accept_prob, b.accept_prob)
+    with pytest.raises(ValueError, match="not the layers its features came from"):
+        import_dspark(peer, config, target, [0, 1, 2])
+    with pytest.raises(ValueError, match="confidence_head_with_markov"):
+        import_dspark(peer, {**config, "confidence_head_with_markov": False}, target, LAYERS)
+
+
 def test_an_unknown_export_is_refused():
     with pytest.raises(ValueError, match="not an EAGLE-3 export"):
         peer_format({"architectures": ["LlamaForCausalLM"]})
@@ -323,7 +370,7 @@ def test_the_table_holds_the_engine_columns_and_the_loss_checks_and_no_check_is_
                                               "loss_diff": 0.0, "grad_diff": 0.0, "ok": True}}}
     assert list(R.arms(results)) == ["ours", "speculators-close"]
     lines = R.table(results, args).splitlines()
-    assert "vLLM loads" in lines[0] and lines[0].count("|") == lines[1].count("|") == 13
+    assert "engine loads" in lines[0] and lines[0].count("|") == lines[1].count("|") == 13
     import re
 
     def cells(line):  # a cell's escaped \\| is not a column
@@ -336,7 +383,7 @@ def test_the_table_holds_the_engine_columns_and_the_loss_checks_and_no_check_is_
     assert peer[-5].startswith("no: ValueError: unknown weight \\| midlayer.x")  # one cell
     assert peer[-4:-1] == ["—", "—", "—"]
     assert lines[-1].startswith("- loss check, speculators: shimmed trainer 1.000000")
-    assert "vLLM" not in R.table({"ours": {"train": {}}}, args)  # no engine run: no columns
+    assert "engine loads" not in R.table({"ours": {"train": {}}}, args)  # no engine run: no columns
 
 
 @pytest.fixture
@@ -470,7 +517,7 @@ def test_schedule_steps_fit_each_arms_schedule_to_its_minutes(tmp_path, monkeypa
     monkeypatch.setattr(A, "target_folder", lambda cfg: tmp_path / "target")
     cfg = compose(["trainer.max_steps=321"])  # the default job, at a length only it could give
     for name in ("ours", "speculators-close", "speculators-default"):
-        got = A.train_arm(name, args, [], {}, {"speculators": Path("/py")}, cfg)
+        got = A.train_arm(name, args, [], {"aux_layers": LAYERS}, {"speculators": Path("/py")}, cfg)
         assert ("schedule over" in got["what"]) == (name != "speculators-default")
     assert "trainer.max_steps=166" in cmds["ours"]
     spec = cmds["speculators-close"]
@@ -484,3 +531,103 @@ def test_schedule_steps_fit_each_arms_schedule_to_its_minutes(tmp_path, monkeypa
     for bad in (["ours=x"], ["nobody=3"], ["ours=0"]):
         with pytest.raises(SystemExit):
             parse_args(["--schedule-steps", *bad])
+
+
+def test_arm_names_say_peer_algorithm_and_flavour():
+    from benchmarks.peers.__main__ import ARMS, DSPARK_ARMS
+    from benchmarks.peers.arms import ArmName
+
+    assert ArmName.parse("ours") == ArmName(None, "eagle3", "ours")
+    assert ArmName.parse("ours-dspark") == ArmName(None, "dspark", "ours")
+    assert ArmName.parse("speculators-dspark-close") == ArmName("speculators", "dspark", "close")
+    assert ArmName.parse("specforge-default") == ArmName("specforge", "eagle3", "default")
+    assert {ArmName.parse(a).reference for a in ARMS} == {"ours"}
+    assert {ArmName.parse(a).reference for a in DSPARK_ARMS} == {"ours-dspark"}
+    for bad in ("ours-close", "speculators", "speculators-dspark", "speculators-fast"):
+        with pytest.raises(ValueError, match="not ours"):
+            ArmName.parse(bad)
+
+
+def test_the_dspark_arms_train_our_dspark_job_and_speculators_dspark_as_it_ships_or_as_ours(
+        tmp_path, monkeypatch):
+    """ours-dspark: the default job with drafter=dspark; speculators' DSpark: its defaults (no
+    shaping flag), or ours (1 layer, block 4, vocab 8192, CE 0.1 + TV 1.8 = our 0.9 L1, our share of
+    anchors); both on the data's layers, scheduled over our DSpark job's length."""
+    from benchmarks.peers import arms as A
+    from benchmarks.peers.__main__ import parse_args
+    from benchmarks.replaying import compose
+
+    args = parse_args(["--out", str(tmp_path), "--minutes", "1", "--arms", "ours-dspark",
+                       "speculators-dspark-close", "speculators-dspark-default"])
+    cmds = {}
+    monkeypatch.setattr(A, "run_arm", lambda cmd, log, env: cmds.setdefault(log.stem, cmd) and {
+        "rc": 0, "wall_s": 0.0, "peak_rss_mb": 0.0})
+    monkeypatch.setattr(A, "ours_report", lambda run_dir: {})
+    monkeypatch.setattr(A, "target_folder", lambda cfg: tmp_path / "target")
+    data = {"aux_layers": LAYERS, "tokens": 1000, "answer_tokens": 500}
+    whats = {name: A.train_arm(name, args, [], data, {"speculators": Path("/py")}, compose([]))["what"]
+             for name in args.arms}
+    assert "drafter=dspark" in cmds["ours-dspark"] and "dspark" in whats["ours-dspark"]
+    length = str(compose(A.OURS + ["drafter=dspark"]).trainer.max_steps)
+    close, dflt = cmds["speculators-dspark-close"], cmds["speculators-dspark-default"]
+    for cmd in (close, dflt):
+        assert cmd[cmd.index("--speculator-type") + 1] == "dspark"
+        at = cmd.index("--target-layer-ids")
+        assert cmd[at + 1:at + 4] == [str(i) for i in LAYERS]
+        assert cmd[cmd.index("--scheduler-total-steps") + 1] == length
+    assert A.close_anchors(data) == 205  # 0.1 x 4096 packed tokens x half of them scored
+    for flag, value in (("--num-layers", "1"), ("--block-size", "4"), ("--draft-vocab-size", "8192"),
+                        ("--max-anchors", "205"), ("--optimizer", "adamw")):
+        assert close[close.index(flag) + 1] == value, flag
+    assert json.loads(close[close.index("--loss-fn") + 1]) == {"ce": 0.1, "tv": 1.8}
+    assert "205 anchors" in whats["speculators-dspark-close"]
+    assert not {"--num-layers", "--block-size", "--draft-vocab-size", "--loss-fn", "--ttt-steps"} & set(dflt)
+    with pytest.raises(ValueError, match="anchors"):
+        A.speculators_args(tmp_path, tmp_path, tmp_path, True, 10, "dspark")
+
+
+def test_the_dspark_arms_go_to_llamacpp_ours_exported_and_the_peers_folder_as_it_wrote_it(
+        engine_args, tmp_path, monkeypatch):
+    """vLLM's CPU build refuses DSpark: both DSpark arms are checked in llama.cpp, ours exported in
+    the layout llama.cpp serves, speculators' folder as written with our DSpark layout's
+    llama.cpp entry (its converter's reading checked first) and our reading of it replayed."""
+    from safetensors.torch import save_file
+
+    from benchmarks.peers import engine as E
+    from benchmarks.replaying import compose
+    from specdistill.decode.engine import check as chk
+    from specdistill.drafters.dspark import LLAMACPP
+    from specdistill.export.folder import export_drafter
+    from specdistill.store.drafter import save_drafter
+
+    target = load_target(compose(engine_args.set).target, training=True)
+    cfg = {"name": "dspark", "aux_layers": LAYERS, "block_size": 4, "markov_rank": 8}
+    ours = build_drafter(cfg, target)
+    save_drafter(ours, cfg, tmp_path / "best")
+    out = Path(export_drafter(ours, cfg, target, "speculators", tmp_path / "exp", k=4)["path"])
+    config = json.loads((out / "config.json").read_text())
+    config.pop("specdistill")
+    peer = tmp_path / "peer"
+    peer.mkdir()
+    save_file(load_file(str(out / "model.safetensors")), str(peer / "model.safetensors"))
+    (peer / "config.json").write_text(json.dumps(config))
+    calls = {}
+
+    def fake_check(folder, target, drafter, **kw):
+        calls["peer" if kw["serving"] else "ours"] = (Path(folder), drafter, kw)
+        return {"summary": {"engine": kw["engine"], "loaded": True, "verdict": "pass",
+                            "spec_equals_plain": 3, "prompts": 3}}
+
+    monkeypatch.setattr(chk, "engine_check", fake_check)
+    engine_args.arms = ["ours-dspark", "speculators-dspark-close"]
+    results = {"ours-dspark": {"train": {"drafter": str(tmp_path / "best")}},
+               "speculators-dspark-close": {"train": {"drafter": str(peer)}}}
+    E.engine_all(engine_args, results, {"aux_layers": LAYERS})
+    folder, drafter, kw = calls["ours"]
+    assert kw["engine"] == "llamacpp" and kw["serving"] is None
+    assert json.loads((folder / "config.json").read_text())["specdistill"]["format"] == "vllm"
+    folder, drafter, kw = calls["peer"]
+    assert folder == peer and kw["engine"] == "llamacpp" and kw["serving"] is LLAMACPP
+    assert type(drafter).__name__ == "DSpark"
+    assert all(torch.equal(drafter.state_dict()[k], v) for k, v in ours.state_dict().items())
+    assert E.engine_cells(results["ours-dspark"]["engine"])[:2] == ["yes (llama.cpp)", "3/3"]

@@ -7,6 +7,8 @@ minutes on the same cores, every drafter measured in our greedy replay.
     python -m benchmarks.peers --engine ...   # and every arm's drafter in vLLM CPU (step 6)
     python -m benchmarks.peers --humaneval 20 ...   # the replay on HumanEval prompts too
     python -m benchmarks.peers --schedule-steps ours=166 speculators-close=161 ...  # fitted schedules
+    python -m benchmarks.peers --arms ours-dspark speculators-dspark-close speculators-dspark-default
+                               --engine ...   # DSpark side by side, checked in llama.cpp
 
 Steps (each skipped when its output exists, so a rerun continues):
   1. install each peer in its own virtualenv under <cache>/peers/ (venvs.py);
@@ -18,11 +20,12 @@ Steps (each skipped when its output exists, so a rerun continues):
      `nice -n 10` (arms.py; the peers through their CPU shims: speculators_cpu.py, specforge_cpu.py);
   4. rebuild each drafter from the layout it exported for vLLM (imports.py) and replay it greedily
      on the target's own answers to --prompts MT-bench prompts (k = --k): tau +- its standard error
-     over prompts, and each arm's paired gap to ours; with --humaneval N, also N HumanEval
+     over prompts, and each arm's paired gap to ours (ours-dspark for the DSpark arms); with --humaneval N, also N HumanEval
      prompts: their tau, and the paired gap over all the replayed prompts;
   5. <out>/peers.json and <out>/peers.md: the table;
-  6. with --engine: each arm's exported drafter in our vLLM CPU engine check (engine.py): loads,
-     speculative == plain, tau, tokens/s, in the same files.
+  6. with --engine: each arm's exported drafter in our engine check (engine.py): vLLM CPU for
+     EAGLE-3, llama.cpp for DSpark (vLLM's CPU build refuses it); loads, speculative == plain,
+     tau, tokens/s, in the same files.
 """
 from __future__ import annotations
 
@@ -41,6 +44,9 @@ from benchmarks.replaying import compose
 
 log = logging.getLogger("benchmarks.peers")
 ARMS = ("ours", "speculators-close", "specforge-close", "speculators-default", "specforge-default")
+# DSpark side by side (on request: --arms ours-dspark speculators-dspark-close ...): SpecForge 0.2.0
+# trains no DSpark; the engine check runs in llama.cpp (vLLM's CPU build refuses DSpark)
+DSPARK_ARMS = ("ours-dspark", "speculators-dspark-close", "speculators-dspark-default")
 
 
 def parse_args(argv=None):
@@ -53,7 +59,8 @@ def parse_args(argv=None):
                     help="HumanEval prompts replayed too (their tau, and the gap over all prompts)")
     ap.add_argument("--tokens", type=int, default=128, help="answer tokens per prompt")
     ap.add_argument("--k", type=int, default=2, help="draft length of the replay")
-    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS + DSPARK_ARMS,
+                    help="default: the EAGLE-3 arms; the DSpark arms by name")
     ap.add_argument("--set", nargs="*", default=[], help="more overrides of our job (all arms' data)")
     ap.add_argument("--schedule-steps", nargs="*", default=[], metavar="ARM=STEPS",
                     help="an arm's schedule (ours: trainer.max_steps, so its on-policy phase and "
@@ -68,9 +75,10 @@ def parse_args(argv=None):
         args.schedule_steps = {a: int(n) for a, n in (x.split("=") for x in args.schedule_steps)}
     except ValueError:
         ap.error(f"--schedule-steps takes ARM=STEPS pairs, got {args.schedule_steps}")
-    bad = [a for a, n in args.schedule_steps.items() if a not in ARMS or n < 1]
+    bad = [a for a, n in args.schedule_steps.items() if a not in ARMS + DSPARK_ARMS or n < 1]
     if bad:
-        ap.error(f"--schedule-steps: {bad} are not arms with >= 1 step; the arms: {', '.join(ARMS)}")
+        ap.error(f"--schedule-steps: {bad} are not arms with >= 1 step; the arms: "
+                 f"{', '.join(ARMS + DSPARK_ARMS)}")
     return args
 
 
@@ -80,7 +88,7 @@ def main(argv=None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     overrides = [f"data.max_conversations={args.conversations}", *args.set]
     cfg = compose(overrides + A.OURS)
-    peers = {a.split("-")[0] for a in args.arms if a != "ours"}
+    peers = {arm.peer for arm in map(A.ArmName.parse, args.arms) if arm.peer}
     pythons = {p: ensure_peer(PEERS[p]) for p in sorted(peers)}  # 1.
     data = write_peer_data(cfg, args.out / "data", pythons)  # 2.
     log.info("data: %s", data)

@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.peers.procstat import vm_hwm_mb
@@ -25,39 +25,90 @@ OURS = ["trainer.final_eval=null", "trainer.engine_check=null", "trainer.eval_ev
         "trainer.save_every=0", "trainer.log_every=5"]
 
 
-@dataclass
-class Arm:
-    name: str
+@dataclass(frozen=True)
+class ArmName:
+    """What an arm's name says: `ours`, `<peer>-<flavour>` (EAGLE-3) or `ours-dspark`,
+    `<peer>-dspark-<flavour>` (DSpark). flavour: default (the peer's shipped settings) | close (as
+    close to our recipe as the peer allows) | ours."""
+
     peer: str | None  # None = ours
-    what: str  # one line for the table: what is set
-    args: list[str] = field(default_factory=list)
+    algo: str  # eagle3 | dspark
+    flavour: str
+
+    @classmethod
+    def parse(cls, name: str) -> "ArmName":
+        parts = name.split("-")
+        algo = "dspark" if "dspark" in parts[1:] else "eagle3"
+        rest = [p for p in parts[1:] if p != "dspark"]
+        if parts[0] == "ours" and not rest:
+            return cls(None, algo, "ours")
+        if parts[0] != "ours" and len(rest) == 1 and rest[0] in ("default", "close"):
+            return cls(parts[0], algo, rest[0])
+        raise ValueError(f"arm {name!r}: not ours[-dspark] or <peer>[-dspark]-default|close")
+
+    @property
+    def reference(self) -> str:
+        """The arm every arm of this algorithm is paired against: our own."""
+        return "ours" if self.algo == "eagle3" else f"ours-{self.algo}"
 
 
 def speculators_args(data: Path, target_dir: Path, save: Path, close: bool,
-                     total_steps: int | None = None) -> list[str]:
-    """`speculators train` flags: its defaults (3 TTT steps, muon at lr 1e-3, full vocabulary,
-    8192 packed tokens, its EAGLE-3 norms) or as close to our default recipe as it allows (1 TTT
-    step, AdamW 1e-3 with 30 warm-up steps and a cosine, 8192-token draft vocabulary, our
-    architecture: no extra norms; 4 conversations' worth of packed tokens). Both: the schedule
-    over `total_steps` (train_arm: our default job's trainer.max_steps, or --schedule-steps fitted
-    to the minutes; None: the peer's own, for a loss check), the features from files only, and
-    4096 packed tokens a step: at its default 8192, its full-vocabulary logits of 3 TTT steps and
-    their gradients pass 20 GB (measured by its loss check), more than this 24 GB machine can give."""
+                     total_steps: int | None = None, algo: str = "eagle3",
+                     layers: tuple[int, ...] = (2, 15, 27), anchors: int | None = None) -> list[str]:
+    """`speculators train` flags for `algo`, its shipped defaults or as close to our default
+    recipe as it allows; both: the schedule over `total_steps` (train_arm: our default job's
+    trainer.max_steps, or --schedule-steps fitted to the minutes; None: the peer's own, for a loss
+    check), the features of `layers` from files only, and 4096 packed tokens a step (at its default
+    8192, EAGLE-3's full-vocabulary logits of 3 TTT steps and their gradients pass 20 GB, measured
+    by its loss check: more than this 24 GB machine can give).
+
+    eagle3: its defaults (3 TTT steps, muon at lr 1e-3, full vocabulary, its EAGLE-3 norms); close:
+    1 TTT step, AdamW 1e-3 with 30 warm-up steps and a cosine, 8192-token draft vocabulary, our
+    architecture (no extra norms).
+    dspark: its defaults (5 layers, block 8, KL, full vocabulary, muon, 512 anchors); close: ours
+    (conf/drafter/dspark.yaml): 1 layer, block 4, 8192-token vocabulary, CE 0.1 + TV 1.8 (our
+    0.9 L1 = 0.9 sum |q - p| = 1.8 TV), `anchors` anchors a step (ours: 0.1 of the scored
+    positions), AdamW 1e-3 cosine as above; the confidence head and exp(-k/4) slot weights are
+    both peers' defaults."""
     if close and not total_steps:
         raise ValueError("the close arm warms up for min(30, total_steps // 10): give total_steps")
-    base = ["--speculator-type", "eagle3", "--verifier-name-or-path", str(target_dir),
-            "--data-path", str(data), "--save-path", str(save), "--target-layer-ids", "2", "15",
-            "27", "--loss-implementation", "eager", "--draft-attn-impl", "sdpa", "--num-workers",
-            "0", "--on-missing", "raise", "--epochs", "1000", "--total-seq-len", "4096"]
+    if algo not in ("eagle3", "dspark"):
+        raise ValueError(f"algo={algo!r}: the arms train eagle3 or dspark")
+    if algo == "dspark" and close and not anchors:
+        raise ValueError("the close DSpark arm trains our share of anchors: give anchors")
+    base = ["--speculator-type", algo, "--verifier-name-or-path", str(target_dir),
+            "--data-path", str(data), "--save-path", str(save), "--target-layer-ids",
+            *map(str, layers), "--loss-implementation", "eager", "--draft-attn-impl", "sdpa",
+            "--num-workers", "0", "--on-missing", "raise", "--epochs", "1000", "--total-seq-len", "4096"]
     if total_steps is not None:
         base += ["--scheduler-total-steps", str(total_steps)]
     if not close:
         return base
-    return base + ["--ttt-steps", "1", "--optimizer", "adamw", "--lr", "1e-3",
-                   "--scheduler-type", "cosine", "--scheduler-warmup-steps",
-                   str(min(30, total_steps // 10)),
-                   "--draft-vocab-size", "8192",
-                   "--no-norm-before-residual", "--no-norm-before-fc", "--no-norm-output"]
+    schedule = ["--optimizer", "adamw", "--lr", "1e-3", "--scheduler-type", "cosine",
+                "--scheduler-warmup-steps", str(min(30, total_steps // 10)), "--draft-vocab-size", "8192"]
+    if algo == "dspark":
+        return base + schedule + ["--num-layers", "1", "--block-size", "4", "--max-anchors", str(anchors),
+                                  "--loss-fn", json.dumps({"ce": 0.1, "tv": 1.8})]
+    return base + schedule + ["--ttt-steps", "1", "--no-norm-before-residual", "--no-norm-before-fc",
+                              "--no-norm-output"]
+
+
+def close_anchors(data: dict, tokens: int = 4096, share: float = 0.1) -> int:
+    """Anchors a step of `tokens` packed tokens at our DSpark's share of the scored positions
+    (drafter.anchors = 0.1): share x tokens x the data's scored share."""
+    return max(1, round(share * tokens * data["answer_tokens"] / data["tokens"]))
+
+
+# one line for the table: what each speculators arm sets
+SPECULATORS_WHAT = {
+    ("eagle3", "close"): "1 TTT step, AdamW 1e-3 cosine, vocab 8192, our norms, 4096 packed tokens",
+    ("eagle3", "default"): "its defaults (3 TTT steps, muon 1e-3, full vocab, its norms) but 4096 "
+                           "packed tokens (8192 passes 20 GB)",
+    ("dspark", "close"): "DSpark as ours: 1 layer, block 4, vocab 8192, CE 0.1 + TV 1.8, {anchors} "
+                         "anchors, AdamW 1e-3 cosine, 4096 packed tokens",
+    ("dspark", "default"): "its DSpark defaults (5 layers, block 8, KL, full vocab, muon 1e-3, 512 "
+                           "anchors), 4096 packed tokens",
+}
 
 
 def tree_hwm_mb(pid: int) -> float:
@@ -117,33 +168,38 @@ def train_arm(name: str, args, overrides: list[str], data: dict, pythons: dict, 
     run_dir, log_file = runs / name, runs / f"{name}.log"
     env = {"OMP_NUM_THREADS": str(os.cpu_count() or 1)}  # every arm: all cores, said the same way
     steps = (getattr(args, "schedule_steps", None) or {}).get(name)  # its schedule fitted to the minutes
-    total = steps or int(cfg.trainer.max_steps)  # else our default job's length, for every arm
+    arm = ArmName.parse(name)
+    if arm.algo == "dspark":  # our DSpark job's composed config: its own trainer.max_steps
+        from benchmarks.replaying import compose
+
+        cfg = compose(overrides + OURS + ["drafter=dspark"])
+    total = steps or int(cfg.trainer.max_steps)  # else our job's length, for every arm of its algo
     fitted = f"; schedule over {steps} steps" if steps else ""
-    if name == "ours":
-        extra = [f"trainer.max_steps={steps}"] if steps else []
+    if arm.peer is None:
+        extra = ([f"trainer.max_steps={steps}"] if steps else []) + (
+            ["drafter=dspark"] if arm.algo == "dspark" else [])
         got = run_arm(ours_cmd(overrides + extra, args.minutes, run_dir), log_file, env)
-        out = {**got, **ours_report(run_dir),
-               "what": "default recipe (conf/budget/default_eagle3.yaml)" + fitted}
+        recipe = ("conf/drafter/dspark.yaml on the default job" if arm.algo == "dspark"
+                  else "default recipe (conf/budget/default_eagle3.yaml)")
+        out = {**got, **ours_report(run_dir), "what": recipe + fitted}
         out["drafter"] = str(run_dir / "best") if (run_dir / "best").exists() else None
         return out
-    peer, flavour = name.split("-")
     report = runs / f"{name}.report.json"
-    if peer == "speculators":
-        from benchmarks.peers.venvs import venv_dir  # noqa: F401  (pythons came from there)
-
+    close = arm.flavour == "close"
+    if arm.peer == "speculators":
         target_dir = target_folder(cfg)
-        cmd = [str(pythons[peer]), str(HERE / "speculators_cpu.py"), "--minutes", str(args.minutes),
+        anchors = close_anchors(data) if arm.algo == "dspark" and close else None
+        cmd = [str(pythons[arm.peer]), str(HERE / "speculators_cpu.py"), "--minutes", str(args.minutes),
                "--report", str(report), "--", *speculators_args(
-                   args.out / "data" / "speculators", target_dir, run_dir, flavour == "close",
-                   total)]
-        what = ("1 TTT step, AdamW 1e-3 cosine, vocab 8192, our norms, 4096 packed tokens"
-                if flavour == "close" else "its defaults (3 TTT steps, muon 1e-3, full vocab, its norms) "
-                "but 4096 packed tokens (8192 passes 20 GB)")
-    else:
+                   args.out / "data" / "speculators", target_dir, run_dir, close, total, arm.algo,
+                   tuple(data["aux_layers"]), anchors)]
+        what = SPECULATORS_WHAT[arm.algo, arm.flavour].format(anchors=anchors)
+    elif arm.algo == "eagle3":
         from benchmarks.peers.specforge_cpu import specforge_command
 
-        cmd, what = specforge_command(pythons[peer], args, run_dir, report, flavour == "close", cfg,
-                                      total)
+        cmd, what = specforge_command(pythons[arm.peer], args, run_dir, report, close, cfg, total)
+    else:
+        raise ValueError(f"arm {name}: {arm.peer} has no {arm.algo} arm here (speculators has)")
     got = run_arm(cmd, log_file, env)
     rep = json.loads(report.read_text()) if report.is_file() else {}
     out = {**got, "what": what + fitted, "steps": rep.get("steps"),
@@ -151,7 +207,7 @@ def train_arm(name: str, args, overrides: list[str], data: dict, pythons: dict, 
            "tokens_per_s": rep.get("tokens", 0) / rep["train_s"] if rep.get("train_s") else None,
            "stopped_by_budget": rep.get("stopped_by_budget", False),
            "peer_peak_rss_mb": rep.get("peak_rss_mb")}
-    out["drafter"] = peer_export(peer, run_dir, rep)
+    out["drafter"] = peer_export(arm.peer, run_dir, rep)
     if got["rc"] != 0 and out["drafter"] is None:
         out["error"] = last_error(log_file)
     return out

@@ -26,9 +26,8 @@ def check_command(peer: str, python: Path, data_dir: Path, target_dir: Path,
     if peer == "speculators":
         from benchmarks.peers.arms import speculators_args
 
-        train = speculators_args(data_dir / "speculators", target_dir, run_dir, close=False)
-        at = train.index("--target-layer-ids")
-        train[at + 1:at + 4] = [str(i) for i in aux_layers]  # the layers the data holds
+        train = speculators_args(data_dir / "speculators", target_dir, run_dir, close=False,
+                                 layers=tuple(aux_layers))  # the layers the data holds
         return [str(python), str(HERE / "speculators_cpu.py"), "--check-loss", "--report",
                 str(report), "--", *train, "--total-seq-len", str(SPECULATORS_CHECK_TOKENS)]
     if peer == "specforge":

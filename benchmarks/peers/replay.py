@@ -49,16 +49,20 @@ def load_arm_drafter(name: str, res: dict, target, aux_layers):
     folder = res["train"].get("drafter")
     if not folder:
         raise FileNotFoundError(f"{name}: no drafter was saved ({res['train'].get('error')})")
-    return load_drafter(folder, target).eval() if name == "ours" else import_peer(
+    from benchmarks.peers.arms import ArmName
+
+    return load_drafter(folder, target).eval() if ArmName.parse(name).peer is None else import_peer(
         folder, target, aux_layers)
 
 
 def replay_all(args, results: dict, data: dict) -> None:
     """Each arm's replay on the MT-bench answers (res["replay"]) and, with args.humaneval, on
     the HumanEval answers (res["replay_humaneval"]); each arm's paired gap to ours on MT-bench
-    (res["gap_to_ours"]) and over every replayed prompt (res["gap_to_ours_all"])."""
+    (res["gap_to_ours"]) and over every replayed prompt (res["gap_to_ours_all"]), ours being our
+    arm of the same algorithm (ArmName.reference: ours, or ours-dspark)."""
     from specdistill.target.model import load_target
 
+    from benchmarks.peers.arms import ArmName
     from benchmarks.replaying import compose
 
     target = load_target(compose(list(args.set)).target, training=True)
@@ -76,9 +80,10 @@ def replay_all(args, results: dict, data: dict) -> None:
                     res[key] = replay_drafter(target, drafter, answers, args.k, args.tokens)
         except Exception as e:  # recorded in the table, the other arms go on
             res["replay_error"] = f"{type(e).__name__}: {e}"
-    ours = results.get("ours", {})
     for name, res in arms(results).items():
-        if name == "ours" or not res.get("replay") or not ours.get("replay"):
+        ref = ArmName.parse(name).reference
+        ours = results.get(ref, {})
+        if name == ref or not res.get("replay") or not ours.get("replay"):
             continue
         res["gap_to_ours"] = paired_gap(res["replay"], ours["replay"], "tau")
         if len(sets) > 1 and all(res.get(k) and ours.get(k) for k in sets):
@@ -106,11 +111,12 @@ def table(results: dict, args) -> str:
               None)
     he_n = len(he["per_prompt"]) if he else 0
     lines = [f"| arm | set | training min | steps | target tokens/s | peak RSS (MB) | replay tau "
-             f"(k={args.k}, {args.prompts} MT-bench x {args.tokens}) | gap to ours (paired) |"
+             f"(k={args.k}, {args.prompts} MT-bench x {args.tokens}) | gap to ours (paired; a DSpark arm's "
+             f"to ours-dspark) |"
              + (f" replay tau ({he_n} HumanEval) | gap to ours, all {args.prompts + he_n} prompts |"
                 if he else "")
-             + (" vLLM loads | vLLM spec == plain | tau vLLM / our replay on its text | vLLM "
-                "tokens/s plain / spec |" if engine else ""),
+             + (" engine loads | engine spec == plain | tau engine / our replay on its text | "
+                "engine tokens/s plain / spec |" if engine else ""),
              "|---|---|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if he else "")
              + ("---|---:|---:|---:|" if engine else "")]
 

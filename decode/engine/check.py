@@ -122,18 +122,19 @@ def engine_check(export_dir: Path, target, drafter=None, *, engine: str = "vllm"
     `target`'s (the job decodes at bf16 and checks at float32: its outputs then part at ties).
     plain=False skips the engine's plain decode (no speed, no losslessness; acceptance only).
     target_dir: the target as an HF folder the engine loads (default: the target's own folder,
-    else written from `target`). serving: vLLM's entry for an export another trainer wrote (a
-    peer's: no `specdistill` block in its config.json), e.g. {"method": "eagle3"}; `drafter` is then
-    required (our reading of that export)."""
+    else written from `target`). serving: the engine's entry for an export another trainer wrote
+    (a peer's: no `specdistill` block in its config.json), vLLM's e.g. {"method": "eagle3"},
+    llama.cpp's its layout's (drafters/dspark.py LLAMACPP); `drafter` is then required (our
+    reading of that export)."""
     from specdistill.export.folder import load_export
 
     if engine not in ENGINES:
         raise ValueError(f"engine={engine!r}: engines this check runs: {', '.join(ENGINES)}")
     export_dir, out_dir = Path(export_dir), Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if serving is not None and (drafter is None or engine != "vllm"):
-        raise ValueError(f"another trainer's export (serving={serving}) is checked in vllm "
-                         f"with its drafter given (engine={engine!r}, drafter={drafter is not None})")
+    if serving is not None and drafter is None:
+        raise ValueError(f"another trainer's export (serving={serving}) is checked with our reading "
+                         f"of it given as drafter=")
     if drafter is None:  # 3. what the engine reads, read back by our decoder
         drafter = load_export(export_dir, target).to(target.device).eval()
     prompts = load_prompts(eval_kind, path=path, limit=limit, offset=offset)
@@ -149,7 +150,8 @@ def engine_check(export_dir: Path, target, drafter=None, *, engine: str = "vllm"
         raise ValueError(f"{export_dir}/config.json has no specdistill block: not written by "
                          f"`python -m train.export`; pass serving= for another trainer's export")
     summary.update(drafter=meta["drafter"]["name"] if meta else drafter.name,
-                   format=meta["format"] if meta else f"its own ({serving})")
+                   format=meta["format"] if meta else
+                   f"its own ({serving.get('method') or serving.get('spec_type')})")
     if ours:
         summary["ours_dtype"] = ours_dtype or dtype
     n_ctx = max(len(x) for x in ids) + max_new_tokens + 2 * k + 16
@@ -163,7 +165,8 @@ def engine_check(export_dir: Path, target, drafter=None, *, engine: str = "vllm"
             from specdistill.decode.engine.llamacpp_engine import run_export
 
             run = run_export(export_dir, folder, cache, k, [x.tolist() for x in ids], max_new,
-                             n_ctx, out_dir, plain=plain, threads=threads, timeout=timeout)
+                             n_ctx, out_dir, plain=plain, threads=threads, timeout=timeout,
+                             entry=serving)
     except EngineUnavailable as e:
         summary.update(loaded=False, error=str(e), verdict="engine unavailable")
         return _write(summary, [], out_dir)

@@ -67,21 +67,22 @@ def _entry(export_dir: Path) -> dict[str, Any]:
                                                 "it serves")
 
 
-def spec_type(export_dir: Path) -> tuple[str, bool]:
+def spec_type(export_dir: Path, entry: Optional[dict] = None) -> tuple[str, bool]:
     """(llama-server's --spec-type, converter needs the target folder: --target-model-dir) for an
-    export folder, from its layout's `serving` entry; ValueError naming what llama.cpp serves when
-    this one is not among it."""
-    entry = _entry(export_dir)
+    export folder, from its layout's `serving` entry (or `entry`, llama.cpp's entry for another
+    trainer's export: its layout's, e.g. drafters/dspark.py LLAMACPP); ValueError naming what
+    llama.cpp serves when this one is not among it."""
+    entry = entry or _entry(export_dir)
     return entry["spec_type"], bool(entry["needs_target"])
 
 
-def refusal(export_dir: Path) -> Optional[str]:
+def refusal(export_dir: Path, entry: Optional[dict] = None) -> Optional[str]:
     """Why llama.cpp would not serve the export folder as trained, in one line, from its layout's
-    `serving` entry `check` (the folder's config.json and tensors); None when it would, or when
-    the layout has no check."""
+    `serving` entry `check` (or `entry`'s) on the folder's config.json and tensors; None when it
+    would, or when the layout has no check."""
     from specdistill.export.folder import read_export
 
-    check = _entry(export_dir).get("check")
+    check = (entry or _entry(export_dir)).get("check")
     return None if check is None else check(*read_export(export_dir))
 
 
@@ -139,10 +140,10 @@ def gguf_target(build: LlamaCpp, target_dir: Path, cache: Path, timeout: float =
 
 
 def gguf_draft(build: LlamaCpp, export_dir: Path, target_dir: Path, out: Path,
-               timeout: float = 1800) -> Optional[str]:
-    """Our export as a GGUF draft at `out` through llama.cpp's own converter. None when it
+               timeout: float = 1800, entry: Optional[dict] = None) -> Optional[str]:
+    """An export as a GGUF draft at `out` through llama.cpp's own converter. None when it
     converted, else the converter's error line verbatim (the engine's refusal)."""
-    _, needs_target = spec_type(export_dir)
+    _, needs_target = spec_type(export_dir, entry)
     extra = ["--target-model-dir", str(target_dir)] if needs_target else []
     out.parent.mkdir(parents=True, exist_ok=True)
     out.unlink(missing_ok=True)
@@ -303,22 +304,23 @@ def run_llamacpp(build: LlamaCpp, target_gguf: Path, draft_gguf: Path, spec: str
 
 def run_export(export_dir: Path, target_dir: Path, cache: Path, k: int, prompts: list[list[int]],
                max_new_tokens: list[int], n_ctx: int, out_dir: Path, plain: bool = True,
-               threads: Optional[int] = None, timeout: float = 1800) -> dict[str, Any]:
+               threads: Optional[int] = None, timeout: float = 1800,
+               entry: Optional[dict] = None) -> dict[str, Any]:
     """The whole llama.cpp side of the engine check: the layout's own check of what llama.cpp
     reads (`refusal`), build (or reuse) llama.cpp, convert the target and the export to GGUF
     (out_dir/gguf/draft.gguf), serve and decode (run_llamacpp). A draft refused by the check or
     the converter is a result ("loaded": False, one line; the converter's own error line)."""
     from specdistill.decode.engine.llamacpp_build import llamacpp_build
 
-    spec, _ = spec_type(export_dir)
-    why = refusal(export_dir)  # before building or converting anything
+    spec, _ = spec_type(export_dir, entry)
+    why = refusal(export_dir, entry)  # before building or converting anything
     if why:
         return {"engine": "llamacpp", "loaded": False, "version": None, "load_s": {},
                 "error": why, "failed_engine": "check", "speculative_config": f"--spec-type {spec}"}
     build = llamacpp_build(cache)
     target_gguf = gguf_target(build, target_dir, cache, timeout)
     draft = Path(out_dir) / "gguf" / "draft.gguf"
-    why = gguf_draft(build, export_dir, target_dir, draft, timeout)
+    why = gguf_draft(build, export_dir, target_dir, draft, timeout, entry)
     log = draft.with_suffix(".convert.log")
     if why:
         return {"engine": "llamacpp", "loaded": False, "version": build.version, "load_s": {},

@@ -77,7 +77,7 @@ def overfit(target, cfg: dict, seqs: list[torch.Tensor], steps: int, lr: float =
         ones = torch.ones_like(s)
         features = None if not layers else final if layers == (-1,) else feats
         raw = {"input_ids": s, "attention_mask": ones, "loss_mask": ones}
-        batches.append(train_batch(raw, features, target, final, d.d2t, s.device))
+        batches.append(train_batch(raw, features, target, final, d.d2t, s.device, d))
     opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=lr)
     for step in range(steps):
         b = batches[step % len(batches)]

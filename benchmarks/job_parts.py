@@ -57,7 +57,7 @@ def scoring_ab(r, batches: int) -> dict:
     for i in range(batches + 1):
         raw = next(r.batches)
         feats, final = r.target_outputs(raw)
-        batch = train_batch(raw, feats, r.target, final, d2t, r.backend.device)
+        batch = train_batch(raw, feats, r.target, final, d2t, r.backend.device, r.drafter)
         gen = oph.anchor_generator(0, i, 0, 0)
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16,
                                              enabled=r.tcfg.precision == "bf16"):

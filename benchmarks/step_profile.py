@@ -65,7 +65,8 @@ def timed_step(r) -> dict[str, float]:
     raw = next(r.batches)
     feats, final = r.target_outputs(raw)  # offline: read and padded; online: the target's forward
     t1 = time.perf_counter()
-    batch = train_batch(raw, feats, r.target, final, getattr(r.drafter, "d2t", None), r.backend.device)
+    batch = train_batch(raw, feats, r.target, final, getattr(r.drafter, "d2t", None), r.backend.device,
+                        r.drafter)
     t2 = time.perf_counter()  # the teacher: the target's logits where the loss reads them
     own = own_steps(tcfg, r.step)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=tcfg.precision == "bf16"):

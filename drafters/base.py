@@ -63,6 +63,9 @@ class TrainBatch:
     loss_mask: torch.Tensor  # (B, T) 1 where token t is an assistant token the drafter must predict
     target_logits: torch.Tensor  # (B, T, V) target logits at t (its distribution of token t+1)
     features: torch.Tensor | None = None  # (B, T, F) target features of `feature_layers` at t
+    # (B, A) the anchors this batch trains, drawn before its teacher (Drafter.teacher_rows) by a
+    # drafter that trains a drawn share of them; None: the drafter draws (or needs) none
+    anchors: torch.Tensor | None = None
 
 
 @dataclass
@@ -273,6 +276,14 @@ class Drafter(nn.Module):
     def forward_train(self, batch: TrainBatch) -> list[DraftPrediction]:
         """Teacher-forced training predictions on a batch (trainable drafters only)."""
         raise NotImplementedError(f"drafter {self.name!r} is not trainable")
+
+    def teacher_rows(self, batch: TrainBatch) -> torch.Tensor | None:
+        """(B, T) bool: the positions whose teacher rows (target_logits) this batch's loss will
+        read, when that is fewer than every scored one, so the trainer's teacher (train/teacher.py)
+        runs the target's LM head there only; None: every scored position. Called once per batch
+        before its teacher is built; a drafter that trains a drawn share of anchors draws them
+        here into batch.anchors, and forward_train trains those."""
+        return None
 
     def forward_own(self, batch: TrainBatch, steps: int, at=None) -> list[DraftPrediction]:
         """On-policy training predictions: `steps` draft steps at every anchor, step j > 1 fed

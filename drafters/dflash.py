@@ -305,6 +305,27 @@ class DFlash(Drafter):
         return float(w[i - 1]) if w is not None else math.exp(-(i - 1) / self.cfg.loss_gamma)
 
     # -- training ---------------------------------------------------------------------------------
+    def draw(self, batch: TrainBatch) -> Optional[torch.Tensor]:
+        """The anchors (B, A) this step trains (`anchors` of them, drawn among those with a scored
+        token in their block), or None: every position."""
+        m = self.cfg.anchors
+        return None if m is None or m == 1 else draw_anchors(batch, 1, self.trained_positions(), m)
+
+    def teacher_rows(self, batch: TrainBatch) -> Optional[torch.Tensor]:
+        """The drawn anchors' blocks: draft j of the block at anchor a reads the teacher at a + j
+        (j < trained_positions()), so with anchors = 0.1 and a block of 4 about a third of the
+        positions need the target's LM head (drafters/base.py Drafter.teacher_rows). The anchors
+        are drawn here, into batch.anchors; None when every position is an anchor."""
+        drawn = self.draw(batch)
+        if drawn is None:
+            return None
+        batch.anchors = drawn
+        B, T = batch.input_ids.shape
+        j = torch.arange(self.trained_positions(), device=drawn.device)
+        where = (drawn[:, :, None] + j).clamp(max=T - 1)  # (B, A, n)
+        rows = torch.zeros(B, T, dtype=torch.bool, device=drawn.device)
+        return rows.scatter_(1, where.flatten(1), True)
+
     def block_states(self, batch: TrainBatch) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The blocks at each anchor a (every position, or `anchors` drawn): their last layer's
         states (B, A, b, H) before the final norm, slot i at position a+i, and the drawn anchors
@@ -316,8 +337,7 @@ class DFlash(Drafter):
                              f"{self.feature_layers} (width {width}); got {getattr(feats, 'shape', None)}")
         B, T = ids.shape
         b, dev = self.cfg.block_size, ids.device
-        m = self.cfg.anchors
-        drawn = None if m is None or m == 1 else draw_anchors(batch, 1, self.trained_positions(), m)
+        drawn = batch.anchors if batch.anchors is not None else self.draw(batch)
         at = torch.arange(T, device=dev).expand(B, T) if drawn is None else drawn  # (B, A)
         A = at.shape[1]
         pos = torch.arange(T, device=dev)

@@ -174,6 +174,44 @@ def test_teacher_only_where_the_loss_reads_it(target, name, own_rng):
     assert torch.isfinite(got) and torch.allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("name", ["dflash", "dspark"])
+def test_a_block_drafter_gets_its_teacher_only_at_its_drawn_blocks(target, name):
+    """With a drawn share of anchors, the teacher is built only at the drawn anchors' blocks
+    (Drafter.teacher_rows, drawn before the teacher into batch.anchors): fewer LM-head rows than
+    every scored position, and the same anchors, loss and gradients as a teacher at every one."""
+    from specdistill.data.capture import capture
+    from specdistill.train.teacher import train_batch
+
+    torch.manual_seed(0)
+    d = build_drafter({**pruned(name), "anchors": 0.3}, target)
+    randomise(d)
+    dense = make_batch(target, d)
+    feats, final = capture(target, dense.input_ids, dense.attention_mask, d.feature_layers)
+    raw = {"input_ids": dense.input_ids, "attention_mask": dense.attention_mask,
+           "loss_mask": dense.loss_mask}
+
+    def run(drafter):
+        torch.manual_seed(1)
+        batch = train_batch(raw, feats, target, final, d.d2t, "cpu", drafter)
+        d.zero_grad()
+        preds = d.forward_train(batch)
+        loss = drafter_loss(d, preds, batch, "forward_kl")[0]
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None}
+        return batch, preds[0].anchors, loss.detach(), grads
+
+    lazy, anchors, loss, grads = run(d)
+    every, anchors_every, loss_every, grads_every = run(None)
+    built = ~lazy.target_logits[..., 0].isnan()
+    assert lazy.anchors is not None and every.anchors is None
+    assert 0 < int(built.sum()) < int(counted(every, 0).sum())  # fewer LM-head rows
+    assert torch.equal(anchors, anchors_every) and torch.isfinite(loss) and torch.equal(loss, loss_every)
+    assert grads.keys() == grads_every.keys() and grads
+    for n in grads:
+        assert torch.equal(grads[n], grads_every[n]), n
+    assert d.teacher_rows(every) is not None and build_drafter(pruned(name), target).teacher_rows(every) is None
+
+
 @pytest.mark.parametrize("name", TRAINABLE)
 @pytest.mark.parametrize("prune", [False, True])
 def test_proposals_are_target_ids(target, name, prune):

@@ -279,7 +279,7 @@ class DistillRecipe:
         """The frozen target's outputs on a batch, packaged for the drafter with its teacher."""
         feats, final = self.target_outputs(raw)
         return train_batch(raw, feats, self.target, final, getattr(self.drafter, "d2t", None),
-                           self.backend.device)
+                           self.backend.device, self.drafter)
 
     def make_batches(self, raw: dict[str, torch.Tensor]):
         """The micro-batch's TrainBatches: the whole rows, or with trainer.window, rows longer than
@@ -295,7 +295,8 @@ class DistillRecipe:
         for i, (cut, share) in enumerate(spans):
             part = {k: raw[k][:, cut] for k in ("input_ids", "attention_mask", "loss_mask")}
             yield (train_batch(part, None if feats is None else feats[:, cut], self.target,
-                               final[:, cut], d2t, self.backend.device), share, i == len(spans) - 1)
+                               final[:, cut], d2t, self.backend.device, self.drafter), share,
+                   i == len(spans) - 1)
 
     def target_outputs(self, raw: dict[str, torch.Tensor]):
         """(features of the drafter's layers or None, final hidden): read from the offline capture,

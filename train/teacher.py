@@ -28,13 +28,19 @@ def teacher_logits(target, final_hidden: torch.Tensor, d2t: torch.Tensor | None,
 
 
 def train_batch(raw: dict[str, torch.Tensor], feats: torch.Tensor | None, target,
-                final_hidden: torch.Tensor, d2t: torch.Tensor | None, device) -> TrainBatch:
+                final_hidden: torch.Tensor, d2t: torch.Tensor | None, device, drafter=None) -> TrainBatch:
     """A training micro-batch on `device` from collated rows `raw` (input_ids, attention_mask,
     loss_mask) and the target's outputs on them (features of the drafter's layers, final hidden
-    state): the teacher's logits only where a loss reads them (teacher_logits)."""
+    state): the teacher's logits only where a loss reads them (teacher_logits): the scored
+    positions, and of those only the ones `drafter`'s loss will read when it says so
+    (Drafter.teacher_rows: a block drafter's drawn anchors' blocks, drawn here)."""
     batch = TrainBatch(*(raw[k].to(device) for k in ("input_ids", "attention_mask", "loss_mask")),
                        target_logits=torch.empty(0),
                        features=None if feats is None else feats.to(device).clone())
-    at = counted(batch, 0).to(final_hidden.device)  # (B, T)
+    at = counted(batch, 0)  # (B, T)
+    rows = None if drafter is None else drafter.teacher_rows(batch)
+    if rows is not None:
+        at = at & rows
+    at = at.to(final_hidden.device)
     batch.target_logits = teacher_logits(target, final_hidden, d2t, at).to(device)  # no copy on CPU
     return batch

@@ -20,8 +20,8 @@ Steps (each skipped when its output exists, so a rerun continues):
      `nice -n 10` (arms.py; the peers through their CPU shims: speculators_cpu.py, specforge_cpu.py);
   4. rebuild each drafter from the layout it exported for vLLM (imports.py) and replay it greedily
      on the target's own answers to --prompts MT-bench prompts (k = --k): tau +- its standard error
-     over prompts, and each arm's paired gap to ours (ours-dspark for the DSpark arms); with --humaneval N, also N HumanEval
-     prompts: their tau, and the paired gap over all the replayed prompts;
+     over prompts, and each arm's paired gap to ours (ours-dspark for the DSpark arms); with
+     --humaneval N, also N HumanEval prompts: their tau, and the paired gap over all the replayed prompts;
   5. <out>/peers.json and <out>/peers.md: the table;
   6. with --engine: each arm's exported drafter in our engine check (engine.py): vLLM CPU for
      EAGLE-3, llama.cpp for DSpark (vLLM's CPU build refuses it); loads, speculative == plain,

@@ -163,8 +163,8 @@ def batch_plot(rows: list[dict], path: Path, title: str = "") -> Path:
 
 
 def batch_main(target: Any, drafter: Any, prompts: Sequence, args, head: list[str]) -> None:
-    """`python -m benchmarks.decode_speed --batch` (benchmarks/decode_speed.py parses and checks the arguments): the
-    table, plot and rows for one target and one drafter, printed and written to args.out."""
+    """`python -m benchmarks.decode_speed --batch` (benchmarks/decode_speed.py parses and checks the
+    arguments): the table, plot and rows for one target and one drafter, printed and written to args.out."""
     ids = [render(target, p.turns[:1], []) for p in prompts]
     rows = run_batch_bench(target, drafter, ids, batch_sizes=args.batch_sizes,
                            modes=args.batch_modes, k=args.k, max_new_tokens=args.max_new_tokens,

@@ -274,7 +274,8 @@ def test_no_reexport_shims():
     assert not shims, "re-export shims:\n  " + "\n  ".join(shims)
 
 
-PYTHON_FILES = [*MODULES.values(), *sorted((ROOT / "tests").rglob("*.py"))]  # sources + tests
+PYTHON_FILES = [*MODULES.values(), *(p for d in ("tests", "benchmarks", "launch")  # sources, tests, tools
+                                     for p in sorted((ROOT / d).rglob("*.py")))]
 ENGINE_NAMES_OF_K = {"speculative_tokens", "num_speculative_tokens"}  # the engines' keys, not ours
 
 

@@ -240,4 +240,5 @@ def peer_export(peer: str, run_dir: Path, rep: dict) -> str | None:
 
 def last_error(log_file: Path) -> str:
     lines = [l.strip() for l in log_file.read_text(errors="replace").splitlines() if l.strip()]
-    return next((l for l in reversed(lines) if "Error" in l or "error" in l), lines[-1] if lines else "")[:300]
+    errors = (l for l in reversed(lines) if "Error" in l or "error" in l)
+    return next(errors, lines[-1] if lines else "")[:300]

@@ -586,6 +586,35 @@ def test_the_dspark_arms_train_our_dspark_job_and_speculators_dspark_as_it_ships
         A.speculators_args(tmp_path, tmp_path, tmp_path, True, 10, "dspark")
 
 
+@pytest.mark.parametrize("native, dtype", [(True, "bfloat16"), (False, "float32")])
+def test_a_close_speculators_arm_trains_in_our_resolved_precision_its_default_in_its_own(
+        tmp_path, monkeypatch, native, dtype):
+    """trainer.precision=auto is fp32 on a CPU without native bf16 (an AVX2 EPYC, where speculators'
+    bf16 autocast made 17 DSpark steps in 10 minutes to our 270): the close arms are given our
+    resolved precision as --hidden-states-dtype, the default arms keep speculators' own."""
+    from benchmarks.peers import arms as A
+    from benchmarks.peers.__main__ import parse_args
+    from benchmarks.replaying import compose
+
+    monkeypatch.setattr("specdistill.train.precision.native_bf16", lambda device: (native, "", None))
+    args = parse_args(["--out", str(tmp_path), "--minutes", "1", "--arms", "speculators-close",
+                       "speculators-default", "speculators-dspark-close"])
+    cmds = {}
+    monkeypatch.setattr(A, "run_arm", lambda cmd, log, env: cmds.setdefault(log.stem, cmd) and {
+        "rc": 0, "wall_s": 0.0, "peak_rss_mb": 0.0})
+    monkeypatch.setattr(A, "target_folder", lambda cfg: tmp_path / "target")
+    data = {"aux_layers": LAYERS, "tokens": 1000, "answer_tokens": 500}
+    whats = {name: A.train_arm(name, args, [], data, {"speculators": Path("/py")}, compose([]))["what"]
+             for name in args.arms}
+    for name in ("speculators-close", "speculators-dspark-close"):
+        cmd = cmds[name]
+        assert cmd[cmd.index("--hidden-states-dtype") + 1] == dtype, name
+        assert ("bf16" if native else "fp32") + " as ours" in whats[name]
+    assert "--hidden-states-dtype" not in cmds["speculators-default"]
+    with pytest.raises(ValueError, match="precision"):
+        A.speculators_args(tmp_path, tmp_path, tmp_path, True, 10, precision="fp16")
+
+
 def test_the_dspark_arms_go_to_llamacpp_ours_exported_and_the_peers_folder_as_it_wrote_it(
         engine_args, tmp_path, monkeypatch):
     """vLLM's CPU build refuses DSpark: both DSpark arms are checked in llama.cpp, ours exported in

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.peers.procstat import vm_hwm_mb
+from specdistill.train.precision import training_precision
 
 HERE = Path(__file__).resolve().parent
 # the default job at the benchmark's data size: its recipe (conf/budget/default_eagle3.yaml),
@@ -54,7 +55,8 @@ class ArmName:
 
 def speculators_args(data: Path, target_dir: Path, save: Path, close: bool,
                      total_steps: int | None = None, algo: str = "eagle3",
-                     layers: tuple[int, ...] = (2, 15, 27), anchors: int | None = None) -> list[str]:
+                     layers: tuple[int, ...] = (2, 15, 27), anchors: int | None = None,
+                     precision: str = "bf16") -> list[str]:
     """`speculators train` flags for `algo`, its shipped defaults or as close to our default
     recipe as it allows; both: the schedule over `total_steps` (train_arm: our default job's
     trainer.max_steps, or --schedule-steps fitted to the minutes; None: the peer's own, for a loss
@@ -69,11 +71,19 @@ def speculators_args(data: Path, target_dir: Path, save: Path, close: bool,
     (conf/drafter/dspark.yaml): 1 layer, block 4, 8192-token vocabulary, CE 0.1 + TV 1.8 (our
     0.9 L1 = 0.9 sum |q - p| = 1.8 TV), `anchors` anchors a step (ours: 0.1 of the scored
     positions), AdamW 1e-3 cosine as above; the confidence head and exp(-k/4) slot weights are
-    both peers' defaults."""
+    both peers' defaults.
+
+    `precision` (close arms): our job's training precision on this machine (trainer.precision=auto:
+    bf16 where the CPU runs it natively, else fp32), given to speculators as --hidden-states-dtype,
+    its autocast dtype (bf16 unless told: on a CPU without native bf16, an AVX2 EPYC, its bf16
+    autocast made 17 steps in 10 minutes where ours, at fp32, made 270); the default arms keep its
+    bf16."""
     if close and not total_steps:
         raise ValueError("the close arm warms up for min(30, total_steps // 10): give total_steps")
     if algo not in ("eagle3", "dspark"):
         raise ValueError(f"algo={algo!r}: the arms train eagle3 or dspark")
+    if precision not in ("bf16", "fp32"):
+        raise ValueError(f"precision={precision!r}: our resolved trainer.precision is bf16 or fp32")
     if algo == "dspark" and close and not anchors:
         raise ValueError("the close DSpark arm trains our share of anchors: give anchors")
     base = ["--speculator-type", algo, "--verifier-name-or-path", str(target_dir),
@@ -85,7 +95,8 @@ def speculators_args(data: Path, target_dir: Path, save: Path, close: bool,
     if not close:
         return base
     schedule = ["--optimizer", "adamw", "--lr", "1e-3", "--scheduler-type", "cosine",
-                "--scheduler-warmup-steps", str(min(30, total_steps // 10)), "--draft-vocab-size", "8192"]
+                "--scheduler-warmup-steps", str(min(30, total_steps // 10)), "--draft-vocab-size", "8192",
+                "--hidden-states-dtype", {"bf16": "bfloat16", "fp32": "float32"}[precision]]
     if algo == "dspark":
         return base + schedule + ["--num-layers", "1", "--block-size", "4", "--max-anchors", str(anchors),
                                   "--loss-fn", json.dumps({"ce": 0.1, "tv": 1.8})]
@@ -101,11 +112,12 @@ def close_anchors(data: dict, tokens: int = 4096, share: float = 0.1) -> int:
 
 # one line for the table: what each speculators arm sets
 SPECULATORS_WHAT = {
-    ("eagle3", "close"): "1 TTT step, AdamW 1e-3 cosine, vocab 8192, our norms, 4096 packed tokens",
+    ("eagle3", "close"): "1 TTT step, AdamW 1e-3 cosine, vocab 8192, our norms, 4096 packed tokens, "
+                         "{precision} as ours",
     ("eagle3", "default"): "its defaults (3 TTT steps, muon 1e-3, full vocab, its norms) but 4096 "
                            "packed tokens (8192 passes 20 GB)",
     ("dspark", "close"): "DSpark as ours: 1 layer, block 4, vocab 8192, CE 0.1 + TV 1.8, {anchors} "
-                         "anchors, AdamW 1e-3 cosine, 4096 packed tokens",
+                         "anchors, AdamW 1e-3 cosine, 4096 packed tokens, {precision} as ours",
     ("dspark", "default"): "its DSpark defaults (5 layers, block 8, KL, full vocab, muon 1e-3, 512 "
                            "anchors), 4096 packed tokens",
 }
@@ -189,11 +201,12 @@ def train_arm(name: str, args, overrides: list[str], data: dict, pythons: dict, 
     if arm.peer == "speculators":
         target_dir = target_folder(cfg)
         anchors = close_anchors(data) if arm.algo == "dspark" and close else None
+        precision = training_precision(cfg.trainer.precision, cfg.trainer.capture_autocast, "cpu")[0]
         cmd = [str(pythons[arm.peer]), str(HERE / "speculators_cpu.py"), "--minutes", str(args.minutes),
                "--report", str(report), "--", *speculators_args(
                    args.out / "data" / "speculators", target_dir, run_dir, close, total, arm.algo,
-                   tuple(data["aux_layers"]), anchors)]
-        what = SPECULATORS_WHAT[arm.algo, arm.flavour].format(anchors=anchors)
+                   tuple(data["aux_layers"]), anchors, precision)]
+        what = SPECULATORS_WHAT[arm.algo, arm.flavour].format(anchors=anchors, precision=precision)
     elif arm.algo == "eagle3":
         from benchmarks.peers.specforge_cpu import specforge_command
 

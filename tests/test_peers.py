@@ -176,6 +176,13 @@ def test_a_peer_export_is_rebuilt_exactly(target, engine, tmp_path):
     (folder / "config.json").write_text(json.dumps(config))
     assert peer_format(config) == engine
     back = import_peer(folder, target, LAYERS)
+    a, b = same_weights_and_drafts(ours, back, target, 3)
+    assert torch.equal(a.tokens, b.tokens)
+
+
+def same_weights_and_drafts(ours, back, target, k: int):
+    """Asserts `back` holds `ours`' weights exactly; both drafters' greedy k-token drafts on one
+    random context of the target's features."""
     for name, v in ours.state_dict().items():
         assert torch.equal(back.state_dict()[name], v), name
     ids = torch.randint(5, 1000, (12,))
@@ -183,8 +190,7 @@ def test_a_peer_export_is_rebuilt_exactly(target, engine, tmp_path):
     state = DecodeState(tokens=ids, features=feats)
     greedy = SamplingParams(temperature=0.0)
     with torch.inference_mode():
-        assert torch.equal(ours.eval().propose(state, 3, greedy).tokens,
-                           back.propose(state, 3, greedy).tokens)
+        return ours.eval().propose(state, k, greedy), back.propose(state, k, greedy)
 
 
 @pytest.mark.parametrize("head", ["vanilla", "gated"])
@@ -219,14 +225,7 @@ def test_a_speculators_dspark_export_is_rebuilt_exactly(target, head, tmp_path):
     (peer / "config.json").write_text(json.dumps(config))
     back = import_peer(peer, target, LAYERS)
     assert type(back).__name__ == "DSpark" and back.cfg.markov_head_type == head
-    for name, v in ours.state_dict().items():
-        assert torch.equal(back.state_dict()[name], v), name
-    ids = torch.randint(5, 1000, (12,))
-    feats = target.forward(ids[None], layers=tuple(LAYERS), logits=False).features[0, :-1]
-    state = DecodeState(tokens=ids, features=feats)
-    greedy = SamplingParams(temperature=0.0)
-    with torch.inference_mode():
-        a, b = ours.eval().propose(state, 4, greedy), back.propose(state, 4, greedy)
+    a, b = same_weights_and_drafts(ours, back, target, 4)
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.accept_prob, b.accept_prob)
     with pytest.raises(ValueError, match="not the layers its features came from"):
         import_dspark(peer, config, target, [0, 1, 2])

@@ -547,17 +547,14 @@ def test_arm_names_say_peer_algorithm_and_flavour():
             ArmName.parse(bad)
 
 
-def test_the_dspark_arms_train_our_dspark_job_and_speculators_dspark_as_it_ships_or_as_ours(
-        tmp_path, monkeypatch):
-    """ours-dspark: the default job with drafter=dspark; speculators' DSpark: its defaults (no
-    shaping flag), or ours (1 layer, block 4, vocab 8192, CE 0.1 + TV 1.8 = our 0.9 L1, our share of
-    anchors); both on the data's layers, scheduled over our DSpark job's length."""
+def commands_of_arms(tmp_path, monkeypatch, *arms: str) -> tuple[dict, dict, dict]:
+    """Each arm's training command and table line as train_arm makes them (nothing runs), on data
+    of 1000 tokens, half of them scored."""
     from benchmarks.peers import arms as A
     from benchmarks.peers.__main__ import parse_args
     from benchmarks.replaying import compose
 
-    args = parse_args(["--out", str(tmp_path), "--minutes", "1", "--arms", "ours-dspark",
-                       "speculators-dspark-close", "speculators-dspark-default"])
+    args = parse_args(["--out", str(tmp_path), "--minutes", "1", "--arms", *arms])
     cmds = {}
     monkeypatch.setattr(A, "run_arm", lambda cmd, log, env: cmds.setdefault(log.stem, cmd) and {
         "rc": 0, "wall_s": 0.0, "peak_rss_mb": 0.0})
@@ -566,6 +563,19 @@ def test_the_dspark_arms_train_our_dspark_job_and_speculators_dspark_as_it_ships
     data = {"aux_layers": LAYERS, "tokens": 1000, "answer_tokens": 500}
     whats = {name: A.train_arm(name, args, [], data, {"speculators": Path("/py")}, compose([]))["what"]
              for name in args.arms}
+    return cmds, whats, data
+
+
+def test_the_dspark_arms_train_our_dspark_job_and_speculators_dspark_as_it_ships_or_as_ours(
+        tmp_path, monkeypatch):
+    """ours-dspark: the default job with drafter=dspark; speculators' DSpark: its defaults (no
+    shaping flag), or ours (1 layer, block 4, vocab 8192, CE 0.1 + TV 1.8 = our 0.9 L1, our share of
+    anchors); both on the data's layers, scheduled over our DSpark job's length."""
+    from benchmarks.peers import arms as A
+    from benchmarks.replaying import compose
+
+    cmds, whats, data = commands_of_arms(tmp_path, monkeypatch, "ours-dspark", "speculators-dspark-close",
+                                         "speculators-dspark-default")
     assert "drafter=dspark" in cmds["ours-dspark"] and "dspark" in whats["ours-dspark"]
     length = str(compose(A.OURS + ["drafter=dspark"]).trainer.max_steps)
     close, dflt = cmds["speculators-dspark-close"], cmds["speculators-dspark-default"]
@@ -592,19 +602,10 @@ def test_a_close_speculators_arm_trains_in_our_resolved_precision_its_default_in
     bf16 autocast made 17 DSpark steps in 10 minutes to our 270): the close arms are given our
     resolved precision as --hidden-states-dtype, the default arms keep speculators' own."""
     from benchmarks.peers import arms as A
-    from benchmarks.peers.__main__ import parse_args
-    from benchmarks.replaying import compose
 
     monkeypatch.setattr("specdistill.train.precision.native_bf16", lambda device: (native, "", None))
-    args = parse_args(["--out", str(tmp_path), "--minutes", "1", "--arms", "speculators-close",
-                       "speculators-default", "speculators-dspark-close"])
-    cmds = {}
-    monkeypatch.setattr(A, "run_arm", lambda cmd, log, env: cmds.setdefault(log.stem, cmd) and {
-        "rc": 0, "wall_s": 0.0, "peak_rss_mb": 0.0})
-    monkeypatch.setattr(A, "target_folder", lambda cfg: tmp_path / "target")
-    data = {"aux_layers": LAYERS, "tokens": 1000, "answer_tokens": 500}
-    whats = {name: A.train_arm(name, args, [], data, {"speculators": Path("/py")}, compose([]))["what"]
-             for name in args.arms}
+    cmds, whats, _ = commands_of_arms(tmp_path, monkeypatch, "speculators-close", "speculators-default",
+                                      "speculators-dspark-close")
     for name in ("speculators-close", "speculators-dspark-close"):
         cmd = cmds[name]
         assert cmd[cmd.index("--hidden-states-dtype") + 1] == dtype, name

@@ -53,6 +53,9 @@ class ArmName:
         return "ours" if self.algo == "eagle3" else f"ours-{self.algo}"
 
 
+SPECULATORS_DTYPE = {"bf16": "bfloat16", "fp32": "float32"}  # our trainer.precision -> its dtype name
+
+
 def speculators_args(data: Path, target_dir: Path, save: Path, close: bool,
                      total_steps: int | None = None, algo: str = "eagle3",
                      layers: tuple[int, ...] = (2, 15, 27), anchors: int | None = None,
@@ -82,7 +85,7 @@ def speculators_args(data: Path, target_dir: Path, save: Path, close: bool,
         raise ValueError("the close arm warms up for min(30, total_steps // 10): give total_steps")
     if algo not in ("eagle3", "dspark"):
         raise ValueError(f"algo={algo!r}: the arms train eagle3 or dspark")
-    if precision not in ("bf16", "fp32"):
+    if precision not in SPECULATORS_DTYPE:
         raise ValueError(f"precision={precision!r}: our resolved trainer.precision is bf16 or fp32")
     if algo == "dspark" and close and not anchors:
         raise ValueError("the close DSpark arm trains our share of anchors: give anchors")
@@ -96,7 +99,7 @@ def speculators_args(data: Path, target_dir: Path, save: Path, close: bool,
         return base
     schedule = ["--optimizer", "adamw", "--lr", "1e-3", "--scheduler-type", "cosine",
                 "--scheduler-warmup-steps", str(min(30, total_steps // 10)), "--draft-vocab-size", "8192",
-                "--hidden-states-dtype", {"bf16": "bfloat16", "fp32": "float32"}[precision]]
+                "--hidden-states-dtype", SPECULATORS_DTYPE[precision]]
     if algo == "dspark":
         return base + schedule + ["--num-layers", "1", "--block-size", "4", "--max-anchors", str(anchors),
                                   "--loss-fn", json.dumps({"ce": 0.1, "tv": 1.8})]

@@ -7,6 +7,7 @@ the speculators export against speculators' DFlash forward rebuilt from the file
 tests/test_eagle3.py, loaded by the speculators release itself)."""
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -129,15 +130,14 @@ def test_training_logits_equal_the_decode_forward(target, cfg):
 
 
 def test_blocks_in_chunks_give_the_same_logits_and_gradients(target, monkeypatch):
-    """With room for 3 blocks per chunk (checkpointed), the loss and every gradient equal the
-    one-chunk computation's."""
+    """Attended 3 blocks at a time, the loss and every gradient equal the one-chunk computation's."""
     import specdistill.drafters.parts.attention as attention
 
     d = make(target, block_size=4, num_layers=2)
     batch = feature_batch(target, d)
     results = []
-    for budget in (attention.SCORES_PER_CHUNK, 3 * 2 * 4 * 4 * (14 + 4)):  # B h b (T + b)
-        monkeypatch.setattr(attention, "SCORES_PER_CHUNK", budget)
+    for per_chunk in (10 ** 9, 3):
+        monkeypatch.setattr(attention, "blocks_per_chunk", lambda T, b, n=per_chunk: n)
         d.zero_grad()
         loss, _ = distill_loss(d.forward_train(batch), batch)
         loss.backward()
@@ -148,6 +148,35 @@ def test_blocks_in_chunks_give_the_same_logits_and_gradients(target, monkeypatch
     assert g1.keys() == g2.keys() and len(g1) > 10
     for n in g1:
         torch.testing.assert_close(g2[n], g1[n], atol=1e-6, rtol=1e-5)
+
+
+def test_block_attention_is_each_blocks_softmax_over_its_context_and_itself():
+    """Against a plain per-block softmax: block a's queries see the context where seen[a] says and
+    the b keys of their own block, nothing else (outputs and the gradients of every input)."""
+    from specdistill.drafters.parts.attention import block_attention
+
+    B, h, kv, d, A, b, T = 2, 4, 2, 8, 5, 3, 32  # blocks_per_chunk: all 5 blocks in one call
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, n, A * b, d, generator=g, requires_grad=True) for n in (h, kv, kv))
+    ck, cv = (torch.randn(B, kv, T, d, generator=g, requires_grad=True) for _ in range(2))
+    seen = torch.rand(B, A, T, generator=g) < 0.6
+    seen[0, 0] = False  # a block at anchor 0 sees no context: its own keys only
+
+    def reference():
+        out = torch.empty(B, h, A * b, d)
+        for r, a, head in itertools.product(range(B), range(A), range(h)):
+            rows, j = slice(a * b, (a + 1) * b), head // (h // kv)
+            keys = torch.cat([ck[r, j][seen[r, a]], k[r, j, rows]])
+            vals = torch.cat([cv[r, j][seen[r, a]], v[r, j, rows]])
+            p = (q[r, head, rows] @ keys.T * d ** -0.5).softmax(-1)
+            out[r, head, rows] = p @ vals
+        return out
+
+    got, want = block_attention(q, k, v, ck, cv, seen, b), reference()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    grads = [torch.autograd.grad(x.pow(2).sum(), (q, k, v, ck, cv)) for x in (got, want)]
+    for a_, b_ in zip(*grads):
+        torch.testing.assert_close(a_, b_, atol=1e-5, rtol=1e-5)
 
 
 def test_drawn_anchors_match_the_all_anchor_logits_and_train(target):

@@ -5,10 +5,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
-
-SCORES_PER_CHUNK = 1 << 26  # attention scores (fp32: 256 MB) one chunk of blocks may hold
-
 
 def ttt_attention(q, k, v, steps: list, causal: torch.Tensor) -> torch.Tensor:
     """Training-time-test attention of one layer for one step; appends this step's (k, v) to steps.
@@ -31,39 +27,33 @@ def ttt_attention(q, k, v, steps: list, causal: torch.Tensor) -> torch.Tensor:
     return p[..., :T] @ v0 + (p[..., T:, None] * vd).sum(-2)  # (B, h, T, d)
 
 
+def blocks_per_chunk(T: int, b: int) -> int:
+    """Blocks of b queries one block_attention call attends together: their own keys, which every
+    query of the chunk is scored against (masked), stay at most half the context's T."""
+    return max(1, T // (2 * b))
+
+
 def block_attention(q, k, v, ctx_k, ctx_v, seen: torch.Tensor, b: int) -> torch.Tensor:
     """Training attention of A blocks of b queries per row: q (B, h, A*b, d); the blocks' own keys
     k, v (B, kv, A*b, d), each block seeing all of its own b (bidirectional) and no other block's;
-    the context ctx_k, ctx_v (B, kv, T, d) where seen (B, A, T) says so -> (B, h, A*b, d). The
-    blocks go in chunks of at most SCORES_PER_CHUNK scores, each recomputed in the backward pass
-    (activation checkpointing), so memory stays bounded at long contexts and many anchors."""
+    the context ctx_k, ctx_v (B, kv, T, d) where seen (B, A, T) says so -> (B, h, A*b, d).
+
+    One fused scaled_dot_product_attention per chunk of blocks (blocks_per_chunk) over the
+    context's keys followed by the chunk's own keys, under a boolean mask: the kernel keeps no
+    (queries x keys) score tensor for the backward, where an eager softmax over both key sets held
+    several (DSpark's default step: +50 MB instead of +250 MB, 0.5x the time; BENCHMARKS.md "DSpark's
+    memory")."""
     B, h, Q, d = q.shape
     A, T = Q // b, ctx_k.shape[2]
-    step = max(1, SCORES_PER_CHUNK // (B * h * b * (T + b)))  # blocks per chunk
-    if step >= A:
-        return _blocks(q, k, v, ctx_k, ctx_v, seen, b)
+    step = blocks_per_chunk(T, b)
     outs = []
     for a in range(0, A, step):
-        rows = slice(a * b, min(A, a + step) * b)
-        args = (q[:, :, rows], k[:, :, rows], v[:, :, rows], ctx_k, ctx_v, seen[:, a:a + step], b)
-        outs.append(checkpoint(_blocks, *args, use_reentrant=False) if torch.is_grad_enabled()
-                    else _blocks(*args))
-    return torch.cat(outs, dim=2)
-
-
-def _blocks(q, k, v, ctx_k, ctx_v, seen: torch.Tensor, b: int) -> torch.Tensor:
-    """block_attention for one chunk: one softmax over both key sets, in fp32."""
-    B, h, Q, d = q.shape
-    kv, A = k.shape[1], Q // b
-    g = h // kv
-    qg = q.reshape(B, kv, g, A, b, d)
-    own = torch.einsum("bkgaid,bkajd->bkgaij", qg, k.reshape(B, kv, A, b, d))  # (B, kv, g, A, b, b)
-    ctx = torch.matmul(q.reshape(B, kv, g * Q, d), ctx_k.transpose(-1, -2))  # (B, kv, g*Q, T)
-    ctx = ctx.view(B, kv, g, A, b, -1).float()
-    low = torch.finfo(torch.float32).min
-    ctx = ctx.masked_fill(~seen[:, None, None, :, None, :], low)
-    p = torch.cat([ctx, own.float()], dim=-1).mul(d ** -0.5).softmax(-1).to(q.dtype)
-    T = ctx_k.shape[2]
-    out = torch.matmul(p[..., :T].reshape(B, kv, g * Q, T), ctx_v).view(B, kv, g, A, b, d)
-    out = out + torch.einsum("bkgaij,bkajd->bkgaid", p[..., T:], v.reshape(B, kv, A, b, d))
-    return out.reshape(B, h, Q, d)
+        n = min(A, a + step) - a
+        rows = slice(a * b, (a + n) * b)
+        block = torch.arange(n * b, device=q.device) // b
+        own = (block[:, None] == block[None, :]).expand(B, -1, -1)  # (B, n*b, n*b)
+        mask = torch.cat([seen[:, a:a + n].repeat_interleave(b, dim=1), own], dim=-1)
+        keys, values = (torch.cat([c, x[:, :, rows]], dim=2) for c, x in ((ctx_k, k), (ctx_v, v)))
+        outs.append(F.scaled_dot_product_attention(q[:, :, rows], keys, values,
+                                                   attn_mask=mask[:, None], enable_gqa=True))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)

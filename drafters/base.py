@@ -61,11 +61,56 @@ class TrainBatch:
     input_ids: torch.Tensor  # (B, T) long, right-padded
     attention_mask: torch.Tensor  # (B, T) 1 on real tokens, 0 on padding
     loss_mask: torch.Tensor  # (B, T) 1 where token t is an assistant token the drafter must predict
-    target_logits: torch.Tensor  # (B, T, V) target logits at t (its distribution of token t+1)
+    # (B, T, V) target logits at t (its distribution of token t+1): a dense tensor, or TeacherRows
+    # (the trainer's: only the positions a loss reads), indexed by position alike
+    target_logits: torch.Tensor | TeacherRows
     features: torch.Tensor | None = None  # (B, T, F) target features of `feature_layers` at t
     # (B, A) the anchors this batch trains, drawn before its teacher (Drafter.teacher_rows) by a
     # drafter that trains a drawn share of them; None: the drafter draws (or needs) none
     anchors: torch.Tensor | None = None
+
+
+class TeacherRows:
+    """The target's logits at the positions a loss reads, compact: `rows` (M + 1, V) and `index`
+    (B, T) into them, row M all NaN and indexed by every other position, so a read there shows up
+    as a non-finite loss instead of a quiet wrong teacher. Indexed by position like the dense
+    (B, T, V) tensor it stands for ([b, t] with index tensors, or a (B, T) bool mask -> (..., V)),
+    it holds M rows where the dense one held B * T (a block drafter's loss reads about a third
+    of the positions: train/teacher.py)."""
+
+    def __init__(self, rows: torch.Tensor, at: torch.Tensor) -> None:
+        """rows (M + 1, V): the logits at the M True positions of `at` (B, T) in row-major order,
+        then a NaN row."""
+        if rows.shape[0] != int(at.sum()) + 1 or not bool(rows[-1].isnan().all()):
+            raise ValueError(f"TeacherRows: {rows.shape[0]} rows for {int(at.sum())} positions; "
+                             f"give one per True of `at`, then one NaN row")
+        self.rows = rows
+        self.index = torch.full(at.shape, rows.shape[0] - 1, dtype=torch.long, device=rows.device)
+        self.index[at.to(rows.device)] = torch.arange(rows.shape[0] - 1, device=rows.device)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((*self.index.shape, self.rows.shape[-1]))
+
+    @property
+    def device(self) -> torch.device:
+        return self.rows.device
+
+    @property
+    def known(self) -> torch.Tensor:  # (B, T) bool: the positions that have their rows
+        return self.index < self.rows.shape[0] - 1
+
+    def __getitem__(self, key) -> torch.Tensor:
+        return self.rows[self.index[key]]
+
+    def to(self, device) -> TeacherRows:
+        out = TeacherRows.__new__(TeacherRows)
+        out.rows, out.index = self.rows.to(device), self.index.to(device)
+        return out
+
+    def dense(self) -> torch.Tensor:
+        """The (B, T, V) tensor it stands for (NaN where no loss reads)."""
+        return self.rows[self.index]
 
 
 @dataclass

@@ -303,7 +303,10 @@ class DistillRecipe:
         or the target's forward (online capture)."""
         if self.offline is not None and "index" in raw:  # on-policy batches have no captured rows
             idx = raw["index"].tolist()
-            return self.offline.batch(idx, [self.train_ds[i] for i in idx], raw["input_ids"].shape[1])
+            try:
+                return self.offline.batch(idx, [self.train_ds[i] for i in idx], raw["input_ids"].shape[1])
+            finally:  # unmapped once read: a reopen costs a header parse, the pages stay in the OS's
+                self.offline.release()  # file cache; mapped, they counted in the job's memory
         with autocast(self.target, self.tcfg.capture_autocast):  # as an offline capture's
             feats, final = capture(self.target, raw["input_ids"], raw["attention_mask"],
                                    self.drafter.feature_layers, self.tcfg.capture_chunk)
@@ -380,7 +383,7 @@ class DistillRecipe:
                 self.loggers.log({**metrics, "target_tokens_per_s": seen * self.backend.world_size
                                   / max(dt, 1e-9), "tokens_per_step": seen / max(n, 1)}, self.step)
                 t0, seen, n = time.perf_counter(), 0, 0
-                release_free_memory(self.offline)  # freed heap pages, the capture's mapped ones (memory.py)
+                release_free_memory()  # the heap's freed pages (memory.py)
             last = self.step == tcfg.max_steps or self.stopped_early
             if (tcfg.eval_every and self.step % tcfg.eval_every == 0) or last:
                 self.evaluate()

@@ -9,22 +9,22 @@ from __future__ import annotations
 import torch
 
 from specdistill.data.capture import target_logits
-from specdistill.drafters.base import TrainBatch
+from specdistill.drafters.base import TeacherRows, TrainBatch
 from specdistill.drafters.parts.anchors import counted
 
 
 @torch.no_grad()  # not inference_mode: the loss keeps the teacher's rows for its backward
 def teacher_logits(target, final_hidden: torch.Tensor, d2t: torch.Tensor | None,
-                   at: torch.Tensor) -> torch.Tensor:
+                   at: torch.Tensor) -> TeacherRows:
     """target_logits (B, T, V | Vd) computed only at the (B, T) bool anchors `at`, the ones a loss
-    reads (drafters/parts/anchors.py counted(batch, 0): the next token is a real assistant token), NaN
-    elsewhere, so a read of any other anchor shows up as a non-finite loss instead of a quiet
-    wrong teacher. A batch's prompts and padding cost no LM-head work."""
+    reads (drafters/parts/anchors.py counted(batch, 0): the next token is a real assistant token),
+    kept compact (TeacherRows: those rows, NaN at every other position, so a read of any other
+    anchor shows up as a non-finite loss instead of a quiet wrong teacher). A batch's prompts and
+    padding cost no LM-head work and no memory."""
     at = at.to(final_hidden.device)
-    rows = target_logits(target, final_hidden[at], d2t)  # (M, V | Vd)
-    out = rows.new_full((*at.shape, rows.shape[-1]), float("nan"))
-    out[at] = rows
-    return out
+    hidden = final_hidden[at]  # (M, H), then a NaN row: its logits are the NaN row
+    hidden = torch.cat([hidden, hidden.new_full((1, hidden.shape[-1]), float("nan"))])
+    return TeacherRows(target_logits(target, hidden, d2t), at)  # (M + 1, V | Vd)
 
 
 def train_batch(raw: dict[str, torch.Tensor], feats: torch.Tensor | None, target,

@@ -615,6 +615,27 @@ def test_a_close_speculators_arm_trains_in_our_resolved_precision_its_default_in
         A.speculators_args(tmp_path, tmp_path, tmp_path, True, 10, precision="fp16")
 
 
+@pytest.mark.parametrize("precision, dtype", [("bf16", "bfloat16"), ("fp32", "float32")])
+def test_a_close_specforge_arm_trains_its_draft_in_our_resolved_precision_its_default_in_its_own(
+        tmp_path, precision, dtype):
+    """SpecForge's close arm gets our resolved trainer.precision as model.torch_dtype (its draft
+    model's dtype, bf16 unless told); its default arm keeps SpecForge's own."""
+    import yaml
+
+    from benchmarks.peers.specforge_cpu import run_files
+
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"hidden_size": 8, "vocab_size": 32}))
+    (target / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {}}))
+    for close in (True, False):
+        run, _ = run_files(target, tmp_path / "data", tmp_path / f"run-{close}", close, 100, precision)
+        model = yaml.safe_load(run.read_text())["model"]
+        assert model.get("torch_dtype") == (dtype if close else None), close
+    with pytest.raises(ValueError, match="precision"):
+        run_files(target, tmp_path / "data", tmp_path / "run", True, 100, "fp16")
+
+
 def test_the_dspark_arms_go_to_llamacpp_ours_exported_and_the_peers_folder_as_it_wrote_it(
         engine_args, tmp_path, monkeypatch):
     """vLLM's CPU build refuses DSpark: both DSpark arms are checked in llama.cpp, ours exported in

@@ -53,7 +53,9 @@ class ArmName:
         return "ours" if self.algo == "eagle3" else f"ours-{self.algo}"
 
 
-SPECULATORS_DTYPE = {"bf16": "bfloat16", "fp32": "float32"}  # our trainer.precision -> its dtype name
+# our trainer.precision -> the peers' dtype names (speculators' --hidden-states-dtype, SpecForge's
+# model.torch_dtype)
+PEER_DTYPE = {"bf16": "bfloat16", "fp32": "float32"}
 
 
 def speculators_args(data: Path, target_dir: Path, save: Path, close: bool,
@@ -85,7 +87,7 @@ def speculators_args(data: Path, target_dir: Path, save: Path, close: bool,
         raise ValueError("the close arm warms up for min(30, total_steps // 10): give total_steps")
     if algo not in ("eagle3", "dspark"):
         raise ValueError(f"algo={algo!r}: the arms train eagle3 or dspark")
-    if precision not in SPECULATORS_DTYPE:
+    if precision not in PEER_DTYPE:
         raise ValueError(f"precision={precision!r}: our resolved trainer.precision is bf16 or fp32")
     if algo == "dspark" and close and not anchors:
         raise ValueError("the close DSpark arm trains our share of anchors: give anchors")
@@ -99,7 +101,7 @@ def speculators_args(data: Path, target_dir: Path, save: Path, close: bool,
         return base
     schedule = ["--optimizer", "adamw", "--lr", "1e-3", "--scheduler-type", "cosine",
                 "--scheduler-warmup-steps", str(min(30, total_steps // 10)), "--draft-vocab-size", "8192",
-                "--hidden-states-dtype", SPECULATORS_DTYPE[precision]]
+                "--hidden-states-dtype", PEER_DTYPE[precision]]
     if algo == "dspark":
         return base + schedule + ["--num-layers", "1", "--block-size", "4", "--max-anchors", str(anchors),
                                   "--loss-fn", json.dumps({"ce": 0.1, "tv": 1.8})]
@@ -201,10 +203,10 @@ def train_arm(name: str, args, overrides: list[str], data: dict, pythons: dict, 
         return out
     report = runs / f"{name}.report.json"
     close = arm.flavour == "close"
+    precision = training_precision(cfg.trainer.precision, cfg.trainer.capture_autocast, "cpu")[0]
     if arm.peer == "speculators":
         target_dir = target_folder(cfg)
         anchors = close_anchors(data) if arm.algo == "dspark" and close else None
-        precision = training_precision(cfg.trainer.precision, cfg.trainer.capture_autocast, "cpu")[0]
         cmd = [str(pythons[arm.peer]), str(HERE / "speculators_cpu.py"), "--minutes", str(args.minutes),
                "--report", str(report), "--", *speculators_args(
                    args.out / "data" / "speculators", target_dir, run_dir, close, total, arm.algo,
@@ -213,7 +215,8 @@ def train_arm(name: str, args, overrides: list[str], data: dict, pythons: dict, 
     elif arm.algo == "eagle3":
         from benchmarks.peers.specforge_cpu import specforge_command
 
-        cmd, what = specforge_command(pythons[arm.peer], args, run_dir, report, close, cfg, total)
+        cmd, what = specforge_command(pythons[arm.peer], args, run_dir, report, close, cfg, total,
+                                      precision)
     else:
         raise ValueError(f"arm {name}: {arm.peer} has no {arm.algo} arm here (speculators has)")
     got = run_arm(cmd, log_file, env)

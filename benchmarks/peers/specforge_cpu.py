@@ -256,17 +256,24 @@ def draft_config(target_dir: Path, draft_vocab: int) -> dict:
 
 
 def run_files(target: Path, data: Path, run_dir: Path, close: bool,
-              total_steps: int | None = None) -> tuple[Path, Path]:
+              total_steps: int | None = None, precision: str = "bf16") -> tuple[Path, Path]:
     """(run.yaml, draft_config.json) of a SpecForge run in `run_dir` on `target` (a linked_target
     folder) and the offline files in `data`: its defaults (7 TTT steps, lr 1e-4, batch 1,
-    32,000-token draft vocabulary) or as close to our default recipe as it allows (1 TTT step,
-    lr 1e-3 with 30 warm-up steps, batch 4, 8192-token vocabulary). Both: cosine over
+    32,000-token draft vocabulary, bf16) or as close to our default recipe as it allows (1 TTT
+    step, lr 1e-3 with 30 warm-up steps, batch 4, 8192-token vocabulary, the draft model in
+    `precision`: our job's resolved trainer.precision, as model.torch_dtype). Both: cosine over
     `total_steps` (our default job's length or the fitted one; None: its own, for a loss check),
-    offline features, CPU settings."""
+    offline features, CPU settings. Its target head (the teacher) stays bf16 in either: SpecForge
+    0.2.0 casts it in code (modeling/target/target_head.py TargetHead.from_pretrained), no setting
+    reaches it."""
     import yaml
+
+    from benchmarks.peers.arms import PEER_DTYPE
 
     if close and not total_steps:
         raise ValueError("the close arm warms up for 30 of its total_steps: give total_steps")
+    if precision not in PEER_DTYPE:
+        raise ValueError(f"precision={precision!r}: our resolved trainer.precision is bf16 or fp32")
     run_dir.mkdir(parents=True, exist_ok=True)
     dcfg = run_dir / "draft_config.json"
     dcfg.write_text(json.dumps(draft_config(target, 8192 if close else 32000), indent=1))
@@ -286,22 +293,26 @@ def run_files(target: Path, data: Path, run_dir: Path, close: bool,
            "data": {"hidden_states_path": str(data), "cache_dir": str(run_dir / "cache"),
                     "dataloader_num_workers": 0},
            "training": training, "output_dir": str(run_dir / "output"), "run_id": run_dir.name}
+    if close:
+        run["model"]["torch_dtype"] = PEER_DTYPE[precision]
     (run_dir / "run.yaml").write_text(yaml.safe_dump(run))
     return run_dir / "run.yaml", dcfg
 
 
 def specforge_command(python: Path, args, run_dir: Path, report: Path, close: bool, cfg,
-                      total_steps: int):
-    """(command, one-line description) of a SpecForge arm (run_files: its defaults or close;
-    its schedule over `total_steps`)."""
+                      total_steps: int, precision: str = "bf16"):
+    """(command, one-line description) of a SpecForge arm (run_files: its defaults or close, the
+    close one's draft model in `precision`; its schedule over `total_steps`)."""
     from benchmarks.peers.arms import target_folder
 
     target = linked_target(target_folder(cfg), args.out / "specforge_target")
-    run, dcfg = run_files(target, args.out / "data" / "specforge", run_dir, close, total_steps)
+    run, dcfg = run_files(target, args.out / "data" / "specforge", run_dir, close, total_steps,
+                          precision)
     cmd = [str(python), str(Path(__file__)), "--minutes", str(args.minutes), "--report",
            str(report), "--config", str(run), "--draft-config", str(dcfg),
            "--export", str(run_dir / "export")]
-    what = ("1 TTT step, lr 1e-3, 30 warm-up, batch 4, vocab 8192" if close
+    what = (f"1 TTT step, lr 1e-3, 30 warm-up, batch 4, vocab 8192, draft {precision} as ours "
+            f"(its head bf16)" if close
             else "its defaults: 7 TTT steps, lr 1e-4, batch 1, vocab 32000")
     return cmd, what
 

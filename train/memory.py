@@ -5,8 +5,11 @@ lengths, the features read back from the capture, the on-policy drafts). glibc s
 its arenas and keeps what is freed there, fragmented, instead of returning it: the default job's
 resident memory climbed ~20 MB a step, to 18.7 GB at step 1000 (BENCHMARKS.md "Where the job's
 18.7 GB peak is"), while one `malloc_trim(0)` at step ~200 of such a run gave back 5.4 of its 7.0 GB
-of anonymous memory. The recipe calls `release_free_memory()` every trainer.log_every steps, and
-unmaps the offline capture's shards after each batch it reads from them (train/recipe.py).
+of anonymous memory. The recipe calls `release_free_memory()` after every step on a CPU (a
+step's peak then starts from the job's floor, not from the last steps' fragments: the DSpark job's
+peak -0.15 GB, tokens/s unchanged within the noise, interleaved; BENCHMARKS.md "DSpark's memory"),
+every trainer.log_every steps elsewhere, and unmaps the offline capture's shards after each batch it
+reads from them (train/recipe.py).
 Elsewhere (macOS, musl, Windows) it does nothing and says so.
 
 Large blocks (over glibc's mmap threshold, 32 MB at most) are still mmapped per allocation, i.e.

@@ -369,6 +369,9 @@ class DistillRecipe:
         self.stopped_early = False
         while self.step < tcfg.max_steps:
             metrics, n = self.train_step(), n + 1
+            if self.backend.device.type == "cpu" or self.step % tcfg.log_every == 0:
+                release_free_memory()  # the step's freed heap pages (memory.py): on a CPU, where
+                # the step's tensors live in that heap, before every step
             self.loggers.progress(self.step, tcfg.max_steps, loss=metrics["loss"])
             seen += metrics.pop("tokens")
             self.stopped_early = self._out_of_time(start) and self.step < tcfg.max_steps
@@ -383,7 +386,6 @@ class DistillRecipe:
                 self.loggers.log({**metrics, "target_tokens_per_s": seen * self.backend.world_size
                                   / max(dt, 1e-9), "tokens_per_step": seen / max(n, 1)}, self.step)
                 t0, seen, n = time.perf_counter(), 0, 0
-                release_free_memory()  # the heap's freed pages (memory.py)
             last = self.step == tcfg.max_steps or self.stopped_early
             if (tcfg.eval_every and self.step % tcfg.eval_every == 0) or last:
                 self.evaluate()

@@ -82,6 +82,31 @@ def test_a_difference_where_the_engines_plain_output_also_parts_from_ours_is_an_
     assert chk._summarise([row], k=2, ours={})["verdict"] == "fail"
 
 
+def test_a_difference_at_a_token_the_target_made_itself_in_a_verify_batch_is_a_verify_tie():
+    """Seen with llama.cpp b11434 at fp32: four DSpark drafters, one of them with every draft
+    rejected there, all gave token 418 where the engine's plain decoding gave 429, 0.003 apart at
+    logit 12.8. Where no accepted draft stands (the replay's own tokens) and the margin is within
+    0.1% of the top logit, the drafter had no say: a verify tie, said apart; at an accepted draft,
+    or with a wider margin, it is lossy."""
+    assert chk.target_tokens([0, 2, 0, 1]) == {0, 1, 4, 5, 7}  # prefill, then each round's own
+    own = chk.target_tokens([0] * 10)  # every draft rejected: every token the target's
+    assert chk.verify_tie(_diff(6, 0.0031, top=12.81), own)
+    assert not chk.verify_tie(_diff(6, 0.0031, top=12.81), {0, 1, 4})  # an accepted draft stood there
+    assert not chk.verify_tie(_diff(6, 0.5, top=12.81), own)  # a bug moves whole logits
+    assert not chk.verify_tie(_diff(6, 1e-6, near_tie=True), own)  # counted as a near-tie
+    row = _row(40, 30, 40, 30, same=False)
+    row["spec_vs_plain_difference"] = {**_diff(6, 0.0031, top=12.81), "verify_tie": True}
+    s = chk._summarise([row, _row(40, 30, 40, 30)], k=2, ours={})
+    assert s["verdict"] == "pass" and s["spec_differs_at_verify_tie"] == 1
+    assert chk.spec_plain_cell({**s, "prompts": 2}) == "1/2 (+1 verify tie)"
+    md = chk.check_markdown({**s, "engine": "llamacpp", "drafter": "dspark", "format": "vllm",
+                             "k": 2, "dtype": "float32", "prompts": 2, "eval": "mtbench",
+                             "max_new_tokens": 8, "loaded": True})
+    assert "1 more at a token the target produced itself in a verify batch" in md
+    del row["spec_vs_plain_difference"]["verify_tie"]
+    assert chk._summarise([row], k=2, ours={})["verdict"] == "fail"
+
+
 def test_nothing_measured_is_not_a_number():
     s = chk._summarise([_row(0, 0, 0, 0)], k=2, ours={})
     assert s["tau_engine"] is None and s["tau_replay"] is None and s["verdict"] == "fail"

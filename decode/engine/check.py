@@ -84,6 +84,32 @@ def engine_tie(spec_vs_plain: dict | None, plain_vs_ours: dict | None) -> bool:
     return top > 0 and all(m is not None and abs(m) <= ENGINE_TIE_REL * top for m in margins)
 
 
+def target_tokens(accepted: list[int]) -> set[int]:
+    """The answer positions the target produced itself, by a replay's rounds (decode/replay.py
+    replay_greedy: the prefill commits position 0, each round its accepted drafts and then the
+    target's own token): where no accepted draft stands."""
+    out, t = {0}, 1
+    for n in accepted:
+        t += n
+        out.add(t)
+        t += 1
+    return out
+
+
+def verify_tie(spec_vs_plain: dict | None, own: set[int]) -> bool:
+    """True when the speculative output parts from the engine's plain output at a token the target
+    produced itself in a verify batch (`own`: target_tokens; no draft was accepted there, so the
+    drafter had no say in it), both within ENGINE_TIE_REL of the top logit: the engine scores a
+    (k + 1)-token verify batch with other kernels than its one-token plain step, and a near-equal
+    pair can flip whatever the drafter (llama.cpp b11434, fp32: the same token of one prompt with
+    four different DSpark drafters, BENCHMARKS.md "DSpark side by side with speculators' dspark")."""
+    if not spec_vs_plain or spec_vs_plain.get("near_tie") or spec_vs_plain.get("engine_tie"):
+        return False
+    top, margin = abs(spec_vs_plain.get("top_logit") or 0.0), spec_vs_plain.get("margin")
+    return (spec_vs_plain.get("position") in own and top > 0 and margin is not None
+            and abs(margin) <= ENGINE_TIE_REL * top)
+
+
 def _first_difference(target, prompt: torch.Tensor, ref: list[int], got: list[int]) -> dict | None:
     """None when equal; else where `got` first leaves `ref`, with our target's margin there."""
     if ref == got:
@@ -216,6 +242,8 @@ def _compare(target, drafter, prompt, ids: torch.Tensor, max_new_tokens: int,
             row["engine_plain_vs_ours_difference"] = d
         if diff and engine_tie(diff, d):
             diff["engine_tie"] = True
+    if diff and verify_tie(diff, target_tokens(replay.accepted)):
+        diff["verify_tie"] = True
     return row
 
 
@@ -239,6 +267,8 @@ def _summarise(rows: list[dict], k: int, ours: dict[str, dict]) -> dict:
                                         for r in rows) if with_plain else None,
         "spec_differs_at_engine_tie": sum(bool(r.get("spec_vs_plain_difference", {}).get(
             "engine_tie")) for r in rows) if with_plain else None,
+        "spec_differs_at_verify_tie": sum(bool(r.get("spec_vs_plain_difference", {}).get(
+            "verify_tie")) for r in rows) if with_plain else None,
         "engine_rounds": e_rounds, "engine_accepted": e_acc, "tau_engine": _tau(e_acc, e_rounds),
         "accept_per_pos_engine": [p / e_rounds if e_rounds else None for p in pos],
         "replay_rounds": r_rounds, "replay_accepted": r_acc, "tau_replay": _tau(r_acc, r_rounds),
@@ -266,7 +296,7 @@ def _summarise(rows: list[dict], k: int, ours: dict[str, dict]) -> dict:
         problems.append(f"the engine accepted {e_acc} drafts where our decoder accepts {r_acc} "
                         f"on the same text: it does not run the drafter we trained")
     lossy = (len(rows) - out["spec_equals_plain"] - out["spec_differs_at_near_tie"]
-             - out["spec_differs_at_engine_tie"]) if with_plain else 0
+             - out["spec_differs_at_engine_tie"] - out["spec_differs_at_verify_tie"]) if with_plain else 0
     if lossy:
         problems.append(f"{lossy} engine speculative outputs differ from its plain output beyond "
                         f"a near-tie")
@@ -304,13 +334,15 @@ def _f(x, fmt: str = ".3f") -> str:
 def spec_plain_cell(s: dict) -> str:
     """The check's losslessness in one table cell, the same in every table that quotes a check
     (engine and llama.cpp matrices, the run report): "n/N" outputs where the engine's speculative
-    decoding equals its plain decoding, then "+t near-tie" and "+e engine tie" where there are any
-    (outputs that part only there: not lossy); "-" when plain decoding was not run."""
+    decoding equals its plain decoding, then "+t near-tie", "+e engine tie" and "+v verify tie"
+    where there are any (outputs that part only there: not lossy); "-" when plain decoding was not
+    run."""
     n = s.get("spec_equals_plain")
     if n is None:
         return "-"
     more = [f"+{c} {what}" for c, what in ((s.get("spec_differs_at_near_tie") or 0, "near-tie"),
-                                           (s.get("spec_differs_at_engine_tie") or 0, "engine tie")) if c]
+                                           (s.get("spec_differs_at_engine_tie") or 0, "engine tie"),
+                                           (s.get("spec_differs_at_verify_tie") or 0, "verify tie")) if c]
     return f"{n}/{s['prompts']}" + (f" ({', '.join(more)})" if more else "")
 
 
@@ -329,7 +361,10 @@ def check_markdown(s: dict) -> str:
                   f"at near-ties" + (f", {s['spec_differs_at_engine_tie']} more where the engine's "
                                      f"plain output also parts from ours at that token, within "
                                      f"{ENGINE_TIE_REL:g} of the top logit"
-                                     if s.get("spec_differs_at_engine_tie") else "") + ")"),
+                                     if s.get("spec_differs_at_engine_tie") else "")
+                  + (f", {s['spec_differs_at_verify_tie']} more at a token the target produced "
+                     f"itself in a verify batch, within {ENGINE_TIE_REL:g} of the top logit"
+                     if s.get("spec_differs_at_verify_tie") else "") + ")"),
             ("tau in the engine", _f(s["tau_engine"])),
             ("tau of our decoder replayed on the engine's text", _f(s["tau_replay"])),
             ("ratio", _f(s["tau_ratio"])),

@@ -22,7 +22,8 @@ log = logging.getLogger(__name__)
 PEER_SERVING = {"method": "eagle3"}  # vLLM's reader of both peers' EAGLE-3 exports
 ENGINE_NAMES = {"vllm": "vLLM", "llamacpp": "llama.cpp"}
 KEEP = ("engine", "loaded", "error", "verdict", "problems", "prompts", "spec_equals_plain",
-        "spec_differs_at_near_tie", "spec_differs_at_engine_tie", "tau_engine", "tau_replay", "tau_ratio",
+        "spec_differs_at_near_tie", "spec_differs_at_engine_tie", "spec_differs_at_verify_tie",
+        "tau_engine", "tau_replay", "tau_ratio",
         "engine_plain_tokens_per_s", "engine_spec_tokens_per_s", "engine_speedup",
         "engine_version", "format")
 

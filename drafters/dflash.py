@@ -52,7 +52,6 @@ from specdistill.drafters.base import (
     Drafter,
     DrafterConfig,
     DraftPrediction,
-    ExportLayout,
     TrainBatch,
     TreeProposal,
     register,
@@ -67,6 +66,7 @@ from specdistill.drafters.parts.layers import default_aux_layers, drafter_llama_
 from specdistill.drafters.parts.layouts import (
     WEIGHTS,
     ExportError,
+    ExportLayout,
     cast,
     llama_layer_config,
     speculators_config,

@@ -54,8 +54,6 @@ from specdistill.drafters.base import (
     DecodeState,
     Drafter,
     DraftPrediction,
-    ExportLayout,
-    LayoutTrap,
     SlotObjective,
     TrainBatch,
     register,
@@ -64,7 +62,13 @@ from specdistill.drafters.dflash import DFlash, DFlashConfig, dflash_config, dfl
 from specdistill.drafters.parts import parallel
 from specdistill.drafters.parts.fused_layouts import state_from_engine
 from specdistill.drafters.parts.head import head_logits
-from specdistill.drafters.parts.layouts import WEIGHTS, speculators_config, torch_dtype
+from specdistill.drafters.parts.layouts import (
+    WEIGHTS,
+    ExportLayout,
+    LayoutTrap,
+    speculators_config,
+    torch_dtype,
+)
 from specdistill.drafters.parts.sampling import SamplingParams
 
 MARKOV_HEADS = ("vanilla", "gated", "rnn")

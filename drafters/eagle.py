@@ -39,13 +39,13 @@ from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from specdistill.cli.ranges import MAX_DRAFT, MAX_LAYERS, MAX_TREE, MAX_VOCAB, rng
-from specdistill.drafters.base import DrafterConfig, DraftPrediction, ExportLayout, TrainBatch, register
+from specdistill.drafters.base import DrafterConfig, DraftPrediction, TrainBatch, register
 from specdistill.drafters.parts.anchors import counted
 from specdistill.drafters.parts.cache import additive_mask
 from specdistill.drafters.parts.drafting import CausalDrafter
 from specdistill.drafters.parts.head import head_logits
 from specdistill.drafters.parts.layers import drafter_llama_config, finish_init
-from specdistill.drafters.parts.layouts import WEIGHTS, llama_layer_config, speculators_config
+from specdistill.drafters.parts.layouts import WEIGHTS, ExportLayout, llama_layer_config, speculators_config
 
 
 @dataclass

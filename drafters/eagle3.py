@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdistill.drafters.base import DraftPrediction, ExportLayout, TrainBatch, register
+from specdistill.drafters.base import DraftPrediction, TrainBatch, register
 from specdistill.drafters.parts.anchors import capped_steps, counted
 from specdistill.drafters.parts.attention import ttt_attention
 from specdistill.drafters.parts.fused import FusedConfig, FusedDrafter
@@ -37,7 +37,7 @@ from specdistill.drafters.parts.fused_layouts import (
     engine_state,
     state_from_engine,
 )
-from specdistill.drafters.parts.layouts import WEIGHTS, torch_dtype
+from specdistill.drafters.parts.layouts import WEIGHTS, ExportLayout, torch_dtype
 
 
 @dataclass

@@ -31,14 +31,13 @@ from specdistill.drafters.base import (
     Drafter,
     DrafterConfig,
     DraftPrediction,
-    ExportLayout,
     TrainBatch,
     TreeProposal,
     register,
 )
 from specdistill.drafters.parts.anchors import counted
 from specdistill.drafters.parts.head import head_logits, init_draft_head
-from specdistill.drafters.parts.layouts import WEIGHTS, cast, torch_dtype
+from specdistill.drafters.parts.layouts import WEIGHTS, ExportLayout, cast, torch_dtype
 from specdistill.drafters.parts.sampling import SamplingParams
 from specdistill.drafters.parts.tree import StaticTree, static_tree
 

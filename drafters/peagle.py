@@ -65,7 +65,6 @@ from specdistill.drafters.base import (
     ChainProposal,
     DecodeState,
     DraftPrediction,
-    ExportLayout,
     TrainBatch,
     TreeProposal,
     register,
@@ -80,7 +79,7 @@ from specdistill.drafters.parts.fused_layouts import (
     engine_state,
     state_from_engine,
 )
-from specdistill.drafters.parts.layouts import WEIGHTS, torch_dtype
+from specdistill.drafters.parts.layouts import WEIGHTS, ExportLayout, torch_dtype
 from specdistill.drafters.parts.rows import propose_rows, rows_forward, rows_keep
 from specdistill.drafters.parts.sampling import SamplingParams
 

@@ -44,7 +44,6 @@ from specdistill.drafters.base import (
     Drafter,
     DrafterConfig,
     DraftPrediction,
-    ExportLayout,
     TrainBatch,
     TreeProposal,
     register,
@@ -52,7 +51,7 @@ from specdistill.drafters.base import (
 from specdistill.drafters.parts.anchors import counted
 from specdistill.drafters.parts.cache import DraftCache
 from specdistill.drafters.parts.head import Shared, init_draft_head
-from specdistill.drafters.parts.layouts import ExportError, torch_dtype
+from specdistill.drafters.parts.layouts import ExportError, ExportLayout, torch_dtype
 from specdistill.drafters.parts.sampling import SamplingParams
 from specdistill.drafters.parts.tree import dynamic_tree, in_target_vocab
 from specdistill.target.attention import use_few_query_attention

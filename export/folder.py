@@ -3,7 +3,7 @@ an export folder, load one back. Serving engines and the Hub load these folders;
 that finds a run's best checkpoint, writes the card's metrics and measures parity is
 `python -m train.export` (train/export.py).
 
-This module holds no drafter names: the layouts (drafters/base.py ExportLayout) come from the
+This module holds no drafter names: the layouts (drafters/parts/layouts.py ExportLayout) come from the
 registry, so an unsupported (drafter, format) pair is refused naming the formats the drafter has.
 Every tensor-layout export is
   1. written into a staging folder next to `out` (store/atomic.py);
@@ -27,14 +27,19 @@ import torch
 
 from specdistill.drafters.base import (
     Drafter,
-    ExportContext,
-    ExportLayout,
     build_drafter,
     config_dict,
     drafter_class,
     parse_config,
 )
-from specdistill.drafters.parts.layouts import EXPORT_DTYPES, ExportError, cast, torch_dtype
+from specdistill.drafters.parts.layouts import (
+    EXPORT_DTYPES,
+    ExportContext,
+    ExportError,
+    ExportLayout,
+    cast,
+    torch_dtype,
+)
 from specdistill.export.card import CardFacts, context_warning, model_card
 from specdistill.store.atomic import write_folder
 from specdistill.store.drafter import TargetMismatch, load_drafter

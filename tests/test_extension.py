@@ -33,8 +33,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from specdistill.drafters.base import DraftPrediction, Drafter, DrafterConfig, ExportLayout, register
+from specdistill.drafters.base import DraftPrediction, Drafter, DrafterConfig, register
 from specdistill.drafters.parts.head import head_logits, init_draft_head
+from specdistill.drafters.parts.layouts import ExportLayout
 
 
 @dataclass

@@ -10,7 +10,7 @@ final eval measured) or a checkpoint / drafter folder, verified against its MANI
 (store/rundir.py). A run dir whose best/ is damaged exports the newest checkpoint that
 verifies, with a warning, and the model card says which checkpoint it is and that the card's
 numbers were not measured with it (parity is then refused). The formats are the layouts the
-drafter's module registered (drafters/base.py ExportLayout).
+drafter's module registered (drafters/parts/layouts.py ExportLayout).
 
 Parity: before the export is committed, its folder is loaded back by our decoder (load_export) and
 decodes the run's final-eval prompts with the final eval's settings (eval set, k, budget, greedy).

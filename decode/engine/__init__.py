@@ -16,7 +16,7 @@ from typing import Any
 
 def served_layouts(engine: str) -> dict[tuple[str, str], dict[str, Any]]:
     """(drafter, format) -> `engine`'s entry, for every registered layout the engine serves (each
-    drafter module says so in its layouts' `serving`: drafters/base.py ExportLayout)."""
+    drafter module says so in its layouts' `serving`: drafters/parts/layouts.py ExportLayout)."""
     from specdistill.drafters.base import DRAFTERS
 
     return {(name, fmt): layout.serving[engine] for name, cls in sorted(DRAFTERS.items())

@@ -25,12 +25,16 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.peers.procstat import status_mb
+
 PHASES = ("features", "teacher", "forward", "loss", "backward", "optimizer")
 
 
 def rss_anon_mb() -> float:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon")) / 1024
+    got = status_mb("RssAnon")
+    if got is None:
+        raise SystemExit("step_memory reads /proc/self/status (RssAnon): Linux only")
+    return got
 
 
 class PhasePeaks:

@@ -10,16 +10,22 @@ from __future__ import annotations
 import resource
 
 
-def vm_hwm_mb(pid: int | str = "self") -> float | None:
-    """VmHWM of process `pid` in MB (None: gone, or no /proc)."""
+def status_mb(key: str, pid: int | str = "self") -> float | None:
+    """Field `key` of /proc/<pid>/status (VmHWM, VmRSS, RssAnon, ...) in MB (None: gone, no /proc,
+    or no such field)."""
     try:
         with open(f"/proc/{pid}/status") as fh:
             for line in fh:
-                if line.startswith("VmHWM:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) / 1024
     except OSError:
         return None
     return None
+
+
+def vm_hwm_mb(pid: int | str = "self") -> float | None:
+    """VmHWM of process `pid` in MB (None: gone, or no /proc)."""
+    return status_mb("VmHWM", pid)
 
 
 def own_peak_rss_mb() -> float:

@@ -360,10 +360,12 @@ MISTAKES = {
     # the aux ids lost: vLLM reads its default layers (2, L//2, L-3) instead of the trained ones
     "aux_ids_missing": dict(config=lambda c: {k: v for k, v in c.items()
                                               if k != "eagle_aux_hidden_state_layer_ids"}),
-    "d2t_missing": dict(tensors=lambda w: {k: v for k, v in w.items() if k != "d2t"}),
+    # the d2t of another vocabulary: the right name, shape and dtype, the wrong ids
     "d2t_stale": dict(tensors=_roll_d2t),
-    "head_missing": dict(tensors=lambda w: {k: v for k, v in w.items() if k != "lm_head.weight"}),
 }
+# Two mistakes vLLM loads without a word, one in config.json, one in the tensors (each costs an
+# engine start, ~45 s of CI). A required tensor the folder lacks (d2t, lm_head.weight) is refused by
+# name by the export's validation (tests/test_export.py, "required tensor"): not run through vLLM.
 
 
 @pytest.mark.slow

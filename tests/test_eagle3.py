@@ -410,12 +410,53 @@ def speculators_python(tmp_path_factory) -> str:
     return str(venv / "bin" / "python")
 
 
-def _in_speculators(python: str, script: str, target, d, W: dict, config_of, inputs_of, tmp_path):
-    """Our speculators export of d (tensors W, config_of(verifier folder)) written to tmp_path, the
-    release's `script` run on it in its venv with inputs_of(ids, batch) in inputs.pt; checks that
-    every tensor loaded as written and nothing else. Returns (the script's out.pt, our batch)."""
+# One interpreter in the speculators virtualenv runs every test's script (the release, torch and
+# transformers imported once, not once a test: ~10 s each on CI's cores): a line "<script>\t<folder>"
+# in, one "@@ ok" or "@@ error <traceback>" line out; its stderr (the library's logs) to a file.
+RUNNER = r"""
+import sys, traceback
+for line in sys.stdin:
+    script, folder = line.rstrip("\n").split("\t")
+    sys.argv = [script, folder]
+    try:
+        exec(compile(open(script).read(), script, "exec"), {"__name__": "__main__"})
+        print("@@ ok", flush=True)
+    except BaseException:
+        print("@@ error " + traceback.format_exc().replace("\n", " | "), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def speculators_run(speculators_python, tmp_path_factory):
+    """run(script, folder): the release's script run on the folder in the module's one speculators
+    interpreter; a failure fails the test with the script's traceback."""
     import subprocess
 
+    logs = tmp_path_factory.mktemp("speculators_runner")
+    with open(logs / "stderr.log", "w") as err:
+        proc = subprocess.Popen([speculators_python, "-u", "-c", RUNNER], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=err, text=True)
+
+    def run(script: str, folder: Path) -> None:
+        path = folder / "script.py"
+        path.write_text(script)
+        proc.stdin.write(f"{path}\t{folder}\n")
+        proc.stdin.flush()
+        for line in proc.stdout:  # the library may print lines of its own first
+            if line.startswith("@@ "):
+                assert line.startswith("@@ ok"), line[:4000]
+                return
+        pytest.fail(f"the speculators interpreter exited: {(logs / 'stderr.log').read_text()[-3000:]}")
+
+    yield run
+    proc.stdin.close()
+    proc.wait(timeout=60)
+
+
+def _in_speculators(run, script: str, target, d, W: dict, config_of, inputs_of, tmp_path):
+    """Our speculators export of d (tensors W, config_of(verifier folder)) written to tmp_path, the
+    release's `script` run on it (speculators_run) with inputs_of(ids, batch) in inputs.pt; checks
+    that every tensor loaded as written and nothing else. Returns (the script's out.pt, our batch)."""
     from safetensors.torch import save_file
 
     verifier = tmp_path / "verifier"
@@ -426,8 +467,7 @@ def _in_speculators(python: str, script: str, target, d, W: dict, config_of, inp
     out = target.forward(ids, layers=d.feature_layers)
     batch = TrainBatch(ids, torch.ones_like(ids), torch.ones_like(ids), out.logits, out.features)
     torch.save(inputs_of(ids, batch), tmp_path / "inputs.pt")
-    run = subprocess.run([python, "-c", script, str(tmp_path)], capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr[-3000:]
+    run(script, tmp_path)
     out = torch.load(tmp_path / "out.pt")
     state = out["state"]
     assert set(W) <= set(state) and set(state) - set(W) <= {"verifier_lm_head.weight",
@@ -441,12 +481,12 @@ def _in_speculators(python: str, script: str, target, d, W: dict, config_of, inp
                                       "norm_before_residual": True},
                                  {"draft_vocab_size": 48, "fc_norm": True, "norm_output": True}],
                          ids=["full_vocab", "pruned_2layers", "eagle31"])
-def test_speculators_release_loads_our_export(target, speculators_python, cfg, tmp_path):
+def test_speculators_release_loads_our_export(target, speculators_run, cfg, tmp_path):
     d = make(target, ttt_length=3, **cfg)
     W = e3.engine_state(d, "speculators")
     # speculators pairs hidden state t with input token t+1 (the caller shifts)
     out, batch = _in_speculators(
-        speculators_python, SPECULATORS_LOAD, target, d, W,
+        speculators_run, SPECULATORS_LOAD, target, d, W,
         lambda verifier: e3.engine_config(d, "speculators", verifier=verifier),
         lambda ids, batch: {"features": batch.features.float(), "steps": 3,
                             "input_ids": torch.cat([ids[:, 1:], ids[:, -1:]], 1)}, tmp_path)
@@ -490,7 +530,7 @@ torch.save({"logits": got[0], "anchor": anchor, "depth": depth, "state": m.state
                                  {"draft_vocab_size": 48, "num_layers": 2, "norm_before_residual": True},
                                  {"draft_vocab_size": 48, "fc_norm": True, "norm_output": True}],
                          ids=["full_vocab", "pruned_2layers", "eagle31"])
-def test_speculators_release_loads_our_peagle_export(target, speculators_python, cfg, tmp_path):
+def test_speculators_release_loads_our_peagle_export(target, speculators_run, cfg, tmp_path):
     """Our `peagle` speculators export (drafters/peagle.py) in the release's PEagleDraftModel:
     every tensor loaded as written (mask_hidden included: the library would silently keep a
     random one if it were missing) and nothing else, and its logits at every (anchor, depth) its
@@ -502,7 +542,7 @@ def test_speculators_release_loads_our_peagle_export(target, speculators_python,
     # speculators pairs hidden state t with input token t+1 (the caller shifts); the verifier's
     # last state only feeds its loss, never compared
     out, batch = _in_speculators(
-        speculators_python, SPECULATORS_PEAGLE_LOAD, target, d, W,
+        speculators_run, SPECULATORS_PEAGLE_LOAD, target, d, W,
         lambda verifier: peagle_speculators_config(d, verifier=verifier),
         lambda ids, batch: {"features": batch.features.float(), "depths": 3,
                             "last": torch.zeros(1, 14, H),
@@ -545,7 +585,7 @@ torch.save({"logits": out[1][0], "anchors": anchors, "valid": valid, "state": m.
 @pytest.mark.slow
 @pytest.mark.parametrize("cfg", [{"mask_token_id": 7}, {"draft_vocab_size": 48, "num_layers": 2}],
                          ids=["full_vocab", "pruned_2layers"])
-def test_speculators_release_loads_our_dflash_export(target, speculators_python, cfg, tmp_path):
+def test_speculators_release_loads_our_dflash_export(target, speculators_run, cfg, tmp_path):
     """Our `dflash` speculators export (drafters/dflash.py) in the release's DFlashDraftModel:
     every tensor loaded as written and nothing else, and its block logits at every anchor it
     draws (slot i >= 1) == our training logits of draft i there."""
@@ -556,7 +596,7 @@ def test_speculators_release_loads_our_dflash_export(target, speculators_python,
     # speculators reads token t and the aux states before t as we do: no shift; the verifier's
     # last state only feeds its loss, never compared
     out, batch = _in_speculators(
-        speculators_python, SPECULATORS_DFLASH_LOAD, target, d, W,
+        speculators_run, SPECULATORS_DFLASH_LOAD, target, d, W,
         lambda verifier: dflash_config(d, "speculators", verifier=verifier),
         lambda ids, batch: {"features": batch.features.float(), "input_ids": ids,
                             "last": torch.zeros(1, 14, H), "anchors": 10}, tmp_path)

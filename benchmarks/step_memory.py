@@ -3,15 +3,18 @@ phase of a step of the job, over the floor the step starts from.
 
     python -m benchmarks.step_memory --set drafter=dspark          # DSpark on the default job
     python -m benchmarks.step_memory --steps 4                     # the default job (EAGLE-3)
+    python -m benchmarks.step_memory --set trainer.on_policy_heads_start=0   # its on-policy steps
 
 Builds the job's recipe (the default job at --conversations, its offline capture, plus --set), runs
 --warmup steps (the optimizer's state appears at the first), then --steps steps each started from
 a trimmed heap (train/memory.py release_free_memory) while a thread reads /proc/self/status every
 few milliseconds and books the largest RssAnon under the phase running: the batch's features read
-back (`features`), its teacher (`teacher`, train/teacher.py), the drafter's forward, the loss, the
-backward, the optimizer step. Anonymous memory only: the capture's and the target's mapped pages
-are file-backed (the job unmaps the capture after each batch). Linux only (/proc). Memory is not a
-timing: a loaded machine gives the same numbers, only later.
+back (`features`), its teacher (`teacher`, train/teacher.py), the drafter's forward, the target
+scoring the drafter's own drafts (`score`, the on-policy phase's), the loss, the backward, the
+optimizer step. Per phase anonymous memory; the capture's and the target's mapped pages are
+file-backed (the job unmaps the capture after each batch), booked apart as the step's peak RssFile
+over its floor (`file`: the target's weights, paged in by an on-policy step). Linux only (/proc).
+Memory is not a timing: a loaded machine gives the same numbers, only later.
 
 Prints a table (MB over the step's floor, the floor itself absolute) and writes <out>/step_memory.json.
 """
@@ -27,7 +30,7 @@ import torch
 
 from benchmarks.peers.procstat import status_mb
 
-PHASES = ("features", "teacher", "forward", "loss", "backward", "optimizer")
+PHASES = ("features", "teacher", "forward", "score", "loss", "backward", "optimizer")
 
 
 def rss_anon_mb() -> float:
@@ -41,13 +44,14 @@ class PhasePeaks:
     """The largest RssAnon seen under each phase name, sampled by a daemon thread."""
 
     def __init__(self, every: float = 0.003) -> None:
-        self.phase, self.peaks, self.every = "floor", {}, every
+        self.phase, self.peaks, self.file_peak, self.every = "floor", {}, 0.0, every
         threading.Thread(target=self._run, daemon=True).start()
 
     def _run(self) -> None:
         while True:
             mb, phase = rss_anon_mb(), self.phase
             self.peaks[phase] = max(self.peaks.get(phase, 0.0), mb)
+            self.file_peak = max(self.file_peak, status_mb("RssFile") or 0.0)
             time.sleep(self.every)
 
     def wrap(self, owner, name: str, phase: str) -> None:
@@ -92,6 +96,7 @@ def main(argv=None) -> None:
     peaks.wrap(job, "target_outputs", "features")
     peaks.wrap(R, "train_batch", "teacher")
     peaks.wrap(job.model, "forward", "forward")
+    peaks.wrap(R, "score_own_drafts", "score")
     peaks.wrap(R, "drafter_loss", "loss")
     peaks.wrap(job.backend, "backward", "backward")
     peaks.wrap(job.backend, "step", "optimizer")
@@ -99,18 +104,20 @@ def main(argv=None) -> None:
     for _ in range(args.steps):
         release_free_memory(job.offline, collect=True)
         time.sleep(0.05)
-        peaks.peaks, peaks.phase = {}, "step"
-        floor = rss_anon_mb()
+        peaks.peaks, peaks.phase, peaks.file_peak = {}, "step", 0.0
+        floor, file_floor = rss_anon_mb(), status_mb("RssFile") or 0.0
         tokens = job.train_step()["tokens"]
         time.sleep(0.02)
         got = dict(peaks.peaks)
         rows.append({"floor_mb": floor, "tokens": tokens, "step_mb": max(got.values()) - floor,
-                     **{p: got[p] - floor for p in PHASES if p in got}})
-    header = ["step", "floor MB", "tokens", "peak over floor", *PHASES]
+                     **{p: got[p] - floor for p in PHASES if p in got},
+                     "file_floor_mb": file_floor, "file_mb": peaks.file_peak - file_floor})
+    header = ["step", "floor MB", "tokens", "peak over floor", *PHASES, "file floor MB", "file"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
     for i, r in enumerate(rows):
         cells = [str(i + 1), f"{r['floor_mb']:.0f}", str(r["tokens"]), f"+{r['step_mb']:.0f}",
-                 *(f"+{r[p]:.0f}" if p in r else "-" for p in PHASES)]
+                 *(f"+{r[p]:.0f}" if p in r else "-" for p in PHASES),
+                 f"{r['file_floor_mb']:.0f}", f"+{r['file_mb']:.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "step_memory.json").write_text(json.dumps(

@@ -348,7 +348,7 @@ def test_the_replay_adds_humaneval_to_a_finished_run_and_pairs_the_gap_over_all_
     assert len(replayed) == 4  # a rerun replays nothing again
     lines = R.table(results, args).splitlines()
     assert "replay tau (1 HumanEval)" in lines[0] and "all 3 prompts" in lines[0]
-    assert lines[0].count("|") == lines[1].count("|") == lines[3].count("|") == 11
+    assert lines[0].count("|") == lines[1].count("|") == lines[3].count("|") == 12
     assert lines[2].split("|")[-3].strip() == "2.125 +- nan"  # ours: 17 tokens in 8 rounds
 
 
@@ -369,13 +369,13 @@ def test_the_table_holds_the_engine_columns_and_the_loss_checks_and_no_check_is_
                                               "loss_diff": 0.0, "grad_diff": 0.0, "ok": True}}}
     assert list(R.arms(results)) == ["ours", "speculators-close"]
     lines = R.table(results, args).splitlines()
-    assert "engine loads" in lines[0] and lines[0].count("|") == lines[1].count("|") == 13
+    assert "engine loads" in lines[0] and lines[0].count("|") == lines[1].count("|") == 14
     import re
 
     def cells(line):  # a cell's escaped \\| is not a column
         return [c.strip() for c in re.split(r"(?<!\\)\|", line)]
 
-    assert len(cells(lines[0])) == len(cells(lines[2])) == len(cells(lines[3])) == 14
+    assert len(cells(lines[0])) == len(cells(lines[2])) == len(cells(lines[3])) == 15
     ours = cells(lines[2])
     assert ours[-5:-1] == ["yes", "3/3", "1.610 / 1.600", "20.0 / 25.5"]
     peer = cells(lines[3])
@@ -483,7 +483,8 @@ def test_the_benchmark_checks_each_peers_loss_once_and_runs_the_engine_on_reques
 def test_an_arms_peak_memory_is_its_own_not_the_parents_it_was_forked_from(tmp_path):
     """run_arm samples the child's VmHWM: a parent holding 400 MB that starts a child which
     touches 100 MB reports the child's ~100 MB (plus its interpreter), not the parent's 400 MB
-    that getrusage's ru_maxrss carries across fork + exec."""
+    that getrusage's ru_maxrss carries across fork + exec; its anonymous peak likewise (the
+    100 MB buffer, not the interpreter's mapped libraries)."""
     import sys
 
     from benchmarks.peers.arms import run_arm
@@ -494,6 +495,7 @@ def test_an_arms_peak_memory_is_its_own_not_the_parents_it_was_forked_from(tmp_p
                    "b[::4096] = b'y' * len(b[::4096]); time.sleep(1.5)"], tmp_path / "log",
                   nice=0, every=0.1)
     assert got["rc"] == 0 and 100 <= got["peak_rss_mb"] < 300, got
+    assert 100 <= got["peak_anon_mb"] <= got["peak_rss_mb"], got
     del held
 
 

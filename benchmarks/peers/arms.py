@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.peers.procstat import vm_hwm_mb
+from benchmarks.peers.procstat import status_mb
 from specdistill.train.precision import training_precision
 
 HERE = Path(__file__).resolve().parent
@@ -128,13 +128,15 @@ SPECULATORS_WHAT = {
 }
 
 
-def tree_hwm_mb(pid: int) -> float:
-    """Largest VmHWM (MB) of process `pid` and its descendants now (0 when gone): each process's
-    own peak since its exec (procstat.py says why not getrusage)."""
+def tree_peak_mb(pid: int, key: str = "VmHWM") -> float:
+    """Largest /proc status field `key` (MB) over process `pid` and its descendants now (0 when
+    gone). VmHWM: each process's own peak since its exec (procstat.py says why not getrusage);
+    RssAnon: its anonymous resident memory now (heap, tensors: not the mapped weights and
+    libraries the OS can drop and re-read)."""
     best, todo = 0.0, [pid]
     while todo:
         p = todo.pop()
-        best = max(best, vm_hwm_mb(p) or 0.0)
+        best = max(best, status_mb(key, p) or 0.0)
         try:
             for task in Path(f"/proc/{p}/task").iterdir():
                 todo += [int(c) for c in (task / "children").read_text().split()]
@@ -145,16 +147,20 @@ def tree_hwm_mb(pid: int) -> float:
 
 def run_arm(cmd: list[str], log_file: Path, env: dict | None = None, nice: int = 10,
             every: float = 0.5) -> dict:
-    """Run `cmd` under `nice`; its wall seconds and its process tree's peak RSS (MB: the largest
-    VmHWM seen, sampled every `every` s; tree_hwm_mb says why not getrusage)."""
-    t0, peak = time.monotonic(), 0.0
+    """Run `cmd` under `nice`; its wall seconds, its process tree's peak RSS (MB: the largest
+    VmHWM seen, sampled every `every` s; tree_peak_mb says why not getrusage) and its peak
+    anonymous memory (the largest RssAnon sampled: a lower bound, between samples it may have
+    been higher)."""
+    t0, peak, anon = time.monotonic(), 0.0, 0.0
     with open(log_file, "w") as fh:
         child = subprocess.Popen(["nice", "-n", str(nice), *cmd], stdout=fh, stderr=subprocess.STDOUT,
                                  env={**os.environ, **(env or {})})
         while child.poll() is None:
-            peak = max(peak, tree_hwm_mb(child.pid))
+            peak = max(peak, tree_peak_mb(child.pid))
+            anon = max(anon, tree_peak_mb(child.pid, "RssAnon"))
             time.sleep(every)
-    return {"rc": child.returncode, "wall_s": time.monotonic() - t0, "peak_rss_mb": peak}
+    return {"rc": child.returncode, "wall_s": time.monotonic() - t0, "peak_rss_mb": peak,
+            "peak_anon_mb": anon}
 
 
 def ours_report(run_dir: Path) -> dict:

@@ -110,14 +110,14 @@ def table(results: dict, args) -> str:
     he = next((r["replay_humaneval"] for r in arms(results).values() if r.get("replay_humaneval")),
               None)
     he_n = len(he["per_prompt"]) if he else 0
-    lines = [f"| arm | set | training min | steps | target tokens/s | peak RSS (MB) | replay tau "
-             f"(k={args.k}, {args.prompts} MT-bench x {args.tokens}) | gap to ours (paired; a DSpark arm's "
-             f"to ours-dspark) |"
+    lines = [f"| arm | set | training min | steps | target tokens/s | peak RSS (MB) | peak anonymous "
+             f"(MB) | replay tau (k={args.k}, {args.prompts} MT-bench x {args.tokens}) | gap to ours "
+             f"(paired; a DSpark arm's to ours-dspark) |"
              + (f" replay tau ({he_n} HumanEval) | gap to ours, all {args.prompts + he_n} prompts |"
                 if he else "")
              + (" engine loads | engine spec == plain | tau engine / our replay on its text | "
                 "engine tokens/s plain / spec |" if engine else ""),
-             "|---|---|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if he else "")
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if he else "")
              + ("---|---:|---:|---:|" if engine else "")]
 
     def tau(r):
@@ -130,7 +130,7 @@ def table(results: dict, args) -> str:
         t, r = res.get("train", {}), res.get("replay")
         lines.append(f"| {name} | {t.get('what', '')} | {_fmt(t.get('train_minutes'))} | "
                      f"{t.get('steps', '—')} | {_fmt(t.get('tokens_per_s'), 0)} | "
-                     f"{_fmt(t.get('peak_rss_mb'), 0)} | "
+                     f"{_fmt(t.get('peak_rss_mb'), 0)} | {_fmt(t.get('peak_anon_mb'), 0)} | "
                      f"{tau(r) if r else res.get('replay_error', '—')} | "
                      f"{gap(res.get('gap_to_ours'))} |"
                      + (f" {tau(res.get('replay_humaneval'))} | {gap(res.get('gap_to_ours_all'))} |"

@@ -81,6 +81,44 @@ def test_shapes_names_and_aux_layers(target):
             build_drafter({"name": "eagle3", "aux_layers": bad}, target)
 
 
+@pytest.mark.parametrize("own", [1, 2], ids=["step2", "step3"])
+def test_ttt_attention_is_each_anchors_softmax_over_step_one_and_its_own_keys(own):
+    """Against a plain per-anchor softmax: at step own+1 the query of anchor a sees step 1's keys
+    where causal[a] says and steps 2..own+1's keys at anchor a only (outputs and the gradient of
+    every input), with the anchors in several chunks (ttt_chunk: 32 // (2 * own) a chunk)."""
+    import itertools
+
+    from specdistill.drafters.parts.attention import ttt_attention, ttt_chunk
+
+    B, h, kv, d, Q, T = 2, 4, 2, 8, 21, 32
+    assert ttt_chunk(T, own) < Q  # chunked
+    g = torch.Generator().manual_seed(own)
+    k0, v0 = (torch.randn(B, kv, T, d, generator=g, requires_grad=True) for _ in range(2))
+    steps_kv = [tuple(torch.randn(B, kv, Q, d, generator=g, requires_grad=True) for _ in range(2))
+                for _ in range(own)]
+    q = torch.randn(B, h, Q, d, generator=g, requires_grad=True)
+    causal = torch.rand(B, 1, Q, T, generator=g) < 0.5
+    causal[0, 0, 3] = False  # an anchor that sees none of step 1's keys: its own keys only
+    inputs = (q, k0, v0, *itertools.chain(*steps_kv))
+
+    def reference():
+        out = torch.empty(B, h, Q, d)
+        for r, a, head in itertools.product(range(B), range(Q), range(h)):
+            j = head // (h // kv)
+            keys = torch.cat([k0[r, j][causal[r, 0, a]], *(kj[r, j, a:a + 1] for kj, _ in steps_kv)])
+            vals = torch.cat([v0[r, j][causal[r, 0, a]], *(vj[r, j, a:a + 1] for _, vj in steps_kv)])
+            out[r, head, a] = (q[r, head, a] @ keys.T * d ** -0.5).softmax(-1) @ vals
+        return out
+
+    store = [(k0, v0), *steps_kv[:-1]]  # what the earlier steps appended
+    got, want = ttt_attention(q, *steps_kv[-1], store, causal), reference()
+    assert len(store) == own + 1  # this step's keys appended
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    grads = [torch.autograd.grad(x.pow(2).sum(), inputs) for x in (got, want)]
+    for a_, b_ in zip(*grads):
+        torch.testing.assert_close(a_, b_, atol=1e-5, rtol=1e-5)
+
+
 def test_init_from_target_layer(target):
     d = build_drafter({"name": "eagle3", "init_from_target_layer": -1, "num_layers": 2}, target)
     src0, src1 = (target.model.model.layers[i].state_dict() for i in (L - 2, L - 1))

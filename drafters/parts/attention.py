@@ -9,22 +9,38 @@ import torch.nn.functional as F
 def ttt_attention(q, k, v, steps: list, causal: torch.Tensor) -> torch.Tensor:
     """Training-time-test attention of one layer for one step; appends this step's (k, v) to steps.
 
-    q (B, h, T, d); k, v (B, kv, T, d); causal (B, 1, T, T) bool over step 1's keys. Step 1 is
-    causal attention; step j attends to step 1's keys causally and to steps 2..j's keys at its own
-    anchor only, scored as a dot product per query. Returns (B, h, T, d)."""
+    q (B, h, Q, d); k, v (B, kv, Q, d): step j's queries and keys, one per anchor; causal
+    (B, 1, Q, T) bool over step 1's T keys. Step 1 (Q = T) is causal attention; step j attends to
+    step 1's keys where `causal` says and to steps 2..j's keys at its own anchor only. One fused
+    scaled_dot_product_attention per chunk of anchors (ttt_chunk) over step 1's keys followed by
+    the chunk's own keys of steps 2..j, under a boolean mask: no (Q x T) score tensor is kept for
+    the backward, where an eager softmax held several (the on-policy phase's second draft:
+    BENCHMARKS.md "EAGLE-3's memory"). Returns (B, h, Q, d)."""
     steps.append((k, v))
     if len(steps) == 1:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=causal, enable_gqa=True)
-    rep, scale = q.shape[1] // k.shape[1], q.shape[-1] ** -0.5
-    k0, v0 = (t.repeat_interleave(rep, dim=1) for t in steps[0])  # (B, h, T, d)
-    s0 = (q @ k0.transpose(-1, -2)) * scale  # (B, h, T, T)
-    s0 = s0.masked_fill(~causal, torch.finfo(s0.dtype).min)
-    kd = torch.stack([kj.repeat_interleave(rep, dim=1) for kj, _ in steps[1:]], dim=-2)  # (B, h, T, j-1, d)
-    vd = torch.stack([vj.repeat_interleave(rep, dim=1) for _, vj in steps[1:]], dim=-2)
-    sd = (q.unsqueeze(-2) * kd).sum(-1) * scale  # (B, h, T, j-1)
-    p = torch.cat([s0, sd], dim=-1).softmax(-1)  # (B, h, T, T + j-1)
-    T = s0.shape[-1]
-    return p[..., :T] @ v0 + (p[..., T:, None] * vd).sum(-2)  # (B, h, T, d)
+    (k0, v0), J = steps[0], len(steps) - 1  # step 1's keys (B, kv, T, d); J own keys per anchor
+    own_k = torch.stack([kj for kj, _ in steps[1:]], dim=3)  # (B, kv, Q, J, d)
+    own_v = torch.stack([vj for _, vj in steps[1:]], dim=3)
+    Q, T, n = q.shape[2], k0.shape[2], ttt_chunk(k0.shape[2], J)
+    outs = []
+    for a in range(0, Q, n):
+        m = min(Q, a + n) - a
+        rows = slice(a, a + m)
+        mine = torch.arange(m, device=q.device)[:, None] == torch.arange(m * J, device=q.device)[None] // J
+        mask = torch.cat([causal[:, :, rows], mine.expand(causal.shape[0], 1, m, m * J)], dim=-1)
+        keys = torch.cat([k0, own_k[:, :, rows].flatten(2, 3)], dim=2)  # (B, kv, T + m*J, d)
+        values = torch.cat([v0, own_v[:, :, rows].flatten(2, 3)], dim=2)
+        outs.append(F.scaled_dot_product_attention(q[:, :, rows], keys, values, attn_mask=mask,
+                                                   enable_gqa=True))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
+def ttt_chunk(T: int, own: int) -> int:
+    """Anchors one ttt_attention call attends together at a step with `own` keys per anchor:
+    their own keys, which every query of the chunk is scored against (masked), stay at most half
+    of step 1's T."""
+    return max(1, T // (2 * own))
 
 
 def blocks_per_chunk(T: int, b: int) -> int:

@@ -85,13 +85,13 @@ def test_shapes_names_and_aux_layers(target):
 def test_ttt_attention_is_each_anchors_softmax_over_step_one_and_its_own_keys(own):
     """Against a plain per-anchor softmax: at step own+1 the query of anchor a sees step 1's keys
     where causal[a] says and steps 2..own+1's keys at anchor a only (outputs and the gradient of
-    every input), with the anchors in several chunks (ttt_chunk: 32 // (2 * own) a chunk)."""
+    every input), with the anchors in several chunks (blocks_per_chunk: 32 // (2 * own) a chunk)."""
     import itertools
 
-    from specdistill.drafters.parts.attention import ttt_attention, ttt_chunk
+    from specdistill.drafters.parts.attention import blocks_per_chunk, ttt_attention
 
     B, h, kv, d, Q, T = 2, 4, 2, 8, 21, 32
-    assert ttt_chunk(T, own) < Q  # chunked
+    assert blocks_per_chunk(T, own) < Q  # chunked
     g = torch.Generator().manual_seed(own)
     k0, v0 = (torch.randn(B, kv, T, d, generator=g, requires_grad=True) for _ in range(2))
     steps_kv = [tuple(torch.randn(B, kv, Q, d, generator=g, requires_grad=True) for _ in range(2))

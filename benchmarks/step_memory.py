@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.peers.procstat import status_mb
+from benchmarks.peers.procstat import status_mb, status_mbs
 
 PHASES = ("features", "teacher", "forward", "score", "loss", "backward", "optimizer")
 
@@ -49,9 +49,9 @@ class PhasePeaks:
 
     def _run(self) -> None:
         while True:
-            mb, phase = rss_anon_mb(), self.phase
-            self.peaks[phase] = max(self.peaks.get(phase, 0.0), mb)
-            self.file_peak = max(self.file_peak, status_mb("RssFile") or 0.0)
+            got, phase = status_mbs(("RssAnon", "RssFile")), self.phase  # one read of /proc
+            self.peaks[phase] = max(self.peaks.get(phase, 0.0), got["RssAnon"])
+            self.file_peak = max(self.file_peak, got.get("RssFile", 0.0))
             time.sleep(self.every)
 
     def wrap(self, owner, name: str, phase: str) -> None:

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.peers.procstat import status_mb
+from benchmarks.peers.procstat import status_mbs
 from specdistill.train.precision import training_precision
 
 HERE = Path(__file__).resolve().parent
@@ -128,15 +128,16 @@ SPECULATORS_WHAT = {
 }
 
 
-def tree_peak_mb(pid: int, key: str = "VmHWM") -> float:
-    """Largest /proc status field `key` (MB) over process `pid` and its descendants now (0 when
-    gone). VmHWM: each process's own peak since its exec (procstat.py says why not getrusage);
-    RssAnon: its anonymous resident memory now (heap, tensors: not the mapped weights and
-    libraries the OS can drop and re-read)."""
-    best, todo = 0.0, [pid]
+def tree_peak_mb(pid: int, keys: tuple[str, ...] = ("VmHWM",)) -> dict[str, float]:
+    """Largest /proc status field of each of `keys` (MB) over process `pid` and its descendants
+    now (0 when gone), one walk of the tree. VmHWM: each process's own peak since its exec
+    (procstat.py says why not getrusage); RssAnon: its anonymous resident memory now (heap,
+    tensors: not the mapped weights and libraries the OS can drop and re-read)."""
+    best, todo = dict.fromkeys(keys, 0.0), [pid]
     while todo:
         p = todo.pop()
-        best = max(best, status_mb(key, p) or 0.0)
+        for key, mb in status_mbs(keys, p).items():
+            best[key] = max(best[key], mb)
         try:
             for task in Path(f"/proc/{p}/task").iterdir():
                 todo += [int(c) for c in (task / "children").read_text().split()]
@@ -151,16 +152,16 @@ def run_arm(cmd: list[str], log_file: Path, env: dict | None = None, nice: int =
     VmHWM seen, sampled every `every` s; tree_peak_mb says why not getrusage) and its peak
     anonymous memory (the largest RssAnon sampled: a lower bound, between samples it may have
     been higher)."""
-    t0, peak, anon = time.monotonic(), 0.0, 0.0
+    t0, peak = time.monotonic(), {"VmHWM": 0.0, "RssAnon": 0.0}
     with open(log_file, "w") as fh:
         child = subprocess.Popen(["nice", "-n", str(nice), *cmd], stdout=fh, stderr=subprocess.STDOUT,
                                  env={**os.environ, **(env or {})})
         while child.poll() is None:
-            peak = max(peak, tree_peak_mb(child.pid))
-            anon = max(anon, tree_peak_mb(child.pid, "RssAnon"))
+            for key, mb in tree_peak_mb(child.pid, tuple(peak)).items():
+                peak[key] = max(peak[key], mb)
             time.sleep(every)
-    return {"rc": child.returncode, "wall_s": time.monotonic() - t0, "peak_rss_mb": peak,
-            "peak_anon_mb": anon}
+    return {"rc": child.returncode, "wall_s": time.monotonic() - t0, "peak_rss_mb": peak["VmHWM"],
+            "peak_anon_mb": peak["RssAnon"]}
 
 
 def ours_report(run_dir: Path) -> dict:

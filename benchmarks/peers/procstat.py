@@ -10,17 +10,24 @@ from __future__ import annotations
 import resource
 
 
-def status_mb(key: str, pid: int | str = "self") -> float | None:
-    """Field `key` of /proc/<pid>/status (VmHWM, VmRSS, RssAnon, ...) in MB (None: gone, no /proc,
-    or no such field)."""
+def status_mbs(keys: tuple[str, ...], pid: int | str = "self") -> dict[str, float]:
+    """Fields `keys` of /proc/<pid>/status (VmHWM, VmRSS, RssAnon, ...) in MB, read in one pass;
+    a field absent (gone, no /proc, no such field) is left out."""
+    got = {}
     try:
         with open(f"/proc/{pid}/status") as fh:
             for line in fh:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) / 1024
+                key = line.split(":", 1)[0]
+                if key in keys:
+                    got[key] = int(line.split()[1]) / 1024
     except OSError:
-        return None
-    return None
+        pass
+    return got
+
+
+def status_mb(key: str, pid: int | str = "self") -> float | None:
+    """Field `key` of /proc/<pid>/status in MB (None: gone, no /proc, or no such field)."""
+    return status_mbs((key,), pid).get(key)
 
 
 def vm_hwm_mb(pid: int | str = "self") -> float | None:

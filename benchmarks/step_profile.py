@@ -55,7 +55,7 @@ def matmul_peak(dtype: torch.dtype, size: int, repeats: int = 5, budget_s: float
 def timed_step(r) -> dict[str, float]:
     """One optimizer step of recipe r (grad_accum 1), timed phase by phase (CPU: synchronous)."""
     from specdistill.train.losses import distill_loss
-    from specdistill.train.on_policy_heads import anchor_generator, own_drafts, own_steps, score_own_drafts
+    from specdistill.train.on_policy_heads import anchor_generator, own_drafts, score_own_drafts
 
     t, tcfg = {}, r.tcfg
     r.model.train()
@@ -68,7 +68,7 @@ def timed_step(r) -> dict[str, float]:
     batch = train_batch(raw, feats, r.target, final, getattr(r.drafter, "d2t", None), r.backend.device,
                         r.drafter)
     t2 = time.perf_counter()  # the teacher: the target's logits where the loss reads them
-    own = own_steps(tcfg, r.step)
+    own = r.own_depth(r.step)  # the recipe's schedule: > 0 in its on-policy phase
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=tcfg.precision == "bf16"):
         if own:
             preds = own_drafts(r.model, batch, tcfg, own, anchor_generator(0, r.step, 0, 0))
@@ -85,6 +85,7 @@ def timed_step(r) -> dict[str, float]:
     loss.backward()
     t5 = time.perf_counter()
     r.backend.step(r.optimizer, r.params, tcfg.grad_clip)
+    r.schedule.advance(r.step + 1)
     r.scheduler.step()
     r.step += 1
     t6 = time.perf_counter()

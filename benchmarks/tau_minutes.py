@@ -33,7 +33,7 @@ import yaml
 
 from benchmarks.recipe_study import tokens_per_step
 from benchmarks.replaying import TINY, append_row, compose, paired_gap, replay_answers, replay_run
-from specdistill.train.on_policy_heads import in_phase
+from specdistill.train.schedule import in_phase
 
 KINDS = ("mtbench", "humaneval")
 

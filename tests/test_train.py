@@ -295,6 +295,60 @@ def test_a_budget_that_stops_before_the_on_policy_phase_says_so(tmp_path, chat_f
     assert len(said) == 1 and "on-policy heads phase" in said[0] and "from step 36" in said[0]
 
 
+class StepClock:
+    """The schedule's clock: `seconds` more at every reading (one reading a step)."""
+
+    def __init__(self, seconds: float):
+        self.now, self.seconds = 0.0, seconds
+
+    def __call__(self) -> float:
+        self.now += self.seconds
+        return self.now
+
+
+def test_schedule_minutes_fits_the_whole_recipe_into_the_minutes(tmp_path, chat_file, caplog,
+                                                                 monkeypatch):
+    """trainer.schedule=minutes: one minute at ~6 s a step ends after ~10 of max_steps=40, with
+    the learning rate at its floor and the on-policy heads phase run in the last 20% of the
+    minutes (a step-based schedule cut there says it cut both); the checkpoint carries the
+    minutes and the phase, and a resume given a longer budget goes on with both."""
+    from specdistill.train import schedule as S
+
+    monkeypatch.setattr(S, "_now", StepClock(6.0))
+    args = ["drafter=eagle3", "drafter.draft_vocab_size=256", "drafter.ttt_length=1",
+            "trainer.max_steps=40", "trainer.schedule=minutes", "trainer.on_policy_heads_start=0.8",
+            "trainer.on_policy_heads_anchors=0.5", "trainer.eval_every=0", "trainer.save_every=0",
+            "trainer.log_every=1"]
+    cfg = make_cfg(tmp_path, chat_file, *args, "trainer.max_minutes=1")
+    with caplog.at_level("INFO", logger=recipe_mod.__name__):
+        r = run(cfg)
+    assert 8 <= r.step <= 11 and r.stopped_early
+    lr = cfg.trainer.lr * cfg.trainer.min_lr_ratio
+    assert r.optimizer.param_groups[0]["lr"] == pytest.approx(lr)
+    first = r.schedule.on_policy_from
+    assert first is not None and 0.7 * r.step <= first < r.step
+    rows = [json.loads(line) for line in open(Path(cfg.run_dir) / "metrics.jsonl")]
+    scored = [row["step"] for row in rows if "scored" in row]  # the steps the target scored
+    assert scored == list(range(first + 1, r.step + 1))
+    assert "the whole schedule in the minutes" in caplog.text
+    assert "cut the recipe short" not in caplog.text
+    state = ckpt.load_trainer_state(runs.latest_checkpoint(Path(cfg.run_dir)))["schedule"]
+    assert state["on_policy_from"] == first and state["seconds"] >= 60
+
+    again = run(make_cfg(tmp_path, chat_file, *args, "trainer.max_minutes=2", "resume=true"))
+    assert again.schedule.earlier_s == pytest.approx(state["seconds"])
+    assert again.optimizer.param_groups[0]["lr"] == pytest.approx(lr)  # the longer budget's end
+    assert again.step > r.step and again.schedule.on_policy_from == first  # the phase goes on
+    rows = [json.loads(line) for line in open(Path(cfg.run_dir) / "metrics.jsonl")]
+    assert all("scored" in row for row in rows if row.get("step", 0) > r.step and "loss" in row)
+
+
+def test_schedule_minutes_needs_its_minutes(tmp_path, chat_file):
+    with pytest.raises(ValueError, match="trainer.schedule=minutes spans trainer.max_minutes"):
+        run(make_cfg(tmp_path, chat_file, "trainer.schedule=minutes"))
+    assert not (tmp_path / "run" / "config.yaml").exists()  # refused before any work
+
+
 def test_max_minutes_out_of_range_is_refused(tmp_path, chat_file):
     from specdistill.cli.errors import UserError
     from specdistill.cli.ranges import check_ranges

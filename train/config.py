@@ -39,8 +39,13 @@ class TrainerConfig:
     # wall-clock budget of the training loop in minutes (None = none): the loop stops after the step
     # that crosses it, evaluates and saves a checkpoint like at max_steps, and logs that it stopped
     # early. Setup and the offline capture are not counted; a resumed run gets the budget afresh.
-    # The schedule still runs to max_steps (equal-minutes comparisons: benchmarks/peers)
+    # The schedule still runs to max_steps (equal-minutes comparisons: benchmarks/peers), unless:
     max_minutes: Optional[float] = rng(None, 0, MAX_SECONDS / 60, lo_open=True)
+    # what the learning-rate cosine and the on-policy heads phase span (train/schedule.py): steps
+    # (max_steps; reruns repeat every number) | minutes (the run's progress, the larger of
+    # step / max_steps and training minutes / max_minutes, the minutes carried across resumes:
+    # the whole recipe in the minutes on any machine, the steps it makes depend on its speed)
+    schedule: str = "steps"
     batch_size: int = rng(4, 1, MAX_BATCH)  # conversations per micro-batch per process
     grad_accum: int = rng(1, 1, MAX_BATCH)  # micro-batches per optimizer step
     # sort each run of this many global batches by length before batching (0 = plain shuffle):

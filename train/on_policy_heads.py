@@ -57,16 +57,6 @@ def check_on_policy_heads(tcfg, drafter) -> None:
                          f"set one of them to null")
 
 
-def in_phase(start: float | None, max_steps: int, step: int) -> bool:
-    """Does optimizer step `step` (0-based) draft on its own tokens (trainer.on_policy_heads_start)?"""
-    return start is not None and step >= start * max_steps
-
-
-def own_steps(tcfg, step: int) -> int:
-    """The on-policy draft depth at optimizer step `step` (trainer.on_policy_heads_start), else 0."""
-    return tcfg.on_policy_heads_depth if in_phase(tcfg.on_policy_heads_start, tcfg.max_steps, step) else 0
-
-
 def anchor_generator(seed: int, step: int, micro: int, rank: int) -> torch.Generator:
     """The scored anchors' draw, seeded by (seed, step, micro-batch, rank): a resume repeats it."""
     return torch.Generator().manual_seed(((seed * 1_000_003 + step) * 997 + micro) * 101 + rank)

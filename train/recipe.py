@@ -52,14 +52,13 @@ from specdistill.train.on_policy import OnPolicyMixer
 from specdistill.train.on_policy_heads import (
     anchor_generator,
     check_on_policy_heads,
-    in_phase,
     own_drafts,
-    own_steps,
     score_own_drafts,
 )
 from specdistill.train.precision import features_storage, training_precision
 from specdistill.train.report import write_eval_by_context, write_report
 from specdistill.train.resume import check_resume_config
+from specdistill.train.schedule import Schedule, check_schedule, in_phase
 from specdistill.train.rundir import check_contents, check_disk_space, set_aside_unfinished, write_config
 from specdistill.train.runlock import RunLock
 from specdistill.train.teacher import train_batch
@@ -71,18 +70,6 @@ CKPT_BYTES_PER_PARAM = 16  # fp32 weights + Adam's two moments, + fp32 master we
 
 class NonFiniteLoss(RuntimeError):
     pass
-
-
-def lr_lambda(warmup: int, total: int, floor: float):
-    """Linear warm-up to 1, then cosine decay to `floor` at `total` steps."""
-
-    def f(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / max(1, warmup)
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return f
 
 
 def token_counts(ds, vocab_size: int) -> torch.Tensor:
@@ -105,6 +92,7 @@ class DistillRecipe:
     def setup(self) -> None:
         """Build everything `train()` needs, one named step each; the pieces live in the library."""
         cfg = self.cfg
+        check_schedule(self.tcfg)  # before any heavy work
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         self._resolve_precision(str(cfg.target.device))
@@ -191,8 +179,10 @@ class DistillRecipe:
         self._check_disk_space(CKPT_BYTES_PER_PARAM * n_params * (tcfg.keep_last + 2))
         self.optimizer = torch.optim.AdamW(self.params, lr=tcfg.lr, weight_decay=tcfg.weight_decay,
                                            betas=(0.9, 0.95))
+        # the learning rate and the on-policy phase, over steps or minutes (train/schedule.py)
+        self.schedule = Schedule(tcfg, mean=lambda x: float(self.backend.mean(torch.tensor(x))))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(tcfg.warmup_steps, tcfg.max_steps, tcfg.min_lr_ratio))
+            self.optimizer, lambda step: self.schedule.lr_factor(step))
         self.model = self.backend.prepare(self.drafter, self.optimizer)
 
     def _setup_features(self, tcfg) -> OfflineFeatures | None:
@@ -268,6 +258,9 @@ class DistillRecipe:
         state = ckpt.load_trainer_state(last)
         self.backend.load_state(last, self.drafter, self.optimizer)  # weights + optimizer state
         self.scheduler.load_state_dict(state["scheduler"])
+        self.schedule.load_state_dict(state.get("schedule"), state["step"])
+        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
+            group["lr"] = base * self.schedule.lr_factor(state["step"])  # this launch's budgets
         self.batches.load_state_dict(state["data"])
         ckpt.set_rng_state(state["rng"])
         self.step, self.best_tau = state["step"], state.get("best_tau", -1.0)
@@ -312,11 +305,17 @@ class DistillRecipe:
                                    self.drafter.feature_layers, self.tcfg.capture_chunk)
         return None if feats is None else feats.to(self.target.dtype), final.to(self.target.dtype)
 
+    def own_depth(self, step: int) -> int:
+        """The on-policy draft depth of optimizer step `step` (0 = teacher-forced): the schedule's
+        phase (train/schedule.py). Asked once per step, before it runs."""
+        return self.tcfg.on_policy_heads_depth if self.schedule.own(step) else 0
+
     def train_step(self) -> dict[str, float]:
         tcfg = self.tcfg
         self.model.train()
         totals: dict[str, float] = {}
         tokens = 0
+        own = self.own_depth(self.step)  # > 0 in the on-policy phase of the heads
         for micro in range(tcfg.grad_accum):
             raw = next(self.batches)
             if self.on_policy is not None:  # with prob. on_policy_fraction: the drafter's own text
@@ -326,21 +325,22 @@ class DistillRecipe:
             for batch, share, last in self.make_batches(raw):  # whole rows, or trainer.window's
                 tokens += int(batch.attention_mask.sum())
                 sync = micro == tcfg.grad_accum - 1 and last
-                self._micro_step(batch, micro, share / tcfg.grad_accum, sync, totals)
+                self._micro_step(batch, micro, share / tcfg.grad_accum, sync, totals, own)
         grad_norm = self.backend.step(self.optimizer, self.params, tcfg.grad_clip)
         totals["loss"] = float(self.backend.mean(torch.tensor(totals["loss"])))  # over all ranks
+        self.schedule.advance(self.step + 1)  # before the LR scheduler reads it
         self.scheduler.step()
         self.step += 1
         return {**totals, "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0],
                 "tokens": tokens}
 
     def _micro_step(self, batch: TrainBatch, micro: int, weight: float, sync: bool,
-                    totals: dict[str, float]) -> None:
+                    totals: dict[str, float], own: int = 0) -> None:
         """Forward, loss and backward of one (window of a) micro-batch, its loss scaled by `weight`
         (1 / grad_accum, times the window's share of the micro-batch's trained tokens); the
-        loss and its parts are added to `totals` with the same weight."""
+        loss and its parts are added to `totals` with the same weight. `own` > 0: the step's
+        on-policy draft depth (own_depth)."""
         tcfg = self.tcfg
-        own = own_steps(tcfg, self.step)  # > 0 in the on-policy phase of the heads
         with torch.autocast(self.backend.device.type, dtype=torch.bfloat16,
                             enabled=tcfg.precision == "bf16"):
             if own:  # the drafter drafts on its own tokens; the target scores the drafts
@@ -364,23 +364,25 @@ class DistillRecipe:
 
     def train(self) -> None:
         tcfg = self.tcfg
-        start = time.monotonic()
+        self.schedule.begin()
         t0, seen, n = time.perf_counter(), 0, 0
         self.stopped_early = False
-        while self.step < tcfg.max_steps:
+        while not self.schedule.done(self.step):
             metrics, n = self.train_step(), n + 1
             if self.backend.device.type == "cpu" or self.step % tcfg.log_every == 0:
                 release_free_memory()  # the step's freed heap pages (memory.py): on a CPU, where
                 # the step's tensors live in that heap, before every step
             self.loggers.progress(self.step, tcfg.max_steps, loss=metrics["loss"])
             seen += metrics.pop("tokens")
-            self.stopped_early = self._out_of_time(start) and self.step < tcfg.max_steps
+            self.stopped_early = self._out_of_time() and self.step < tcfg.max_steps
             if self.stopped_early:
-                metrics["train_minutes"] = (time.monotonic() - start) / 60
+                metrics["train_minutes"] = self.schedule.seconds() / 60
                 log.info("trainer.max_minutes=%s reached after %.2f min at step %d of %d: stopping "
-                         "here with an eval and a checkpoint", tcfg.max_minutes,
-                         metrics["train_minutes"], self.step, tcfg.max_steps)
-                self._say_what_the_budget_cut()
+                         "here with an eval and a checkpoint%s", tcfg.max_minutes,
+                         metrics["train_minutes"], self.step, tcfg.max_steps,
+                         self._schedule_end() if self.schedule.by_minutes else "")
+                if not self.schedule.by_minutes:
+                    self._say_what_the_budget_cut()
             if self.step % tcfg.log_every == 0 or self.step == tcfg.max_steps or self.stopped_early:
                 dt = time.perf_counter() - t0
                 self.loggers.log({**metrics, "target_tokens_per_s": seen * self.backend.world_size
@@ -409,15 +411,28 @@ class DistillRecipe:
                        f"{tcfg.min_lr_ratio:.0%} at step {tcfg.max_steps})")
         if cut:
             log.warning("trainer.max_minutes cut the recipe short: %s. For the whole recipe in "
-                        "these minutes set trainer.max_steps to the steps that fit (about %d at "
-                        "this run's pace, fewer with an on-policy phase, whose steps cost more)",
+                        "these minutes set trainer.schedule=minutes (the schedule spans the "
+                        "minutes), or trainer.max_steps to the steps that fit (about %d at this "
+                        "run's pace, fewer with an on-policy phase, whose steps cost more)",
                         "; ".join(cut), self.step)
 
-    def _out_of_time(self, start: float) -> bool:
-        """trainer.max_minutes has passed since `start` (on any rank: all ranks stop together)."""
+    def _schedule_end(self) -> str:
+        """What a trainer.schedule=minutes run did in its minutes (said when they end it)."""
+        first = self.schedule.on_policy_from
+        phase = ("" if self.tcfg.on_policy_heads_start is None else
+                 f", on-policy heads phase from step {first + 1}" if first is not None else
+                 ", the on-policy heads phase never began (its first step would have crossed the minutes)")
+        return (f" (trainer.schedule=minutes: the whole schedule in the minutes: learning rate down to "
+                f"{self.optimizer.param_groups[0]['lr'] / self.tcfg.lr:.0%} of trainer.lr{phase})")
+
+    def _out_of_time(self) -> bool:
+        """trainer.max_minutes has passed (on any rank: all ranks stop together; schedule=minutes:
+        the ranks' mean, the schedule's own clock)."""
         if self.tcfg.max_minutes is None:
             return False
-        late = float(time.monotonic() - start >= 60 * self.tcfg.max_minutes)
+        if self.schedule.by_minutes:
+            return self.schedule.progress >= 1
+        late = float(self.schedule.seconds() >= 60 * self.tcfg.max_minutes)
         return float(self.backend.mean(torch.tensor(late))) > 0
 
     # -------------------------------------------------------------------------------------- eval
@@ -453,7 +468,8 @@ class DistillRecipe:
         tau = -1.0 if tau is None else float(tau)  # None: the eval measured nothing
         is_best = tau > self.best_tau or len(self.eval_ds) == 0  # no eval data: best = latest
         self.best_tau = max(self.best_tau, tau)
-        state = {"scheduler": self.scheduler.state_dict(), "data": self.batches.state_dict(),
+        state = {"scheduler": self.scheduler.state_dict(), "schedule": self.schedule.state_dict(),
+                 "data": self.batches.state_dict(),
                  "best_tau": self.best_tau, "config": OmegaConf.to_container(self.cfg, resolve=True)}
         path = ckpt.save_checkpoint(self.run_dir, self.step, self.backend, self.drafter,
                                     self.cfg.drafter, self.optimizer, state)

@@ -23,7 +23,7 @@ from specdistill.cli.errors import UserError
 from specdistill.store.drafter import CONFIG_FILE
 from specdistill.train.checkpoint import load_trainer_state
 from specdistill.train.config import RESUMABLE_CHANGES
-from specdistill.train.on_policy_heads import in_phase
+from specdistill.train.schedule import phase_unbegun
 
 
 def _flatten(node, prefix: str = "") -> dict[str, object]:
@@ -43,18 +43,14 @@ def _may_change(key: str, phase_unused: bool = False) -> bool:
             or (phase_unused and key.startswith(ON_POLICY_HEADS)))
 
 
-def teacher_forced_so_far(flat: dict, step: int) -> bool:
-    """Were steps 0 .. step-1 all teacher-forced under this (flattened) config? The on-policy
-    heads phase runs the steps s >= trainer.on_policy_heads_start * trainer.max_steps."""
-    return step < 1 or not in_phase(flat.get(ON_POLICY_HEADS + "start"),
-                                     flat.get("trainer.max_steps", 0), step - 1)
-
-
-def config_conflicts(old: dict, new: dict, step: int | None = None) -> list[str]:
+def config_conflicts(old: dict, new: dict, step: int | None = None,
+                     schedule: dict | None = None) -> list[str]:
     """`key: checkpoint value -> new value` for every setting that differs and may not change;
-    `step` (the checkpoint's) lets the on-policy heads settings change before their phase."""
+    `step` (the checkpoint's) and its schedule state (train/schedule.py) let the on-policy heads
+    settings change before their phase."""
     a, b = _flatten(old), _flatten(new)
-    unused = step is not None and teacher_forced_so_far(a, step) and teacher_forced_so_far(b, step)
+    unused = (step is not None and phase_unbegun(a, step, schedule)
+              and phase_unbegun(b, step, schedule))
     return [f"{k}: {a.get(k, '<unset>')!r} -> {b.get(k, '<unset>')!r}"
             for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k) and not _may_change(k, unused)]
 
@@ -68,7 +64,7 @@ def check_resume_config(ckpt: Path, cfg: DictConfig) -> None:
         old_drafter = json.loads((Path(ckpt) / CONFIG_FILE).read_text())
         conflicts = config_conflicts({"drafter": old_drafter}, {"drafter": new["drafter"]})
     else:
-        conflicts = config_conflicts(old, new, state.get("step"))
+        conflicts = config_conflicts(old, new, state.get("step"), state.get("schedule"))
     if conflicts:
         raise UserError(
             f"resume=true with settings that differ from the checkpoint {ckpt} was trained with:\n  "

@@ -521,6 +521,9 @@ def test_schedule_steps_fit_each_arms_schedule_to_its_minutes(tmp_path, monkeypa
         got = A.train_arm(name, args, [], {"aux_layers": LAYERS}, {"speculators": Path("/py")}, cfg)
         assert ("schedule over" in got["what"]) == (name != "speculators-default")
     assert "trainer.max_steps=166" in cmds["ours"]
+    sets = parse_args(["--out", str(tmp_path), "--set", "trainer.schedule=minutes"])
+    got = A.train_arm("ours", sets, [], {"aux_layers": LAYERS}, {}, cfg)  # --set: said in its row
+    assert got["what"].endswith("; trainer.schedule=minutes") and "schedule over" not in got["what"]
     spec = cmds["speculators-close"]
     assert spec[spec.index("--scheduler-total-steps") + 1] == "161"
     assert spec[spec.index("--scheduler-warmup-steps") + 1] == "16"

@@ -205,7 +205,8 @@ def train_arm(name: str, args, overrides: list[str], data: dict, pythons: dict, 
         got = run_arm(ours_cmd(overrides + extra, args.minutes, run_dir), log_file, env)
         recipe = ("conf/drafter/dspark.yaml on the default job" if arm.algo == "dspark"
                   else "default recipe (conf/budget/default_eagle3.yaml)")
-        out = {**got, **ours_report(run_dir), "what": recipe + fitted}
+        sets = "".join(f"; {o}" for o in getattr(args, "set", None) or [])  # --set: said in the table
+        out = {**got, **ours_report(run_dir), "what": recipe + fitted + sets}
         out["drafter"] = str(run_dir / "best") if (run_dir / "best").exists() else None
         return out
     report = runs / f"{name}.report.json"

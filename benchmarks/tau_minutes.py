@@ -41,6 +41,10 @@ KINDS = ("mtbench", "humaneval")
 def step_kinds(run_dir: Path):
     """0-based optimizer step -> "tf" | "op" under the run's own config."""
     t = yaml.safe_load((run_dir / "config.yaml").read_text())["trainer"]
+    if t.get("schedule", "steps") != "steps":  # its phase began where its minutes said
+        raise SystemExit(f"{run_dir}: trained with trainer.schedule={t['schedule']}, whose on-policy "
+                         f"steps follow the clock, not trainer.max_steps; this script prices runs of "
+                         f"the step schedule (a minutes run's own minutes are in its metrics.jsonl)")
     return lambda step: "op" if in_phase(t.get("on_policy_heads_start"), t["max_steps"], step) else "tf"
 
 

@@ -40,6 +40,12 @@ def test_each_kind_of_step_is_priced_by_its_own_intervals(tmp_path):
         minutes(run, 20, {"tf": 1.0})
     with pytest.raises(SystemExit, match="no interval of teacher-forced steps"):
         step_prices(flat)
+    clocked = fake_run(tmp_path / "clocked", 0.9, 30, lines)  # its phase followed the clock
+    cfg = yaml.safe_load((clocked / "config.yaml").read_text())
+    cfg["trainer"]["schedule"] = "minutes"
+    (clocked / "config.yaml").write_text(yaml.safe_dump(cfg))
+    with pytest.raises(SystemExit, match="trainer.schedule=minutes"):
+        minutes(clocked, 20, {"tf": 1.0, "op": 3.0})
 
 
 @pytest.mark.timeout(300)

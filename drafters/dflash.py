@@ -53,7 +53,6 @@ from specdistill.drafters.base import (
     DrafterConfig,
     DraftPrediction,
     TrainBatch,
-    TreeProposal,
     register,
 )
 from specdistill.drafters.parts import parallel
@@ -72,8 +71,6 @@ from specdistill.drafters.parts.layouts import (
     speculators_config,
     torch_dtype,
 )
-from specdistill.drafters.parts.rows import propose_rows
-from specdistill.drafters.parts.sampling import SamplingParams
 from specdistill.drafters.parts.vocab import d2t_to_offsets, t2d_mask
 from specdistill.target.attention import few_query, grouped_attention
 
@@ -242,7 +239,7 @@ LAYOUTS = (
 
 
 @register("dflash", config=DFlashConfig, layouts=LAYOUTS)
-class DFlash(Drafter):
+class DFlash(parallel.ParallelDrafting, Drafter):
     """DFlash block drafter: fc over the target's aux layers + draft layers over a mask block."""
 
     tags = ("dflash", "block-drafting", "parallel-drafting")
@@ -423,21 +420,6 @@ class DFlash(Drafter):
     def trained_positions(self, cfg: Optional[DFlashConfig] = None) -> int:
         """Drafts per block: slot 0 holds the last committed token, the others draft."""
         return (cfg or self.cfg).block_size - 1
-
-    def propose(self, state: DecodeState, k: int, sampling: SamplingParams,
-                generator: torch.Generator | None = None,
-                min_confidence: float = 0.0) -> ChainProposal:
-        return parallel.propose(self, state, k, sampling, generator, min_confidence)
-
-    def propose_tree(self, state: DecodeState, sampling: SamplingParams,
-                     generator: torch.Generator | None = None) -> TreeProposal:
-        return parallel.propose_tree(self, state, sampling, generator)
-
-    def propose_rows(self, slots, states, ks, sampling, generators, min_confidence=0.0
-                     ) -> list[ChainProposal]:
-        """Every row's block in ONE forward (drafters/parts/rows.py propose_rows, rows_round)."""
-        return propose_rows(self.rows_round, slots, states, ks, sampling, generators,
-                            min_confidence)
 
     def rows_round(self, slots, states, ks, sampling, generators, min_confidence
                    ) -> list[ChainProposal]:

@@ -66,7 +66,6 @@ from specdistill.drafters.base import (
     DecodeState,
     DraftPrediction,
     TrainBatch,
-    TreeProposal,
     register,
 )
 from specdistill.drafters.parts import parallel
@@ -80,8 +79,7 @@ from specdistill.drafters.parts.fused_layouts import (
     state_from_engine,
 )
 from specdistill.drafters.parts.layouts import WEIGHTS, ExportLayout, torch_dtype
-from specdistill.drafters.parts.rows import propose_rows, rows_forward, rows_keep
-from specdistill.drafters.parts.sampling import SamplingParams
+from specdistill.drafters.parts.rows import rows_forward, rows_keep
 
 
 @dataclass
@@ -174,7 +172,7 @@ SPECULATORS = ExportLayout(
 
 
 @register("peagle", config=PeagleConfig, layouts=(VLLM, SPECULATORS))
-class Peagle(FusedDrafter):
+class Peagle(parallel.ParallelDrafting, FusedDrafter):
     """P-EAGLE drafter: EAGLE-3's network (drafters/parts/fused.py) + a learnt mask hidden state; k
     drafts per forward. No forward_own: it drafts from masks, never from its own tokens."""
 
@@ -272,21 +270,6 @@ class Peagle(FusedDrafter):
 
     def trained_positions(self) -> int:
         return self.cfg.ttt_length
-
-    def propose(self, state: DecodeState, k: int, sampling: SamplingParams,
-                generator: torch.Generator | None = None,
-                min_confidence: float = 0.0) -> ChainProposal:
-        return parallel.propose(self, state, k, sampling, generator, min_confidence)
-
-    def propose_tree(self, state: DecodeState, sampling: SamplingParams,
-                     generator: torch.Generator | None = None) -> TreeProposal:
-        return parallel.propose_tree(self, state, sampling, generator)
-
-    def propose_rows(self, slots, states, ks, sampling, generators, min_confidence=0.0
-                     ) -> list[ChainProposal]:
-        """Every row's round in ONE forward (drafters/parts/rows.py propose_rows, rows_round)."""
-        return propose_rows(self.rows_round, slots, states, ks, sampling, generators,
-                            min_confidence)
 
     def rows_round(self, slots, states, ks, sampling, generators, min_confidence
                    ) -> list[ChainProposal]:

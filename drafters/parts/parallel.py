@@ -8,7 +8,8 @@ drawn from, cut where the confidence falls below min_confidence), the tree (`pro
 EAGLE-2's dynamic tree over the per-position distributions, drafters/parts/tree.py position_tree;
 settings cfg.tree_top_k, tree_depth (capped at the positions trained), tree_total_tokens,
 tree_sampled) and the cap of k at the positions trained (a larger k is said once per drafter,
-never silently). Its Drafter methods call them.
+never silently). `ParallelDrafting`, mixed in before the drafter's base class, makes them its
+Drafter methods (and its batched `rows_round` its `propose_rows`).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import logging
 import torch
 
 from specdistill.drafters.base import ChainDraw, ChainProposal, DecodeState, TreeProposal
+from specdistill.drafters.parts.rows import propose_rows
 from specdistill.drafters.parts.sampling import SamplingParams
 from specdistill.drafters.parts.tree import in_target_vocab, position_tree
 
@@ -67,3 +69,24 @@ def propose_tree(drafter, state: DecodeState, sampling: SamplingParams,
     tree = position_tree(drafter.draft_logits(state, depth), cfg.tree_top_k,
                          cfg.tree_total_tokens, sampled, generator)
     return in_target_vocab(tree, drafter.d2t, drafter.vocab_size)
+
+
+class ParallelDrafting:
+    """The Drafter proposal methods of a parallel drafter (DFlash, DSpark, P-EAGLE): the chain and
+    the tree from one forward (above), and every row's round in ONE batched forward (its own
+    `rows_round`, drafters/parts/rows.py propose_rows). `class DFlash(ParallelDrafting, Drafter)`."""
+
+    def propose(self, state: DecodeState, k: int, sampling: SamplingParams,
+                generator: torch.Generator | None = None,
+                min_confidence: float = 0.0) -> ChainProposal:
+        return propose(self, state, k, sampling, generator, min_confidence)
+
+    def propose_tree(self, state: DecodeState, sampling: SamplingParams,
+                     generator: torch.Generator | None = None) -> TreeProposal:
+        return propose_tree(self, state, sampling, generator)
+
+    def propose_rows(self, slots, states, ks, sampling, generators, min_confidence=0.0
+                     ) -> list[ChainProposal]:
+        """Every row's round in ONE forward (drafters/parts/rows.py propose_rows, rows_round)."""
+        return propose_rows(self.rows_round, slots, states, ks, sampling, generators,
+                            min_confidence)

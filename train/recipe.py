@@ -418,10 +418,11 @@ class DistillRecipe:
 
     def _schedule_end(self) -> str:
         """What a trainer.schedule=minutes run did in its minutes (said when they end it)."""
-        first = self.schedule.on_policy_from
-        phase = ("" if self.tcfg.on_policy_heads_start is None else
-                 f", on-policy heads phase from step {first + 1}" if first is not None else
-                 ", the on-policy heads phase never began (its first step would have crossed the minutes)")
+        first, phase = self.schedule.on_policy_from, ""
+        if first is not None:
+            phase = f", on-policy heads phase from step {first + 1}"
+        elif self.tcfg.on_policy_heads_start is not None:
+            phase = ", the on-policy heads phase never began (its first step would have crossed the minutes)"
         return (f" (trainer.schedule=minutes: the whole schedule in the minutes: learning rate down to "
                 f"{self.optimizer.param_groups[0]['lr'] / self.tcfg.lr:.0%} of trainer.lr{phase})")
 
